@@ -1,0 +1,411 @@
+"""Configuration: every default in nested groups, preset loading, overrides and validation.
+
+A run is described by one `ml_collections.ConfigDict` with one group per part of the trainer
+(`model`, `mesh`, `precision`, `optimizer`, `data`, `checkpoint`-to-come, `train`, `log`). Each part
+reads only its own group. Presets live in `configs/NAME.py` and define `get_config(variant="")`,
+starting from `defaults()`.
+
+Every user mistake surfaces as a `ConfigError` whose message is one sentence naming the key and
+what would be valid; the command line turns it into exit status 2.
+"""
+
+from __future__ import annotations
+
+import ast
+import difflib
+import importlib.util
+import math
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+import ml_collections
+
+MESH_AXES = ("data", "fsdp", "expert", "sequence", "tensor")
+REMAT_POLICIES = ("none", "full", "minimal", "save_dots")
+ATTENTION_IMPLEMENTATIONS = ("xla", "cudnn")
+PRECISION_POLICIES = ("fp32", "bf16")
+SCHEDULES = ("cosine", "constant")
+DATA_SOURCES = ("synthetic", "embedded")
+MODEL_FAMILIES = ("llama",)
+PRECISION_VARIANTS = ("", "bf16", "fp32")
+
+
+class UserError(ValueError):
+    """A mistake in what the user asked for; the command line prints it and exits with status 2."""
+
+
+class ConfigError(UserError):
+    """A config key is unknown, mistyped or inconsistent with the others."""
+
+
+def defaults() -> ml_collections.ConfigDict:
+    """Every key the trainer reads, with its default. Presets start from here."""
+    cfg = ml_collections.ConfigDict()
+    cfg.name = "run"
+    cfg.output_dir = ""  # empty: runs/<name>
+
+    cfg.model = dict(
+        family="llama",
+        vocab_size=32000,
+        d_model=256,
+        n_layers=4,
+        n_heads=4,
+        n_kv_heads=4,
+        head_dim=64,
+        mlp_dim=1024,
+        rope_theta=500000.0,
+        # None, or the Llama 3.1 frequency scaling:
+        # dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position=8192)
+        rope_scaling=None,
+        norm_eps=1e-5,
+        tie_embeddings=False,
+        scan_layers=True,
+        remat="full",
+        attention="xla",
+        embed_init_std=0.02,
+    )
+    # Mesh axis sizes; -1 fills what the other axes leave. ICI axes span the devices of one host
+    # (fast links), DCN axes span hosts. The product of both must equal the device count.
+    cfg.mesh = dict(
+        ici={axis: (-1 if axis == "fsdp" else 1) for axis in MESH_AXES},
+        dcn={axis: 1 for axis in MESH_AXES},
+    )
+    cfg.precision = dict(policy="bf16")
+    cfg.optimizer = dict(
+        lr=3e-4,
+        warmup_steps=100,
+        schedule="cosine",
+        min_lr_ratio=0.1,  # the cosine schedule ends at lr * min_lr_ratio
+        weight_decay=0.1,
+        clip_norm=1.0,  # 0 turns clipping off
+        b1=0.9,
+        b2=0.95,
+        eps=1e-8,
+    )
+    cfg.data = dict(source="synthetic", seed=0)
+    cfg.train = dict(
+        steps=1000,
+        per_device_batch_size=4,
+        seq_len=2048,
+        grad_accum=1,
+        seed=0,
+        z_loss_weight=0.0,
+    )
+    cfg.log = dict(
+        every=10,
+        tensorboard=True,
+        peak_tflops=0.0,  # > 0 overrides the per-device peak table (used for MFU)
+    )
+    return cfg
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading presets and applying overrides
+
+
+def apply_variant(cfg: ml_collections.ConfigDict, variant: str) -> ml_collections.ConfigDict:
+    """The variants every preset understands: precision policies (`:bf16`, `:fp32`)."""
+    if variant not in PRECISION_VARIANTS:
+        raise ConfigError(
+            f"unknown variant {variant!r}; valid variants are "
+            + ", ".join(repr(v) for v in PRECISION_VARIANTS if v)
+        )
+    if variant:
+        cfg.precision.policy = variant
+    return cfg
+
+
+def _configs_dirs() -> list[Path]:
+    return [Path.cwd() / "configs", Path(__file__).resolve().parent.parent / "configs"]
+
+
+def _resolve_preset(path: str) -> Path:
+    candidate = Path(path)
+    if candidate.suffix != ".py":  # a bare preset name such as "tiny_llama"
+        for folder in _configs_dirs():
+            if (folder / f"{path}.py").is_file():
+                return folder / f"{path}.py"
+    if candidate.is_file():
+        return candidate
+    known = sorted({p.stem for d in _configs_dirs() if d.is_dir() for p in d.glob("*.py")})
+    raise ConfigError(
+        f"config file {path!r} does not exist; give a path such as configs/tiny_llama.py "
+        f"or a preset name ({', '.join(known) or 'none found'})"
+    )
+
+
+def load_preset(spec: str) -> ml_collections.ConfigDict:
+    """The config that `PATH.py[:VARIANT]` (or a preset name) defines, before overrides.
+
+    Presets may build on each other: `configs/llama3_1_8b.py` starts from `load_preset("llama3_8b")`.
+    """
+    path, _, variant = spec.partition(":")
+    preset = _resolve_preset(path)
+    module_spec = importlib.util.spec_from_file_location(f"maxtext_rocm_preset_{preset.stem}", preset)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    if not hasattr(module, "get_config"):
+        raise ConfigError(f"config file {str(preset)!r} does not define get_config(variant='')")
+    return module.get_config(variant)
+
+
+def load(spec: str, overrides: Mapping[str, Any] | Iterable[str] | None = None):
+    """Loads `PATH.py[:VARIANT]` (or a preset name), applies overrides and validates the result.
+
+    `overrides` is either a mapping `{"train.steps": 100}` of typed values or command-line
+    strings `["--config.train.steps=100"]`.
+    """
+    cfg = load_preset(spec)
+    if isinstance(overrides, Mapping):
+        for key, value in overrides.items():
+            set_key(cfg, key, value)
+    elif overrides is not None:
+        apply_cli_overrides(cfg, list(overrides))
+    if not cfg.output_dir:
+        cfg.output_dir = f"runs/{cfg.name}"
+    validate(cfg)
+    return cfg
+
+
+def _lookup(cfg: ml_collections.ConfigDict, key: str):
+    """Returns (parent, leaf name) for a dotted key, or raises a ConfigError naming the nearest."""
+    parts = key.split(".")
+    node = cfg
+    for depth, part in enumerate(parts):
+        here = ".".join(parts[: depth + 1])
+        if not isinstance(node, ml_collections.ConfigDict) or part not in node:
+            siblings = list(node.keys()) if isinstance(node, ml_collections.ConfigDict) else []
+            close = difflib.get_close_matches(part, siblings, n=1)
+            hint = f"did you mean {'.'.join(parts[:depth] + close)!r}? " if close else ""
+            scope = ".".join(parts[:depth]) or "the config"
+            raise ConfigError(
+                f"unknown config key {here!r}; {hint}keys in {scope} are: {', '.join(siblings)}"
+            )
+        if depth < len(parts) - 1:
+            node = node[part]
+    return node, parts[-1]
+
+
+def set_key(cfg: ml_collections.ConfigDict, key: str, value: Any) -> None:
+    """Sets a dotted key, keeping the type of the default (ints may widen to floats)."""
+    parent, leaf = _lookup(cfg, key)
+    current = parent[leaf]
+    if isinstance(current, ml_collections.ConfigDict) and not isinstance(value, Mapping):
+        raise ConfigError(f"config key {key!r} is a group; set one of its keys ({', '.join(current.keys())})")
+    if current is not None and not isinstance(current, ml_collections.ConfigDict):
+        value = _coerce(key, current, value)
+    if isinstance(value, Mapping):
+        value = ml_collections.ConfigDict(dict(value))
+    with parent.unlocked():
+        parent[leaf] = value
+
+
+def _coerce(key: str, current: Any, value: Any) -> Any:
+    kind = type(current)
+    if isinstance(value, kind) and not (kind is int and isinstance(value, bool)):
+        return value
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if kind is tuple and isinstance(value, list):
+        return tuple(value)
+    raise ConfigError(
+        f"config key {key!r} takes a {kind.__name__} (default {current!r}), not {value!r}"
+    )
+
+
+def _parse_cli_value(key: str, current: Any, text: str) -> Any:
+    """Reads a command-line value by the type of the key's default, as ml_collections does."""
+    if isinstance(current, bool):
+        lowered = text.lower()
+        if lowered in ("true", "1", "yes"):
+            return True
+        if lowered in ("false", "0", "no"):
+            return False
+        raise ConfigError(f"config key {key!r} takes true or false, not {text!r}")
+    if isinstance(current, (int, float)):
+        try:
+            number = float(text) if isinstance(current, float) else int(text)
+        except ValueError:
+            raise ConfigError(
+                f"config key {key!r} takes a{'n int' if isinstance(current, int) else ' float'}, not {text!r}"
+            ) from None
+        return number
+    if isinstance(current, str):
+        return text
+    # None-valued keys (e.g. model.rope_scaling) and tuples take Python literals.
+    if text.lower() == "none":
+        return None
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        raise ConfigError(f"config key {key!r} takes a Python literal (a dict, tuple or None), not {text!r}") from None
+
+
+def apply_cli_overrides(cfg: ml_collections.ConfigDict, args: list[str]) -> None:
+    """Applies `--config.GROUP.KEY=VALUE` (or `--config.GROUP.KEY VALUE`) arguments in order."""
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--config."):
+            raise ConfigError(f"unexpected argument {arg!r}; overrides look like --config.train.steps=100")
+        body = arg[len("--config."):]
+        if "=" in body:
+            key, text = body.split("=", 1)
+        elif i + 1 < len(args):
+            key, text = body, args[i + 1]
+            i += 1
+        else:
+            raise ConfigError(f"override {arg!r} has no value; write it as {arg}=VALUE")
+        parent, leaf = _lookup(cfg, key)
+        set_key(cfg, key, _parse_cli_value(key, parent[leaf], text))
+        i += 1
+
+
+# ----------------------------------------------------------------------------------------------
+# Validation
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def _one_of(key: str, value: Any, valid: Iterable[Any]) -> None:
+    valid = tuple(valid)
+    _require(value in valid, f"{key}={value!r} is not valid; choose one of {', '.join(map(repr, valid))}")
+
+
+def _positive(cfg, *keys: str) -> None:
+    for key in keys:
+        parent, leaf = _lookup(cfg, key)
+        _require(parent[leaf] > 0, f"{key} must be positive, got {parent[leaf]!r}")
+
+
+def validate(cfg: ml_collections.ConfigDict, device_count: int | None = None,
+             process_count: int = 1) -> None:
+    """Checks every key and every combination the trainer relies on.
+
+    Mesh and batch checks that need the device count run when `device_count` is given (the
+    trainer calls this again once it knows its devices).
+    """
+    m = cfg.model
+    _one_of("model.family", m.family, MODEL_FAMILIES)
+    _positive(cfg, "model.vocab_size", "model.d_model", "model.n_layers", "model.n_heads",
+              "model.n_kv_heads", "model.head_dim", "model.mlp_dim", "model.rope_theta",
+              "model.norm_eps")
+    _require(m.n_heads % m.n_kv_heads == 0,
+             f"model.n_heads={m.n_heads} must be a multiple of model.n_kv_heads={m.n_kv_heads} "
+             "(grouped-query attention shares each kv head among n_heads/n_kv_heads query heads)")
+    _require(m.head_dim % 2 == 0, f"model.head_dim={m.head_dim} must be even for rotary embeddings")
+    _one_of("model.remat", m.remat, REMAT_POLICIES)
+    _one_of("model.attention", m.attention, ATTENTION_IMPLEMENTATIONS)
+    if m.rope_scaling is not None:
+        _validate_rope_scaling(m.rope_scaling)
+
+    _one_of("precision.policy", cfg.precision.policy, PRECISION_POLICIES)
+
+    o = cfg.optimizer
+    _one_of("optimizer.schedule", o.schedule, SCHEDULES)
+    for key in ("lr", "warmup_steps", "weight_decay", "clip_norm", "min_lr_ratio", "eps"):
+        _require(o[key] >= 0, f"optimizer.{key} must be >= 0, got {o[key]!r}")
+    _require(0 <= o.b1 < 1 and 0 <= o.b2 < 1, f"optimizer.b1 and optimizer.b2 must lie in [0, 1), got {o.b1}, {o.b2}")
+
+    t = cfg.train
+    _positive(cfg, "train.steps", "train.per_device_batch_size", "train.seq_len", "train.grad_accum")
+    _require(t.z_loss_weight >= 0, f"train.z_loss_weight must be >= 0, got {t.z_loss_weight}")
+
+    _one_of("data.source", cfg.data.source, DATA_SOURCES)
+    if cfg.data.source == "embedded":
+        from maxtext_rocm.data.tokenizer import ByteTokenizer
+
+        need = ByteTokenizer.vocab_size
+        _require(m.vocab_size >= need,
+                 f"model.vocab_size={m.vocab_size} is smaller than the byte tokenizer's {need} ids "
+                 f"that data.source='embedded' needs; use model.vocab_size >= {need}")
+
+    _positive(cfg, "log.every")
+    _require(cfg.log.peak_tflops >= 0, f"log.peak_tflops must be >= 0, got {cfg.log.peak_tflops}")
+
+    for group in ("ici", "dcn"):
+        for axis in MESH_AXES:
+            size = cfg.mesh[group][axis]
+            _require(size == -1 or size >= 1,
+                     f"mesh.{group}.{axis}={size} is not valid; use a positive size or -1 to fill")
+        fills = [a for a in MESH_AXES if cfg.mesh[group][a] == -1]
+        _require(len(fills) <= 1,
+                 f"mesh.{group} has -1 on {', '.join(fills)}; at most one axis per group may fill")
+
+    if device_count is not None:
+        shape = mesh_shape(cfg.mesh, device_count, process_count)
+        _validate_against_mesh(cfg, shape, device_count)
+
+
+def _validate_rope_scaling(scaling) -> None:
+    keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position")
+    if not isinstance(scaling, Mapping) and not isinstance(scaling, ml_collections.ConfigDict):
+        raise ConfigError(f"model.rope_scaling must be None or a dict with keys {', '.join(keys)}")
+    missing = [k for k in keys if k not in scaling]
+    extra = [k for k in scaling.keys() if k not in keys]
+    _require(not missing and not extra,
+             f"model.rope_scaling needs exactly the keys {', '.join(keys)}"
+             + (f"; missing {', '.join(missing)}" if missing else "")
+             + (f"; unknown {', '.join(extra)}" if extra else ""))
+    _require(scaling["factor"] >= 1, f"model.rope_scaling.factor must be >= 1, got {scaling['factor']}")
+    _require(0 < scaling["low_freq_factor"] < scaling["high_freq_factor"],
+             "model.rope_scaling needs 0 < low_freq_factor < high_freq_factor, got "
+             f"{scaling['low_freq_factor']} and {scaling['high_freq_factor']}")
+    _require(scaling["original_max_position"] > 0, "model.rope_scaling.original_max_position must be positive")
+
+
+def mesh_shape(mesh_cfg, device_count: int, process_count: int = 1) -> dict[str, dict[str, int]]:
+    """Resolves -1 entries: ICI axes cover the devices of one host, DCN axes the hosts."""
+    _require(device_count % process_count == 0,
+             f"{device_count} devices do not split evenly over {process_count} processes")
+    resolved = {}
+    for group, total in (("ici", device_count // process_count), ("dcn", process_count)):
+        sizes = dict(mesh_cfg[group])
+        known = math.prod(s for s in sizes.values() if s != -1)
+        fill = [a for a, s in sizes.items() if s == -1]
+        if fill:
+            _require(total % known == 0,
+                     f"mesh.{group} sizes multiply to {known}, which does not divide the {total} "
+                     f"{'devices per host' if group == 'ici' else 'hosts'}, so mesh.{group}.{fill[0]}=-1 cannot fill it")
+            sizes[fill[0]] = total // known
+        product = math.prod(sizes.values())
+        _require(product == total,
+                 f"mesh.{group} sizes ({', '.join(f'{a}={s}' for a, s in sizes.items() if s != 1) or 'all 1'}) "
+                 f"multiply to {product} but there are {total} "
+                 f"{'devices per host' if group == 'ici' else 'hosts (processes)'}; "
+                 f"make the product {total} or set one axis to -1")
+        resolved[group] = sizes
+    return resolved
+
+
+def axis_sizes(shape: dict[str, dict[str, int]]) -> dict[str, int]:
+    """The size of each mesh axis, ICI and DCN together."""
+    return {a: shape["ici"][a] * shape["dcn"][a] for a in MESH_AXES}
+
+
+def global_batch_size(cfg, device_count: int) -> int:
+    return cfg.train.per_device_batch_size * device_count
+
+
+def _validate_against_mesh(cfg, shape, device_count: int) -> None:
+    from maxtext_rocm.sharding import check_param_divisibility, mesh_axes_of  # imports jax
+
+    sizes = axis_sizes(shape)
+    m, t = cfg.model, cfg.train
+    batch = global_batch_size(cfg, device_count)
+    batch_axes = mesh_axes_of("activation_batch")
+    batch_shards = math.prod(sizes[a] for a in batch_axes)
+    _require(batch % t.grad_accum == 0,
+             f"the global batch of {batch} sequences (train.per_device_batch_size={t.per_device_batch_size} "
+             f"x {device_count} devices) does not split into train.grad_accum={t.grad_accum} micro-batches")
+    micro = batch // t.grad_accum
+    _require(micro % batch_shards == 0,
+             f"each micro-batch of {micro} sequences does not divide over the {batch_shards} batch shards "
+             f"(mesh axes {' x '.join(batch_axes)}); raise train.per_device_batch_size or lower train.grad_accum")
+    _require(t.seq_len % sizes["sequence"] == 0,
+             f"train.seq_len={t.seq_len} does not divide over mesh sequence={sizes['sequence']}")
+    problem = check_param_divisibility(m, sizes)
+    _require(problem is None, problem or "")

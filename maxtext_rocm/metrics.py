@@ -1,0 +1,231 @@
+"""Analytic FLOPs, MFU against a per-accelerator peak table, and the metric writers.
+
+FLOPs are counted from the model's dimensions, not from `compiled.cost_analysis()`: XLA counts the
+body of a scanned layer stack once, so it under-reports an `nn.scan` model by a factor of n_layers.
+
+Only process 0 writes metrics; the trainer decides which process that is and passes
+`enabled=False` everywhere else, so the writer itself never asks JAX who it is.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import resource
+from typing import Any, Mapping
+
+FLOPS_CONVENTION = (
+    "FLOPs/token = 6 x matmul params (incl. LM head, excl. embedding gather) "
+    "+ 6 x seq_len x n_heads x head_dim per layer (causal attention, halved; Megatron/MaxText)"
+)
+
+
+# ----------------------------------------------------------------------------------------------
+# FLOPs
+
+
+def _attention_params(m) -> int:
+    """Q, K, V and output projections of one layer (grouped-query: K and V use n_kv_heads)."""
+    q = m.d_model * m.n_heads * m.head_dim
+    kv = 2 * m.d_model * m.n_kv_heads * m.head_dim
+    o = m.n_heads * m.head_dim * m.d_model
+    return q + kv + o
+
+
+def _ffn_params(m) -> int:
+    """The matmul parameters one token passes through in one layer's feed-forward block.
+
+    This is the single place a mixture-of-experts family differs: a Mixtral block would count its
+    router (d_model x n_experts) plus top_k experts' gate/up/down, since a token only runs through
+    the experts it is routed to. Not implemented yet, so refuse rather than guess.
+    """
+    if m.family == "llama":
+        return 3 * m.d_model * m.mlp_dim  # SwiGLU: gate, up, down
+    raise NotImplementedError(f"matmul_params does not know model.family={m.family!r} yet")
+
+
+def matmul_params(model_cfg) -> int:
+    """Parameters that take part in a matmul per token: all layers plus the LM head.
+
+    The embedding lookup is a gather, not a matmul, so it is left out. The LM head is counted even
+    with tied embeddings because the d_model x vocab matmul still runs.
+    """
+    m = model_cfg
+    per_layer = _attention_params(m) + _ffn_params(m)
+    return m.n_layers * per_layer + m.d_model * m.vocab_size
+
+
+def train_flops_per_token(model_cfg, seq_len: int) -> float:
+    """Training (forward + backward) FLOPs per token under FLOPS_CONVENTION."""
+    m = model_cfg
+    dense = 6 * matmul_params(m)
+    # QK^T and AV: 2 matmuls x 2 FLOPs/MAC x seq_len x n_heads x head_dim forward per token, halved
+    # because the causal mask skips the upper triangle, x3 for forward + backward.
+    attention = 6 * seq_len * m.n_heads * m.head_dim * m.n_layers
+    return float(dense + attention)
+
+
+# ----------------------------------------------------------------------------------------------
+# Peak throughput and MFU
+
+# Dense (no structured sparsity) peak TFLOP/s per device, from the vendors' data sheets. Keys are
+# lowercase substrings of `jax.Device.device_kind`. Only product names are keys, never a gfx
+# architecture: gfx942 is MI300X and MI325X (same peaks) but also MI300A and MI308X (different
+# peaks), so "gfx942" cannot name a peak. An unrecognised device gets no MFU rather than a wrong one;
+# log.peak_tflops fills the gap. Caveat: "h200" also matches GH200 and "b200" GB200, whose bf16 peaks
+# are close to (GB200: slightly above) the listed ones.
+PEAK_TFLOPS: dict[str, dict[str, float]] = {
+    "mi300x": {"bf16": 1307.4, "fp8": 2614.9},
+    "mi325x": {"bf16": 1307.4, "fp8": 2614.9},
+    "mi355x": {"bf16": 2516.6, "fp8": 5033.2},
+    "mi350x": {"bf16": 2306.9, "fp8": 4613.7},
+    "h100 pcie": {"bf16": 756.0, "fp8": 1513.0},  # "NVIDIA H100 PCIe"
+    "h100": {"bf16": 989.4, "fp8": 1978.9},  # SXM: "NVIDIA H100 80GB HBM3"
+    "h200": {"bf16": 989.4, "fp8": 1978.9},
+    "b200": {"bf16": 2250.0, "fp8": 4500.0},
+}
+
+
+def peak_tflops(device_kind: str, policy: str, override: float = 0.0) -> float | None:
+    """Peak dense TFLOP/s of one device for a precision policy, or None when unknown.
+
+    `override` (log.peak_tflops) wins when positive. fp32 has no table entry: GPUs run fp32
+    matmuls through various TF32/emulation paths, and a made-up peak would make MFU meaningless.
+    """
+    if override > 0:
+        return float(override)
+    if policy not in ("bf16", "fp8"):
+        return None
+    kind = device_kind.lower()
+    # Longest key first, so "h100 pcie" is tried before its prefix "h100".
+    for key in sorted(PEAK_TFLOPS, key=len, reverse=True):
+        if key in kind:
+            return PEAK_TFLOPS[key][policy]
+    return None
+
+
+def mfu(tflops_per_s_per_device: float, peak: float | None) -> float | None:
+    """Model FLOPs utilisation as a fraction in [0, 1] (None when the peak is unknown)."""
+    if peak is None or peak <= 0:
+        return None
+    return tflops_per_s_per_device / peak
+
+
+# ----------------------------------------------------------------------------------------------
+# Memory
+
+
+def peak_rss_mib() -> float:
+    """Peak resident memory of this process; Linux reports ru_maxrss in KiB."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def device_peak_memory_mib(device) -> float | None:
+    """Peak bytes in use on an accelerator, or None where the backend keeps no stats (the CPU)."""
+    try:
+        stats = device.memory_stats()
+    except Exception:  # some backends raise instead of returning None
+        return None
+    if not stats or "peak_bytes_in_use" not in stats:
+        return None
+    return stats["peak_bytes_in_use"] / 2**20
+
+
+# ----------------------------------------------------------------------------------------------
+# Writers
+
+
+def _json_value(value: Any) -> Any:
+    """A plain JSON value: numpy/JAX scalars become Python numbers; NaN and inf become null,
+    because strict JSON (jq, most non-Python readers) has no spelling for them."""
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if hasattr(value, "item"):  # numpy or JAX scalar
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+class MetricsWriter:
+    """Appends metrics to OUTPUT_DIR/metrics.jsonl and, optionally, TensorBoard scalars.
+
+    With `enabled=False` (every process but 0) every method does nothing and no file is created.
+    """
+
+    def __init__(self, output_dir: str, *, enabled: bool = True, tensorboard: bool = True):
+        self.enabled = enabled
+        self._jsonl = None
+        self._tb = None
+        if not enabled:
+            return
+        os.makedirs(output_dir, exist_ok=True)
+        # Append, so a resumed run continues the same file.
+        self._jsonl = open(os.path.join(output_dir, "metrics.jsonl"), "a", encoding="utf-8")
+        if tensorboard:
+            # Imported here so that processes that never write do not pay for it.
+            from tensorboardX import SummaryWriter
+
+            self._tb = SummaryWriter(logdir=os.path.join(output_dir, "tensorboard"))
+
+    def write(self, step: int, metrics: Mapping[str, float | None]) -> None:
+        if not self.enabled:
+            return
+        record = {"step": int(step), **{k: _json_value(v) for k, v in metrics.items()}}
+        self._jsonl.write(json.dumps(record) + "\n")
+        self._jsonl.flush()  # one line at a time, so a crash loses at most the current line
+        if self._tb is not None:
+            for key, value in metrics.items():
+                if value is not None:
+                    # NaN is kept here: TensorBoard draws it, which shows where a run diverged.
+                    self._tb.add_scalar(key, float(value), int(step))
+            self._tb.flush()
+
+    def close(self) -> None:
+        if self._jsonl is not None:
+            self._jsonl.close()
+            self._jsonl = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+    def __enter__(self) -> "MetricsWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def format_line(step: int, total_steps: int, metrics: Mapping[str, Any]) -> str:
+    """One console line: progress, then whichever of the known metrics are present."""
+    width = len(str(total_steps))
+    percent = 100 * step // total_steps if total_steps > 0 else 100
+    parts = [f"step {step:>{width}}/{total_steps} {percent:3d}%"]
+
+    def get(key):
+        value = metrics.get(key)
+        return None if value is None else float(value)
+
+    loss, lr, gnorm = get("loss"), get("lr"), get("grad_norm")
+    step_time, tokens, tflops = get("step_time_s"), get("tokens_per_s_per_device"), get("tflops_per_s_per_device")
+    if loss is not None:
+        parts.append(f"loss {loss:.4f}")
+    if lr is not None:
+        parts.append(f"lr {lr:.2e}")
+    if gnorm is not None:
+        parts.append(f"gnorm {gnorm:.3f}")
+    if step_time is not None:
+        parts.append(f"{step_time:.3f} s/step")
+    if tokens is not None:
+        parts.append(f"{tokens:,.0f} tok/s/dev")
+    if tflops is not None:
+        parts.append(f"{tflops:.2f} TFLOP/s/dev")
+    if "mfu" in metrics or tflops is not None:
+        value = get("mfu")
+        parts.append("MFU  n/a" if value is None else f"MFU {100 * value:.1f}%")
+    if step_time is not None and math.isfinite(step_time):
+        remaining = max(total_steps - step, 0) * step_time
+        parts.append(f"eta {datetime.timedelta(seconds=round(remaining))}")
+    return " | ".join(parts)

@@ -1,0 +1,73 @@
+"""Grouped-query attention: one entry point, several implementations.
+
+- "xla":   plain einsums and a softmax in fp32; runs on every backend and is the reference.
+- "cudnn": cuDNN's fused flash attention through `jax.nn.dot_product_attention` (CUDA GPUs).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+
+from maxtext_rocm.models.layers import Dense, apply_rope, rope_inv_frequencies
+from maxtext_rocm.precision import Policy
+
+Array = jax.Array
+
+
+def attention_mask(seq_len: int, segment_ids: Array | None) -> Array:
+    """Causal mask [batch or 1, 1, seq, seq]; with segment ids, documents never see each other."""
+    causal = jnp.tril(jnp.ones((seq_len, seq_len), dtype=bool))[None, None]
+    if segment_ids is None:
+        return causal
+    same_doc = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]
+    return causal & same_doc
+
+
+def dot_product_attention(q: Array, k: Array, v: Array, *, segment_ids: Array | None = None,
+                          implementation: str = "xla") -> Array:
+    """Causal attention. q: [batch, seq, heads, head_dim]; k, v: [batch, seq, kv_heads, head_dim].
+
+    Each group of heads/kv_heads query heads shares one key/value head.
+    """
+    batch, seq, heads, head_dim = q.shape
+    kv_heads = k.shape[2]
+    mask = attention_mask(seq, segment_ids)
+    if implementation == "cudnn":
+        return jax.nn.dot_product_attention(
+            q, k, v, mask=None if segment_ids is None else mask,
+            is_causal=segment_ids is None, implementation="cudnn")
+
+    groups = heads // kv_heads
+    q = q.reshape(batch, seq, kv_heads, groups, head_dim)
+    scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32)
+    scores = scores * (head_dim ** -0.5)
+    scores = jnp.where(mask[:, :, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v)
+    return out.reshape(batch, seq, heads, head_dim)
+
+
+class Attention(nn.Module):
+    """Self-attention with rotary embeddings: q/k/v projections, attention, output projection."""
+
+    cfg: "ml_collections.FrozenConfigDict"  # noqa: F821 - cfg.model
+    policy: Policy
+
+    @nn.compact
+    def __call__(self, x: Array, positions: Array, segment_ids: Array | None) -> Array:
+        m = self.cfg
+        d, hd = m.d_model, m.head_dim
+        q = Dense((d,), (m.n_heads, hd), ("embed", "heads", "head_dim"), self.policy, name="q")(x)
+        k = Dense((d,), (m.n_kv_heads, hd), ("embed", "kv_heads", "head_dim"), self.policy, name="k")(x)
+        v = Dense((d,), (m.n_kv_heads, hd), ("embed", "kv_heads", "head_dim"), self.policy, name="v")(x)
+        q = nn.with_logical_constraint(q, ("activation_batch", "activation_length", "activation_heads", None))
+        k = nn.with_logical_constraint(k, ("activation_batch", "activation_length", "activation_kv_heads", None))
+        v = nn.with_logical_constraint(v, ("activation_batch", "activation_length", "activation_kv_heads", None))
+
+        inv_freq = rope_inv_frequencies(hd, m.rope_theta, m.rope_scaling)
+        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        out = dot_product_attention(q, k, v, segment_ids=segment_ids, implementation=m.attention)
+        out = nn.with_logical_constraint(out, ("activation_batch", "activation_length", "activation_heads", None))
+        return Dense((m.n_heads, hd), (d,), ("heads", "head_dim", "embed"), self.policy, name="o")(out)

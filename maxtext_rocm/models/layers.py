@@ -1,0 +1,125 @@
+"""Building blocks shared by every model: RMSNorm, rotary embeddings, embeddings, dense layers.
+
+Every parameter is created with logical axis names; `sharding.py` maps them to the mesh.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import linen as nn
+
+from maxtext_rocm.precision import Policy
+
+Array = jax.Array
+
+
+def kernel_init(in_axes: Sequence[int], out_axes: Sequence[int]):
+    """Fan-in scaled truncated normal over possibly several input and output axes."""
+    return nn.initializers.variance_scaling(
+        1.0, "fan_in", "truncated_normal", in_axis=tuple(in_axes), out_axis=tuple(out_axes))
+
+
+class Dense(nn.Module):
+    """y = x @ W contracting the last `len(in_shape)` axes of x; W has shape in_shape + out_shape.
+
+    The dot comes from the precision policy, so fp8 replaces it without touching the models.
+    """
+
+    in_shape: tuple[int, ...]
+    out_shape: tuple[int, ...]
+    kernel_axes: tuple[str, ...]
+    policy: Policy
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        n_in, n_out = len(self.in_shape), len(self.out_shape)
+        init = kernel_init(range(n_in), range(n_in, n_in + n_out))
+        kernel = self.param(
+            "kernel", nn.with_logical_partitioning(init, self.kernel_axes),
+            self.in_shape + self.out_shape, self.policy.param_dtype)
+        x, kernel = x.astype(self.policy.compute_dtype), kernel.astype(self.policy.compute_dtype)
+        dot = self.policy.dot_general_cls() if self.policy.dot_general_cls else jax.lax.dot_general
+        contract = (tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in)))
+        return dot(x, kernel, (contract, ((), ())))
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm, computed in fp32 whatever the compute dtype."""
+
+    eps: float
+    policy: Policy
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, ("norm",)),
+                           (x.shape[-1],), self.policy.param_dtype)
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (normed * scale.astype(jnp.float32)).astype(self.policy.compute_dtype)
+
+
+class Embed(nn.Module):
+    """Token embedding table; `attend` reuses it as a tied LM head."""
+
+    vocab_size: int
+    d_model: int
+    init_std: float
+    policy: Policy
+
+    def setup(self):
+        self.embedding = self.param(
+            "embedding",
+            nn.with_logical_partitioning(nn.initializers.normal(self.init_std), ("vocab", "embed")),
+            (self.vocab_size, self.d_model), self.policy.param_dtype)
+
+    def __call__(self, tokens: Array) -> Array:
+        return jnp.take(self.embedding, tokens, axis=0).astype(self.policy.compute_dtype)
+
+    def attend(self, x: Array) -> Array:
+        table = self.embedding.astype(self.policy.compute_dtype)
+        return jnp.einsum("bsd,vd->bsv", x.astype(self.policy.compute_dtype), table)
+
+
+# ----------------------------------------------------------------------------------------------
+# Rotary position embeddings
+
+
+def rope_inv_frequencies(head_dim: int, theta: float, scaling=None) -> np.ndarray:
+    """Inverse frequencies of the rotary embedding, with Llama 3.1's frequency scaling.
+
+    Llama 3.1 leaves high frequencies (wavelength < original_len / high_freq_factor) alone,
+    divides low frequencies (wavelength > original_len / low_freq_factor) by `factor`, and
+    interpolates smoothly in between.
+    """
+    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    if scaling is None:
+        return inv_freq.astype(np.float32)
+    factor = scaling["factor"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    original = scaling["original_max_position"]
+    wavelength = 2 * math.pi / inv_freq
+    smooth = (original / wavelength - low) / (high - low)
+    interpolated = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    scaled = np.where(wavelength > original / low, inv_freq / factor, inv_freq)
+    is_medium = (wavelength <= original / low) & (wavelength >= original / high)
+    return np.where(is_medium, interpolated, scaled).astype(np.float32)
+
+
+def apply_rope(x: Array, positions: Array, inv_freq: np.ndarray) -> Array:
+    """Rotates x [batch, seq, heads, head_dim] by its positions [batch, seq].
+
+    Pairs are (i, i + head_dim/2), the layout Hugging Face's Llama uses, so converted
+    checkpoints need no permutation of the q/k projections.
+    """
+    angles = positions[..., None].astype(jnp.float32) * jnp.asarray(inv_freq)  # [b, s, d/2]
+    sin, cos = jnp.sin(angles)[:, :, None, :], jnp.cos(angles)[:, :, None, :]
+    x32 = x.astype(jnp.float32)
+    first, second = jnp.split(x32, 2, axis=-1)
+    rotated = jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
+    return rotated.astype(x.dtype)
+

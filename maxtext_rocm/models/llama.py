@@ -1,0 +1,99 @@
+"""The Llama 3 / 3.1 block and the decoder stack that every model family shares.
+
+The stack (embedding, scanned or unrolled blocks with rematerialisation, final norm, LM head)
+knows nothing of the block inside it; Mixtral supplies a block whose MLP is a mixture of experts.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+
+from maxtext_rocm.models.attention import Attention
+from maxtext_rocm.models.layers import Dense, Embed, RMSNorm
+from maxtext_rocm.precision import Policy
+
+Array = jax.Array
+
+# model.remat -> what the backward pass may keep from the forward pass of a block.
+REMAT_POLICIES = {
+    "full": jax.checkpoint_policies.nothing_saveable,  # keep only the block's input
+    # keep projection outputs (dots without batch dimensions), recompute attention scores
+    "minimal": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "save_dots": jax.checkpoint_policies.dots_saveable,  # keep every matmul output
+}
+
+BLOCK_OUTPUT_AXES = ("activation_batch", "activation_length", "activation_embed")
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    d_model: int
+    mlp_dim: int
+    policy: Policy
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        gate = Dense((self.d_model,), (self.mlp_dim,), ("embed", "mlp"), self.policy, name="gate")(x)
+        up = Dense((self.d_model,), (self.mlp_dim,), ("embed", "mlp"), self.policy, name="up")(x)
+        hidden = nn.silu(gate) * up
+        hidden = nn.with_logical_constraint(hidden, ("activation_batch", "activation_length", "activation_mlp"))
+        return Dense((self.mlp_dim,), (self.d_model,), ("mlp", "embed"), self.policy, name="down")(hidden)
+
+
+class LlamaBlock(nn.Module):
+    """Pre-norm attention and SwiGLU MLP, each added to the residual stream."""
+
+    cfg: "ml_collections.FrozenConfigDict"  # noqa: F821 - cfg.model
+    policy: Policy
+
+    @nn.compact
+    def __call__(self, x: Array, positions: Array, segment_ids: Array | None):
+        m = self.cfg
+        attn_in = RMSNorm(m.norm_eps, self.policy, name="attention_norm")(x)
+        x = x + Attention(m, self.policy, name="attention")(attn_in, positions, segment_ids)
+        mlp_in = RMSNorm(m.norm_eps, self.policy, name="mlp_norm")(x)
+        x = x + MLP(m.d_model, m.mlp_dim, self.policy, name="mlp")(mlp_in)
+        # (carry, per-layer output): the signature nn.scan expects.
+        return nn.with_logical_constraint(x, BLOCK_OUTPUT_AXES), None
+
+
+class Decoder(nn.Module):
+    """Embedding -> n_layers blocks -> final norm -> LM head. Returns logits [batch, seq, vocab]."""
+
+    cfg: "ml_collections.FrozenConfigDict"  # noqa: F821 - cfg.model
+    policy: Policy
+    block: type[nn.Module] = LlamaBlock
+
+    @nn.compact
+    def __call__(self, tokens: Array, positions: Array | None = None,
+                 segment_ids: Array | None = None) -> Array:
+        m = self.cfg
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+        embed = Embed(m.vocab_size, m.d_model, m.embed_init_std, self.policy, name="embed")
+        x = nn.with_logical_constraint(embed(tokens), BLOCK_OUTPUT_AXES)
+
+        block = self.block
+        if m.remat != "none":
+            # Under scan the loop boundary already stops XLA from merging recomputation with the
+            # forward pass; unrolled layers need prevent_cse.
+            block = nn.remat(block, policy=REMAT_POLICIES[m.remat], prevent_cse=not m.scan_layers)
+        if m.scan_layers:
+            stack = nn.scan(
+                block, variable_axes={"params": 0}, split_rngs={"params": True},
+                in_axes=(nn.broadcast, nn.broadcast), length=m.n_layers,
+                metadata_params={nn.PARTITION_NAME: "layers"})
+            x, _ = stack(m, self.policy, name="layers")(x, positions, segment_ids)
+        else:
+            for i in range(m.n_layers):
+                x, _ = block(m, self.policy, name=f"layers_{i}")(x, positions, segment_ids)
+
+        x = RMSNorm(m.norm_eps, self.policy, name="final_norm")(x)
+        if m.tie_embeddings:
+            logits = embed.attend(x)
+        else:
+            logits = Dense((m.d_model,), (m.vocab_size,), ("embed", "vocab"), self.policy, name="lm_head")(x)
+        return nn.with_logical_constraint(logits, ("activation_batch", "activation_length", "activation_vocab"))

@@ -1,0 +1,38 @@
+"""The optimizer: global-norm clipping, then AdamW under a warmup + cosine (or constant) schedule.
+
+Weight decay applies to kernels and embeddings, never to norm scales.
+"""
+
+from __future__ import annotations
+
+import jax
+import optax
+
+
+def learning_rate_schedule(opt_cfg, total_steps: int) -> optax.Schedule:
+    warmup = min(opt_cfg.warmup_steps, total_steps)
+    warmup_fn = optax.linear_schedule(0.0, opt_cfg.lr, max(warmup, 1))
+    if opt_cfg.schedule == "constant":
+        after = optax.constant_schedule(opt_cfg.lr)
+    else:
+        after = optax.cosine_decay_schedule(
+            opt_cfg.lr, max(total_steps - warmup, 1), alpha=opt_cfg.min_lr_ratio)
+    return optax.join_schedules([warmup_fn, after], [warmup])
+
+
+def decay_mask(params):
+    """True for every parameter but norm scales. Decided by name, not rank: a scanned stack of
+    norm scales is two-dimensional."""
+    def decays(path, _):
+        names = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]
+        return names[-1] != "scale"
+    return jax.tree_util.tree_map_with_path(decays, params)
+
+
+def build_optimizer(opt_cfg, total_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    schedule = learning_rate_schedule(opt_cfg, total_steps)
+    adamw = optax.adamw(schedule, b1=opt_cfg.b1, b2=opt_cfg.b2, eps=opt_cfg.eps,
+                        weight_decay=opt_cfg.weight_decay, mask=decay_mask)
+    if opt_cfg.clip_norm > 0:
+        return optax.chain(optax.clip_by_global_norm(opt_cfg.clip_norm), adamw), schedule
+    return adamw, schedule

@@ -1,0 +1,120 @@
+"""The mesh, and the one table that maps the models' logical axes onto it.
+
+Models name their axes ("embed", "heads", "activation_batch", ...) and never see a mesh. This
+file alone decides where each logical axis lives, so changing parallelism is a config edit:
+
+- data:      pure data parallelism (parameters replicated).
+- fsdp:      data parallelism with parameters, gradients and optimizer state sharded (ZeRO-3).
+- expert:    splits the experts of a MoE layer; dense parameters are FSDP-sharded over it.
+- sequence:  splits activations along the sequence; parameters are FSDP-sharded over it.
+- tensor:    Megatron-style tensor parallelism over heads, MLP and vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import numpy as np
+from flax import linen as nn
+from jax.experimental import mesh_utils
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from maxtext_rocm import config as config_lib
+
+# Mesh axes, outermost first: the innermost axis gets the closest devices, so tensor
+# parallelism (a collective in every layer) rides the fastest links.
+MESH_AXES = config_lib.MESH_AXES
+
+# Logical axis -> mesh axes. Linen resolves a spec left to right and skips a mesh axis that an
+# earlier dimension already took, so ("vocab", "embed") becomes ("tensor", ("fsdp", ...)).
+LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
+    # activations
+    ("activation_batch", ("data", "fsdp", "expert")),
+    ("activation_length", "sequence"),
+    ("activation_embed", None),
+    ("activation_heads", "tensor"),
+    ("activation_kv_heads", "tensor"),
+    ("activation_mlp", "tensor"),
+    ("activation_vocab", "tensor"),
+    # parameters
+    ("vocab", "tensor"),
+    ("embed", ("fsdp", "sequence", "expert")),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("head_dim", None),
+    ("mlp", "tensor"),
+    ("norm", None),
+    ("layers", None),
+)
+
+# Which model dimension each sharded parameter axis carries, for the divisibility check.
+PARAM_AXIS_SIZES = {
+    "vocab": "vocab_size",
+    "embed": "d_model",
+    "heads": "n_heads",
+    "kv_heads": "n_kv_heads",
+    "mlp": "mlp_dim",
+}
+
+
+def mesh_axes_of(logical: str) -> tuple[str, ...]:
+    for name, target in LOGICAL_RULES:
+        if name == logical:
+            if target is None:
+                return ()
+            return (target,) if isinstance(target, str) else tuple(target)
+    raise KeyError(f"logical axis {logical!r} has no rule")
+
+
+def make_mesh(mesh_cfg, devices=None) -> Mesh:
+    """Builds the ICI x DCN mesh from `cfg.mesh` over `devices` (default: all of them)."""
+    devices = list(jax.devices() if devices is None else devices)
+    process_count = len({d.process_index for d in devices})
+    shape = config_lib.mesh_shape(mesh_cfg, len(devices), process_count)
+    ici = [shape["ici"][a] for a in MESH_AXES]
+    dcn = [shape["dcn"][a] for a in MESH_AXES]
+    if process_count > 1:
+        device_array = mesh_utils.create_hybrid_device_mesh(
+            ici, dcn, devices, process_is_granule=True, allow_split_physical_axes=True)
+    else:
+        full = [i * d for i, d in zip(ici, dcn)]
+        try:
+            device_array = mesh_utils.create_device_mesh(
+                full, devices, allow_split_physical_axes=True)
+        except (ValueError, NotImplementedError, AssertionError):
+            # Topology-unaware fallback (e.g. a subset of devices in tests).
+            device_array = np.asarray(devices).reshape(full)
+    # Auto axes: XLA propagates shardings between the constraints we give it. Explicit axes
+    # (jax.make_mesh's default now) reject the embedding gather and shard_map inputs.
+    return Mesh(device_array, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def logical_to_sharding(logical_specs, mesh: Mesh):
+    """Maps a pytree of logical PartitionSpecs to NamedShardings on `mesh`."""
+    return nn.logical_to_mesh_sharding(logical_specs, mesh, LOGICAL_RULES)
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """Sequences split over the batch axes, tokens over `sequence`."""
+    spec = nn.logical_to_mesh_axes(("activation_batch", "activation_length"), LOGICAL_RULES)
+    return NamedSharding(mesh, spec)
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec())
+
+
+def check_param_divisibility(model_cfg, axis_sizes: dict[str, int]) -> str | None:
+    """The first model dimension that its mesh axes cannot split evenly, as a sentence."""
+    for logical, key in PARAM_AXIS_SIZES.items():
+        axes = [a for a in mesh_axes_of(logical) if axis_sizes.get(a, 1) > 1]
+        shards = math.prod(axis_sizes[a] for a in axes)
+        if model_cfg[key] % shards:
+            return (f"model.{key}={model_cfg[key]} does not divide over the {shards} devices of mesh "
+                    f"{' x '.join(axes)} that shard the {logical!r} axis; choose mesh sizes that divide it")
+    return None
+
+
+def describe(mesh: Mesh) -> str:
+    return " x ".join(f"{a}={s}" for a, s in mesh.shape.items() if s > 1) or "single device"

@@ -1,0 +1,119 @@
+"""Layers against independent references: RoPE (incl. Llama 3.1 scaling), attention, RMSNorm."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from maxtext_rocm.models.attention import dot_product_attention
+from maxtext_rocm.models.layers import RMSNorm, apply_rope, rope_inv_frequencies
+from maxtext_rocm.precision import policy_from_config
+
+LLAMA31 = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position=8192)
+
+
+def reference_llama31_frequencies(head_dim, theta, s):
+    """Scalar loop over frequencies, as Llama 3.1's reference code describes the scaling."""
+    out = []
+    low_wavelen = s["original_max_position"] / s["low_freq_factor"]
+    high_wavelen = s["original_max_position"] / s["high_freq_factor"]
+    for i in range(0, head_dim, 2):
+        freq = 1.0 / theta ** (i / head_dim)
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_wavelen:
+            out.append(freq)
+        elif wavelen > low_wavelen:
+            out.append(freq / s["factor"])
+        else:
+            smooth = (s["original_max_position"] / wavelen - s["low_freq_factor"]) / (
+                s["high_freq_factor"] - s["low_freq_factor"])
+            out.append((1 - smooth) * freq / s["factor"] + smooth * freq)
+    return np.array(out)
+
+
+def test_rope_frequencies_without_scaling():
+    got = rope_inv_frequencies(8, 10000.0)
+    np.testing.assert_allclose(got, [1.0, 0.1, 0.01, 0.001], rtol=1e-6)
+
+
+def test_llama31_rope_scaling_matches_reference():
+    got = rope_inv_frequencies(128, 500000.0, LLAMA31)
+    want = reference_llama31_frequencies(128, 500000.0, LLAMA31)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    plain = rope_inv_frequencies(128, 500000.0)
+    # High frequencies untouched, the lowest divided by the factor, some in between interpolated.
+    assert got[0] == plain[0]
+    np.testing.assert_allclose(got[-1], plain[-1] / 8.0, rtol=1e-6)
+    ratio = plain / got
+    assert np.any((ratio > 1.01) & (ratio < 7.99)), "no frequency fell in the smooth band"
+
+
+def test_apply_rope_is_a_complex_rotation():
+    rng = np.random.default_rng(0)
+    b, s, h, d = 2, 7, 3, 16
+    x = rng.standard_normal((b, s, h, d)).astype(np.float32)
+    positions = np.stack([np.arange(s), np.arange(s) + 5])
+    inv = rope_inv_frequencies(d, 10000.0, dict(LLAMA31, original_max_position=16))
+    got = np.asarray(apply_rope(jnp.asarray(x), jnp.asarray(positions), inv))
+    z = x[..., : d // 2] + 1j * x[..., d // 2:]
+    rotated = z * np.exp(1j * positions[:, :, None, None] * inv.astype(np.float64))
+    want = np.concatenate([rotated.real, rotated.imag], axis=-1)
+    np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def naive_attention(q, k, v, segment_ids=None):
+    """softmax(QK^T / sqrt(d) + causal mask) V, with kv heads repeated for each query group."""
+    b, s, h, d = q.shape
+    groups = h // k.shape[2]
+    k, v = np.repeat(k, groups, axis=2), np.repeat(v, groups, axis=2)
+    out = np.zeros_like(q, dtype=np.float64)
+    for bi in range(b):
+        for hi in range(h):
+            scores = q[bi, :, hi] @ k[bi, :, hi].T / math.sqrt(d)
+            allowed = np.tril(np.ones((s, s), bool))
+            if segment_ids is not None:
+                allowed &= segment_ids[bi][:, None] == segment_ids[bi][None, :]
+            scores = np.where(allowed, scores, -np.inf)
+            p = np.exp(scores - scores.max(-1, keepdims=True))
+            out[bi, :, hi] = (p / p.sum(-1, keepdims=True)) @ v[bi, :, hi]
+    return out
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (4, 2), (6, 1)])
+def test_attention_matches_naive_softmax(heads, kv_heads):
+    rng = np.random.default_rng(1)
+    b, s, d = 2, 9, 8
+    q = rng.standard_normal((b, s, heads, d)).astype(np.float32)
+    k = rng.standard_normal((b, s, kv_heads, d)).astype(np.float32)
+    v = rng.standard_normal((b, s, kv_heads, d)).astype(np.float32)
+    got = dot_product_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v))
+    np.testing.assert_allclose(np.asarray(got), naive_attention(q, k, v), atol=1e-5)
+
+
+def test_attention_respects_segments():
+    rng = np.random.default_rng(2)
+    q = rng.standard_normal((1, 6, 2, 4)).astype(np.float32)
+    k = rng.standard_normal((1, 6, 1, 4)).astype(np.float32)
+    v = rng.standard_normal((1, 6, 1, 4)).astype(np.float32)
+    segments = np.array([[1, 1, 1, 2, 2, 3]])
+    got = dot_product_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),
+                                segment_ids=jnp.asarray(segments))
+    np.testing.assert_allclose(np.asarray(got), naive_attention(q, k, v, segments), atol=1e-5)
+    # The first token of a document sees only itself.
+    np.testing.assert_allclose(np.asarray(got)[0, 3, 0], v[0, 3, 0], atol=1e-6)
+
+
+def test_rmsnorm_matches_formula():
+    import ml_collections
+
+    policy = policy_from_config(ml_collections.ConfigDict({"policy": "fp32"}))
+    x = np.random.default_rng(3).standard_normal((2, 5, 16)).astype(np.float32)
+    norm = RMSNorm(1e-5, policy)
+    params = norm.init(jax.random.key(0), x)
+    scale = np.linspace(0.5, 1.5, 16).astype(np.float32)
+    got = norm.apply({"params": {"scale": jnp.asarray(scale)}}, x)
+    assert jax.tree_util.tree_leaves(params)[0].shape == (16,)
+    want = x / np.sqrt((x ** 2).mean(-1, keepdims=True) + 1e-5) * scale
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5)
