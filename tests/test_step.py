@@ -81,7 +81,7 @@ def test_schedule_warms_up_then_decays_to_floor():
 
 def test_tiny_llama_loss_falls_on_embedded_corpus(devices, tmp_path):
     cfg = config_lib.load("tiny_llama", overrides=dict(
-        ONE_DEVICE, **{"train.steps": 60, "train.seq_len": 128, "log.every": 10,
+        ONE_DEVICE, **{"train.steps": 60, "log.every": 10,
                        "log.tensorboard": False, "output_dir": str(tmp_path)}))
     trainer = Trainer(cfg, devices=devices[:1], log=lambda *_: None)
     trainer.run()
