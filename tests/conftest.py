@@ -16,7 +16,7 @@ def small_config(**overrides):
     """A model small enough to compile and step in a second or two, in fp32."""
     cfg = config_lib.load_preset("tiny_llama")
     cfg.model.update(vocab_size=128, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
-                     mlp_dim=128)
+                     mlp_dim=128, scan_layers=True)
     cfg.precision.policy = "fp32"
     cfg.data.source = "synthetic"
     cfg.train.update(steps=4, per_device_batch_size=1, seq_len=32)
