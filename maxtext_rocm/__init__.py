@@ -9,7 +9,7 @@ The names a notebook needs, re-exported:
 
 from maxtext_rocm.config import ConfigError, UserError
 from maxtext_rocm.config import load as load_config
-from maxtext_rocm.models import build_model, count_params
+from maxtext_rocm.models import build_model, count_active_params, count_params, forward
 
 
 def __getattr__(name):
@@ -20,4 +20,5 @@ def __getattr__(name):
         return Trainer
     raise AttributeError(f"module 'maxtext_rocm' has no attribute {name!r}")
 
-__all__ = ["ConfigError", "Trainer", "UserError", "build_model", "count_params", "load_config"]
+__all__ = ["ConfigError", "Trainer", "UserError", "build_model", "count_active_params", "count_params",
+           "forward", "load_config"]

@@ -23,11 +23,15 @@ import ml_collections
 MESH_AXES = ("data", "fsdp", "expert", "sequence", "tensor")
 REMAT_POLICIES = ("none", "full", "minimal", "save_dots")
 ATTENTION_IMPLEMENTATIONS = ("xla", "cudnn")
-PRECISION_POLICIES = ("fp32", "bf16")
+PRECISION_POLICIES = ("fp32", "bf16", "fp8")
+FP8_FORMATS = ("auto", "ocp", "fnuz")
+FP8_SCALINGS = ("delayed", "current")
 SCHEDULES = ("cosine", "constant")
 DATA_SOURCES = ("synthetic", "embedded")
-MODEL_FAMILIES = ("llama",)
-PRECISION_VARIANTS = ("", "bf16", "fp32")
+MODEL_FAMILIES = ("llama", "mixtral")
+MOE_IMPLEMENTATIONS = ("auto", "dropless", "capacity", "dense")
+PRECISION_VARIANTS = ("", "bf16", "fp32", "fp8")
+NONFINITE_ACTIONS = ("skip", "stop")
 
 
 class UserError(ValueError):
@@ -63,6 +67,15 @@ def defaults() -> ml_collections.ConfigDict:
         remat="full",
         attention="xla",
         embed_init_std=0.02,
+        # Attention to at most this many tokens back, the query included; None or 0: off.
+        sliding_window=0,
+        # Mixture of experts (family "mixtral"; a dense "llama" keeps n_experts=1). See models/moe.py.
+        n_experts=1,
+        experts_per_token=1,
+        moe_impl="auto",  # "dropless" (ragged_dot), "capacity" (drops overflow), "dense", "auto"
+        moe_capacity_factor=1.25,  # "capacity": slots per expert = factor x an even share of tokens
+        moe_aux_loss_weight=0.02,  # load balancing, scaled as Mixtral's (balanced = experts_per_token)
+        moe_router_z_loss_weight=0.0,  # ST-MoE router z-loss; 0 = off (still reported)
     )
     # Mesh axis sizes; -1 fills what the other axes leave. ICI axes span the devices of one host
     # (fast links), DCN axes span hosts. The product of both must equal the device count.
@@ -70,7 +83,13 @@ def defaults() -> ml_collections.ConfigDict:
         ici={axis: (-1 if axis == "fsdp" else 1) for axis in MESH_AXES},
         dcn={axis: 1 for axis in MESH_AXES},
     )
-    cfg.precision = dict(policy="bf16")
+    cfg.precision = dict(
+        policy="bf16",  # "fp32", "bf16", or "fp8" (bf16 with fp8 matmuls; see maxtext_rocm/fp8.py)
+        fp8_format="auto",  # "ocp" (e4m3fn/e5m2), "fnuz" (e4m3fnuz/e5m2fnuz, gfx942), "auto": by device
+        fp8_scaling="delayed",  # "delayed" (amax history) or "current" (this step's amax)
+        amax_history_len=1024,
+        fp8_lm_head=False,  # the LM head stays in bf16 unless this is set
+    )
     cfg.optimizer = dict(
         lr=3e-4,
         warmup_steps=100,
@@ -82,7 +101,8 @@ def defaults() -> ml_collections.ConfigDict:
         b2=0.95,
         eps=1e-8,
     )
-    cfg.data = dict(source="synthetic", seed=0)
+    # tokenizer: "byte", or a tokenizer.json / SentencePiece .model / tiktoken rank file (data/tokenizer.py)
+    cfg.data = dict(source="synthetic", seed=0, tokenizer="byte")
     cfg.train = dict(
         steps=1000,
         per_device_batch_size=4,
@@ -90,11 +110,32 @@ def defaults() -> ml_collections.ConfigDict:
         grad_accum=1,
         seed=0,
         z_loss_weight=0.0,
+        # A step whose loss or gradients are inf/NaN: "skip" drops its update and counts it;
+        # "stop" keeps the last good state, checkpoints it and exits non-zero.
+        on_nonfinite="skip",
+    )
+    cfg.checkpoint = dict(
+        enabled=True,
+        every=1000,  # steps between saves; 0 saves only at the end (and on preemption)
+        keep=3,  # the newest `keep` checkpoints survive...
+        keep_period=0,  # ...plus every keep_period-th step, if > 0
+        async_save=True,  # write in the background while training goes on
+        resume="auto",  # "auto" (newest complete checkpoint), "never", a step, or a checkpoint path
+        load_params_from="",  # a run dir, checkpoint or params export to start from (fresh optimizer)
     )
     cfg.log = dict(
         every=10,
         tensorboard=True,
         peak_tflops=0.0,  # > 0 overrides the per-device peak table (used for MFU)
+    )
+    # Multi-process start-up (maxtext_rocm/distributed.py). Unset keys are found from the
+    # environment (JAX_*, SLURM, Open MPI, Kubernetes); one process needs none of them.
+    cfg.distributed = dict(
+        coordinator="",  # HOST:PORT of process 0
+        num_processes=0,  # 0: detect
+        process_id=-1,  # -1: detect
+        init_timeout_s=300,  # give up (exit 2) if the processes have not all met by then
+        heartbeat_timeout_s=100,  # a process silent this long is dead and the others stop
     )
     return cfg
 
@@ -104,7 +145,7 @@ def defaults() -> ml_collections.ConfigDict:
 
 
 def apply_variant(cfg: ml_collections.ConfigDict, variant: str) -> ml_collections.ConfigDict:
-    """The variants every preset understands: precision policies (`:bf16`, `:fp32`)."""
+    """The variants every preset understands: precision policies (`:bf16`, `:fp32`, `:fp8`)."""
     if variant not in PRECISION_VARIANTS:
         raise ConfigError(
             f"unknown variant {variant!r}; valid variants are "
@@ -301,8 +342,13 @@ def validate(cfg: ml_collections.ConfigDict, device_count: int | None = None,
     _one_of("model.attention", m.attention, ATTENTION_IMPLEMENTATIONS)
     if m.rope_scaling is not None:
         _validate_rope_scaling(m.rope_scaling)
+    _validate_moe(m)
 
-    _one_of("precision.policy", cfg.precision.policy, PRECISION_POLICIES)
+    p = cfg.precision
+    _one_of("precision.policy", p.policy, PRECISION_POLICIES)
+    _one_of("precision.fp8_format", p.fp8_format, FP8_FORMATS)
+    _one_of("precision.fp8_scaling", p.fp8_scaling, FP8_SCALINGS)
+    _positive(cfg, "precision.amax_history_len")
 
     o = cfg.optimizer
     _one_of("optimizer.schedule", o.schedule, SCHEDULES)
@@ -314,6 +360,18 @@ def validate(cfg: ml_collections.ConfigDict, device_count: int | None = None,
     _positive(cfg, "train.steps", "train.per_device_batch_size", "train.seq_len", "train.grad_accum")
     _require(t.z_loss_weight >= 0, f"train.z_loss_weight must be >= 0, got {t.z_loss_weight}")
 
+    _one_of("train.on_nonfinite", t.on_nonfinite, NONFINITE_ACTIONS)
+
+    c = cfg.checkpoint
+    _require(c.every >= 0, f"checkpoint.every must be >= 0, got {c.every}")
+    _require(c.keep >= 1, f"checkpoint.keep must be >= 1, got {c.keep}")
+    _require(c.keep_period >= 0, f"checkpoint.keep_period must be >= 0, got {c.keep_period}")
+    _require(c.resume in ("auto", "never") or c.resume.isdigit() or Path(c.resume).is_dir(),
+             f"checkpoint.resume={c.resume!r} is not valid; use 'auto', 'never', a step number "
+             "or the path of an existing checkpoint directory")
+    _require(not c.load_params_from or Path(c.load_params_from).is_dir(),
+             f"checkpoint.load_params_from={c.load_params_from!r} is not a directory")
+
     _one_of("data.source", cfg.data.source, DATA_SOURCES)
     if cfg.data.source == "embedded":
         from maxtext_rocm.data.tokenizer import ByteTokenizer
@@ -322,9 +380,24 @@ def validate(cfg: ml_collections.ConfigDict, device_count: int | None = None,
         _require(m.vocab_size >= need,
                  f"model.vocab_size={m.vocab_size} is smaller than the byte tokenizer's {need} ids "
                  f"that data.source='embedded' needs; use model.vocab_size >= {need}")
+    tokenizer = cfg.data.get("tokenizer", "byte")
+    if tokenizer not in ("", "byte"):
+        from maxtext_rocm.data.tokenizer import check_vocab, load_tokenizer
+
+        _require(cfg.data.source != "embedded",
+                 f"data.tokenizer={tokenizer!r} cannot apply to data.source='embedded', whose corpus is "
+                 "byte-tokenized; use data.tokenizer='byte' with it")
+        check_vocab(load_tokenizer(tokenizer), m.vocab_size, tokenizer)
 
     _positive(cfg, "log.every")
     _require(cfg.log.peak_tflops >= 0, f"log.peak_tflops must be >= 0, got {cfg.log.peak_tflops}")
+
+    d = cfg.distributed
+    _require(d.num_processes >= 0, f"distributed.num_processes must be >= 0 (0: detect), got {d.num_processes}")
+    _require(d.process_id >= -1, f"distributed.process_id must be >= 0, or -1 to detect, got {d.process_id}")
+    _require(d.num_processes == 0 or d.process_id < d.num_processes,
+             f"distributed.process_id={d.process_id} must be below distributed.num_processes={d.num_processes}")
+    _positive(cfg, "distributed.init_timeout_s", "distributed.heartbeat_timeout_s")
 
     for group in ("ici", "dcn"):
         for axis in MESH_AXES:
@@ -338,6 +411,28 @@ def validate(cfg: ml_collections.ConfigDict, device_count: int | None = None,
     if device_count is not None:
         shape = mesh_shape(cfg.mesh, device_count, process_count)
         _validate_against_mesh(cfg, shape, device_count)
+
+
+def _validate_moe(m) -> None:
+    """Mixture-of-experts keys (and the sliding window, which any family may use)."""
+    window = m.sliding_window
+    _require(window is None or (isinstance(window, int) and window >= 0),
+             f"model.sliding_window={window!r} is not valid; use a number of tokens, or 0 or None for off")
+    if m.family != "mixtral":
+        _require(m.n_experts == 1,
+                 f"model.n_experts={m.n_experts} has no effect on model.family={m.family!r}; "
+                 "use model.family='mixtral' for a mixture of experts")
+        return
+    _require(m.n_experts >= 2,
+             f"model.n_experts={m.n_experts} is not valid for model.family='mixtral'; a mixture needs at "
+             "least 2 experts (use model.family='llama' for a dense model)")
+    _require(1 <= m.experts_per_token <= m.n_experts,
+             f"model.experts_per_token={m.experts_per_token} must lie between 1 and model.n_experts={m.n_experts}")
+    _one_of("model.moe_impl", m.moe_impl, MOE_IMPLEMENTATIONS)
+    _require(m.moe_capacity_factor > 0,
+             f"model.moe_capacity_factor must be positive, got {m.moe_capacity_factor}")
+    for key in ("moe_aux_loss_weight", "moe_router_z_loss_weight"):
+        _require(m[key] >= 0, f"model.{key} must be >= 0, got {m[key]}")
 
 
 def _validate_rope_scaling(scaling) -> None:

@@ -37,12 +37,16 @@ def _attention_params(m) -> int:
 def _ffn_params(m) -> int:
     """The matmul parameters one token passes through in one layer's feed-forward block.
 
-    This is the single place a mixture-of-experts family differs: a Mixtral block would count its
+    This is the single place a mixture-of-experts family differs: a Mixtral block counts its
     router (d_model x n_experts) plus top_k experts' gate/up/down, since a token only runs through
-    the experts it is routed to. Not implemented yet, so refuse rather than guess.
+    the experts it is routed to (active parameters, as MaxText counts them). Whatever the
+    implementation executes beyond that (idle capacity slots, the "dense" path's unchosen experts)
+    is not model FLOPs.
     """
     if m.family == "llama":
         return 3 * m.d_model * m.mlp_dim  # SwiGLU: gate, up, down
+    if m.family == "mixtral":
+        return m.d_model * m.n_experts + m.experts_per_token * 3 * m.d_model * m.mlp_dim
     raise NotImplementedError(f"matmul_params does not know model.family={m.family!r} yet")
 
 

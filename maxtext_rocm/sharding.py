@@ -26,8 +26,9 @@ from maxtext_rocm import config as config_lib
 # parallelism (a collective in every layer) rides the fastest links.
 MESH_AXES = config_lib.MESH_AXES
 
-# Logical axis -> mesh axes. Linen resolves a spec left to right and skips a mesh axis that an
-# earlier dimension already took, so ("vocab", "embed") becomes ("tensor", ("fsdp", ...)).
+# Logical axis -> mesh axes. Linen takes the rules in table order and skips a rule whole if any
+# of its mesh axes is already taken in the spec, so ("vocab", "embed") becomes ("tensor", ("fsdp",
+# ...)), and expert weights name "exp_embed" (an "embed" after "exp" would be left unsharded).
 LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     # activations
     ("activation_batch", ("data", "fsdp", "expert")),
@@ -37,6 +38,10 @@ LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("activation_kv_heads", "tensor"),
     ("activation_mlp", "tensor"),
     ("activation_vocab", "tensor"),
+    # MoE capacity buffers [batch, experts, slots, ...]: experts over `expert`, so the batch keeps
+    # only the other batch axes; moving tokens between the two layouts is the all-to-all.
+    ("activation_exp", "expert"),
+    ("activation_exp_batch", ("data", "fsdp")),
     # parameters
     ("vocab", "tensor"),
     ("embed", ("fsdp", "sequence", "expert")),
@@ -44,6 +49,8 @@ LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("kv_heads", "tensor"),
     ("head_dim", None),
     ("mlp", "tensor"),
+    ("exp", "expert"),  # the experts of a MoE layer
+    ("exp_embed", ("fsdp", "sequence")),  # d_model of expert weights: FSDP, minus `expert`
     ("norm", None),
     ("layers", None),
 )
@@ -55,6 +62,7 @@ PARAM_AXIS_SIZES = {
     "heads": "n_heads",
     "kv_heads": "n_kv_heads",
     "mlp": "mlp_dim",
+    "exp": "n_experts",
 }
 
 
@@ -108,6 +116,8 @@ def replicated(mesh: Mesh) -> NamedSharding:
 def check_param_divisibility(model_cfg, axis_sizes: dict[str, int]) -> str | None:
     """The first model dimension that its mesh axes cannot split evenly, as a sentence."""
     for logical, key in PARAM_AXIS_SIZES.items():
+        if logical == "exp" and model_cfg.n_experts == 1:
+            continue  # a dense model has no expert weights; the expert axis only splits its batch
         axes = [a for a in mesh_axes_of(logical) if axis_sizes.get(a, 1) > 1]
         shards = math.prod(axis_sizes[a] for a in axes)
         if model_cfg[key] % shards:

@@ -8,6 +8,7 @@ after gradient accumulation, so `grad_accum=4` computes exactly the gradient of 
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -15,6 +16,10 @@ import jax.numpy as jnp
 import optax
 from flax import linen as nn
 from flax import struct
+
+from maxtext_rocm import fp8
+from maxtext_rocm.fp8 import FP8_COLLECTION
+from maxtext_rocm.models import moe
 
 Array = jax.Array
 Batch = dict[str, Array]
@@ -24,13 +29,19 @@ class TrainState(struct.PyTreeNode):
     step: Array
     params: Any
     opt_state: Any
+    nonfinite_steps: Array  # steps whose update was dropped for an inf/NaN loss or gradient
+    # Delayed-scaling fp8 state (maxtext_rocm/fp8.py); empty for other policies. Not a
+    # parameter: the step overwrites it, the optimizer never sees it.
+    fp8: Any = struct.field(default_factory=dict)
 
 
 def create_state(rng: Array, model: nn.Module, tx: optax.GradientTransformation,
                  batch_shape: tuple[int, int]) -> TrainState:
     """Fresh parameters and optimizer state (still boxed with their logical axes)."""
-    params = model.init(rng, jnp.zeros(batch_shape, jnp.int32))["params"]
-    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+    variables = model.init(rng, jnp.zeros(batch_shape, jnp.int32))
+    params = variables["params"]
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
+                      nonfinite_steps=jnp.zeros((), jnp.int32), fp8=variables.get(FP8_COLLECTION, {}))
 
 
 def token_losses(logits: Array, targets: Array) -> tuple[Array, Array]:
@@ -41,18 +52,25 @@ def token_losses(logits: Array, targets: Array) -> tuple[Array, Array]:
     return log_z - target_logit, log_z
 
 
-def summed_loss(params, model: nn.Module, batch: Batch, z_loss_weight: float):
+def summed_loss(params, model: nn.Module, batch: Batch, z_loss_weight: float, fp8_state=None):
     """The objective summed (not averaged) over tokens, and the sums the metrics need."""
-    logits = model.apply({"params": params}, batch["inputs"], batch.get("positions"),
-                         batch.get("segment_ids"))
+    variables = {"params": params, FP8_COLLECTION: fp8_state} if fp8_state else {"params": params}
+    logits, aux = model.apply(variables, batch["inputs"], batch.get("positions"),
+                              batch.get("segment_ids"), mutable=[moe.AUX_LOSSES])
     ce, log_z = token_losses(logits, batch["targets"])
     weights = batch["weights"].astype(jnp.float32)
+    tokens = jnp.sum(weights)
+    # MoE router losses (zero for dense models) are means over this batch; times its token count
+    # they average over micro-batches like the rest once divided by the global token count.
+    router = {name: value * tokens for name, value in moe.router_losses(aux).items()}
     sums = {
         "ce": jnp.sum(ce * weights),
         "z_loss": jnp.sum(jnp.square(log_z) * weights),
-        "tokens": jnp.sum(weights),
+        "tokens": tokens,
+        **router,
     }
-    return sums["ce"] + z_loss_weight * sums["z_loss"], sums
+    objective = sums["ce"] + z_loss_weight * sums["z_loss"] + moe.weighted_router_loss(router, model.cfg)
+    return objective, sums
 
 
 def split_micro_batches(batch: Batch, n: int) -> Batch:
@@ -63,37 +81,56 @@ def split_micro_batches(batch: Batch, n: int) -> Batch:
     return jax.tree_util.tree_map(split, batch)
 
 
-def gradients(params, model: nn.Module, batch: Batch, grad_accum: int, z_loss_weight: float):
-    """Token-mean gradients over the whole batch and the loss sums, accumulating micro-batches."""
-    grad_fn = jax.value_and_grad(summed_loss, has_aux=True)
+def gradients(params, model: nn.Module, batch: Batch, grad_accum: int, z_loss_weight: float,
+              fp8_state=None):
+    """(token-mean gradients over the whole batch, the fp8 state's update, loss metrics),
+    accumulating micro-batches. The fp8 update arrives as the "gradient" of the fp8 state."""
+    fp8_state = fp8_state or {}
+    grad_fn = jax.value_and_grad(summed_loss, argnums=(0, 4), has_aux=True)
     if grad_accum == 1:
-        (_, sums), grads = grad_fn(params, model, batch, z_loss_weight)
+        (_, sums), (grads, fp8_update) = grad_fn(params, model, batch, z_loss_weight, fp8_state)
     else:
         def accumulate(carry, micro):
-            grads_acc, sums_acc = carry
-            (_, sums), grads = grad_fn(params, model, micro, z_loss_weight)
-            return (jax.tree_util.tree_map(jnp.add, grads_acc, grads),
+            grads_acc, fp8_acc, sums_acc = carry
+            (_, sums), (grads, fp8_update) = grad_fn(params, model, micro, z_loss_weight, fp8_state)
+            return (jax.tree_util.tree_map(jnp.add, grads_acc, grads), fp8.combine_updates(fp8_acc, fp8_update),
                     jax.tree_util.tree_map(jnp.add, sums_acc, sums)), None
 
         zeros = jax.tree_util.tree_map(jnp.zeros_like, params)
-        zero_sums = {k: jnp.zeros((), jnp.float32) for k in ("ce", "z_loss", "tokens")}
-        (grads, sums), _ = jax.lax.scan(
-            accumulate, (zeros, zero_sums), split_micro_batches(batch, grad_accum))
+        fp8_start = fp8.merge_identity(fp8_state)
+        zero_sums = {k: jnp.zeros((), jnp.float32) for k in ("ce", "z_loss", "tokens", *moe.ROUTER_LOSS_WEIGHTS)}
+        (grads, fp8_update, sums), _ = jax.lax.scan(
+            accumulate, (zeros, fp8_start, zero_sums), split_micro_batches(batch, grad_accum))
     tokens = jnp.maximum(sums["tokens"], 1.0)
     grads = jax.tree_util.tree_map(lambda g: g / tokens, grads)
-    return grads, {"loss": sums["ce"] / tokens, "z_loss": sums["z_loss"] / tokens, "tokens": sums["tokens"]}
+    return grads, fp8_update, {
+        "loss": sums["ce"] / tokens, "z_loss": sums["z_loss"] / tokens, "tokens": sums["tokens"],
+        **{name: sums[name] / tokens for name in moe.ROUTER_LOSS_WEIGHTS}}
 
 
 def train_step(state: TrainState, batch: Batch, *, model: nn.Module,
                tx: optax.GradientTransformation, schedule: optax.Schedule, train_cfg):
-    grads, metrics = gradients(state.params, model, batch, train_cfg.grad_accum, train_cfg.z_loss_weight)
+    grads, fp8_update, metrics = gradients(state.params, model, batch, train_cfg.grad_accum,
+                                           train_cfg.z_loss_weight, state.fp8)
+    grad_norm = optax.tree.norm(grads)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+
+    # An inf/NaN step must not poison the state: keep the old one ("skip"), and under "stop"
+    # freeze everything from the first bad step on, so the host can checkpoint the last good state.
+    finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
+    halting = train_cfg.on_nonfinite == "stop"
+    apply = finite & (state.nonfinite_steps == 0) if halting else finite
+    keep_if_bad = functools.partial(jax.tree_util.tree_map, lambda new, old: jnp.where(apply, new, old))
     new_state = state.replace(
-        step=state.step + 1, params=optax.apply_updates(state.params, updates), opt_state=opt_state)
-    metrics.update(grad_norm=optax.tree.norm(grads), lr=schedule(state.step))
+        step=state.step + (apply.astype(jnp.int32) if halting else 1),
+        params=keep_if_bad(params, state.params), opt_state=keep_if_bad(opt_state, state.opt_state),
+        fp8=keep_if_bad(fp8_update, state.fp8),
+        nonfinite_steps=state.nonfinite_steps + (~finite).astype(jnp.int32))
+    metrics.update(grad_norm=grad_norm, lr=schedule(state.step), nonfinite_steps=new_state.nonfinite_steps)
     return new_state, metrics
 
 
-def eval_step(params, batch: Batch, *, model: nn.Module):
-    _, sums = summed_loss(params, model, batch, 0.0)
+def eval_step(params, batch: Batch, *, model: nn.Module, fp8_state=None):
+    _, sums = summed_loss(params, model, batch, 0.0, fp8_state)
     return {"loss": sums["ce"] / jnp.maximum(sums["tokens"], 1.0), "tokens": sums["tokens"]}

@@ -8,17 +8,24 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
+import signal
 import sys
+import threading
 import time
 
 import jax
 import ml_collections
 import numpy as np
 from flax import linen as nn
+from jax.experimental import multihost_utils
 
 from maxtext_rocm import config as config_lib
+from maxtext_rocm import fp8
+from maxtext_rocm import distributed
 from maxtext_rocm import metrics as metrics_lib
 from maxtext_rocm import sharding
+from maxtext_rocm.checkpoint import Checkpointer, restore_params
 from maxtext_rocm.data import build_source
 from maxtext_rocm.models import build_model
 from maxtext_rocm.optim import build_optimizer
@@ -27,6 +34,40 @@ from maxtext_rocm.run_info import write_config_json
 from maxtext_rocm.step import create_state, train_step
 
 USAGE = "usage: python -m maxtext_rocm.train CONFIG.py[:VARIANT] [--config.GROUP.KEY=VALUE ...]"
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss or gradients became inf/NaN under train.on_nonfinite='stop'."""
+
+
+class PreemptionGuard:
+    """Turns SIGTERM/SIGINT into a request to stop after the current step; a second signal exits
+    at once. With several processes, JAX's preemption sync point makes them all stop at the same
+    step (a process that stopped alone would leave the others hanging in a collective)."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self):
+        self.signal, self._previous = None, {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():  # signal handlers live there only
+            self._previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
+        return self
+
+    def _handle(self, signum, _frame):
+        if self.signal is not None:
+            os._exit(128 + signum)
+        self.signal = signum
+
+    def requested(self, step: int) -> bool:
+        if jax.process_count() > 1 and multihost_utils.reached_preemption_sync_point(step):
+            self.signal = self.signal or signal.SIGTERM
+        return self.signal is not None
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
 
 
 class Trainer:
@@ -44,12 +85,17 @@ class Trainer:
         self.mesh = sharding.make_mesh(cfg.mesh, devices)
         self.n_devices = len(devices)
         self.is_logger = jax.process_index() == 0
-        self.policy = policy_from_config(cfg.precision)
+        if not self.is_logger:
+            self.log = lambda *_: None  # process 0 speaks for every process
+        self.policy = policy_from_config(cfg.precision, devices[0])
+        if self.policy.fp8_format:
+            cfg.precision.fp8_format = self.policy.fp8_format  # "auto" resolved, for config.json
         self.model = build_model(cfg.model, self.policy)
         self.tx, self.schedule = build_optimizer(cfg.optimizer, cfg.train.steps)
         self.global_batch = config_lib.global_batch_size(cfg, self.n_devices)
 
-        self.state, self.state_sharding = self._init_state()
+        self.checkpointer = Checkpointer(cfg.checkpoint, cfg.output_dir) if cfg.checkpoint.enabled else None
+        self.state, self.state_sharding, self.step_count = self._init_state()
         self.batch_sharding = sharding.batch_sharding(self.mesh)
         self._train_step = jax.jit(
             functools.partial(train_step, model=self.model, tx=self.tx, schedule=self.schedule,
@@ -61,7 +107,7 @@ class Trainer:
             cfg.data, vocab_size=cfg.model.vocab_size, global_batch=self.global_batch,
             seq_len=cfg.train.seq_len, process_index=jax.process_index(),
             process_count=jax.process_count())
-        self.step_count = 0
+        self.stopped_by_signal = None
 
         self.flops_per_token = metrics_lib.train_flops_per_token(cfg.model, cfg.train.seq_len)
         self.peak_tflops = metrics_lib.peak_tflops(
@@ -84,18 +130,35 @@ class Trainer:
         return stack
 
     def _init_state(self):
+        """(state, its shardings, its step): resumed from a checkpoint, or fresh (optionally with
+        parameters from another run). Either way every array lands directly in its sharding."""
         init = functools.partial(create_state, model=self.model, tx=self.tx,
                                  batch_shape=(1, min(self.cfg.train.seq_len, 8)))
         key = jax.random.key(self.cfg.train.seed)
         abstract = jax.eval_shape(init, key)
         state_sharding = sharding.logical_to_sharding(nn.get_partition_spec(abstract), self.mesh)
-        # Created directly in its sharding: no device ever holds the whole model.
+        abstract = jax.tree_util.tree_map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                                          nn.meta.unbox(abstract), state_sharding)
+        resume = self.checkpointer.find_resume() if self.checkpointer else None
+        if resume:
+            state, data_state = self.checkpointer.restore(*resume, abstract)
+            self.log(f"resumed from {resume[0].directory}/{resume[1]}")
+            return state, state_sharding, int(data_state["step"])
+
         init_jit = jax.jit(lambda k: nn.meta.unbox(init(k)), out_shardings=state_sharding)
         # Init runs once: on the CPU, LLVM's optimisation of its RNG code costs more than it saves
         # (tiny_llama: 3.1 s -> 1.4 s to compile, +0.15 s to run). Integer RNG bits are unchanged.
         options = {"xla_backend_optimization_level": 0} if jax.default_backend() == "cpu" else None
         state = init_jit.lower(key).compile(compiler_options=options)(key)
-        return state, state_sharding
+        if self.cfg.checkpoint.load_params_from:
+            state = state.replace(params=restore_params(self.cfg.checkpoint.load_params_from, abstract.params))
+            self.log(f"parameters from {self.cfg.checkpoint.load_params_from}; fresh optimizer at step 0")
+        return state, state_sharding, 0
+
+    def save_checkpoint(self) -> None:
+        """Starts an asynchronous save of the current state (all processes must call it)."""
+        step = int(jax.device_get(self.state.step))
+        self.checkpointer.save(step, self.state, {"step": step}, self.cfg.model)
 
     def device_batch(self, step: int) -> dict[str, jax.Array]:
         """This process's rows of the step's batch, assembled into one global sharded array each."""
@@ -112,54 +175,93 @@ class Trainer:
         return step_metrics
 
     def run(self, steps: int | None = None) -> dict | None:
-        """Trains `steps` more steps (default: up to train.steps); returns the last logged metrics."""
+        """Trains `steps` more steps (default: up to train.steps); returns the last logged metrics.
+
+        SIGTERM or SIGINT finishes the current step, checkpoints it and returns, with the signal
+        in `stopped_by_signal`; a second signal exits at once.
+        """
         end = self.cfg.train.steps if steps is None else self.step_count + steps
-        logged, losses = None, []  # losses: device scalars since the last log, fetched together
-        mark_time = mark_step = None
-        while self.step_count < end:
-            step_metrics = self.step()
-            losses.append(step_metrics["loss"])
-            if mark_time is None:
-                # The first step includes compilation: wait for it once and time from its end.
-                jax.block_until_ready(step_metrics)
-                self.log(f"first step done {time.perf_counter() - self._started:.1f}s after the trainer "
-                         "started (includes compilation)")
-                mark_time, mark_step = time.perf_counter(), self.step_count
-            if self.step_count % self.cfg.log.every and self.step_count != end:
-                continue
-            fetched, losses = jax.device_get((step_metrics, losses)), []  # the only host sync
-            now, timed_steps = time.perf_counter(), self.step_count - mark_step
-            step_time = (now - mark_time) / timed_steps if timed_steps else None
-            mark_time, mark_step = now, self.step_count
-            logged = self._summarise(*fetched, step_time)
-            self.writer.write(self.step_count, logged)
-            if self.is_logger:
-                self.log(metrics_lib.format_line(self.step_count, self.cfg.train.steps, logged))
+        logged, mark_time, mark_step = None, None, self.step_count
+        with PreemptionGuard() as preemption:
+            while self.step_count < end and not preemption.requested(self.step_count):
+                step_metrics = self.step()
+                if mark_time is None:
+                    # The first step includes compilation: wait for it once and time from its end.
+                    jax.block_until_ready(step_metrics)
+                    self.log(f"first step done {time.perf_counter() - self._started:.1f}s after the trainer "
+                             "started (includes compilation)")
+                    mark_time, mark_step = time.perf_counter(), self.step_count
+                stopping = preemption.requested(self.step_count)
+                if self.checkpointer and (
+                        stopping or self.checkpointer.should_save(self.step_count, self.cfg.train.steps)):
+                    self.save_checkpoint()
+                if self.step_count % self.cfg.log.every and self.step_count != end and not stopping:
+                    continue
+                fetched = jax.device_get(step_metrics)  # the only host sync, on logging steps
+                now, timed_steps = time.perf_counter(), self.step_count - mark_step
+                step_time = (now - mark_time) / timed_steps if timed_steps else None
+                mark_time, mark_step = now, self.step_count
+                logged = self._summarise(fetched, step_time)
+                self.writer.write(self.step_count, logged)
+                if self.is_logger:
+                    self.log(metrics_lib.format_line(self.step_count, self.cfg.train.steps, logged))
+                if fetched["nonfinite_steps"] and self.cfg.train.on_nonfinite == "stop":
+                    self._stop_on_nonfinite()
+            self.stopped_by_signal = preemption.signal
+        if self.checkpointer:
+            if self.stopped_by_signal is not None:  # the signal may have come between two steps
+                self.save_checkpoint()
+            self.checkpointer.wait()
         return logged
 
-    def _summarise(self, step_metrics: dict, losses: list, step_time: float | None) -> dict:
-        """The logged row: loss averaged over the steps since the last log, the rest of this step."""
+    def _stop_on_nonfinite(self):
+        """The state froze at the last good step (see step.train_step): keep it and stop."""
+        good_step = int(jax.device_get(self.state.step))
+        if self.checkpointer:
+            self.save_checkpoint()
+            self.checkpointer.wait()
+        raise TrainingDiverged(
+            f"the loss or gradients became inf/NaN after step {good_step}; "
+            + (f"checkpoint {good_step} holds the last good state" if self.checkpointer else "nothing was saved")
+            + " (train.on_nonfinite='skip' would drop such steps and go on)")
+
+    def _summarise(self, step_metrics: dict, step_time: float | None) -> dict:
+        """The logged row for the step just taken."""
         tokens_per_s = tflops = None
         if step_time:
             tokens_per_s = self.global_batch * self.cfg.train.seq_len / step_time / self.n_devices
             tflops = self.flops_per_token * tokens_per_s / 1e12
         row = {
-            "loss": float(np.mean(losses)), "lr": float(step_metrics["lr"]),
+            "loss": float(step_metrics["loss"]), "lr": float(step_metrics["lr"]),
             "grad_norm": float(step_metrics["grad_norm"]), "step_time_s": step_time,
             "tokens_per_s_per_device": tokens_per_s, "tflops_per_s_per_device": tflops,
             "mfu": metrics_lib.mfu(tflops, self.peak_tflops) if tflops else None,
+            "nonfinite_steps": int(step_metrics["nonfinite_steps"]),
         }
         if self.cfg.train.z_loss_weight:
             row["z_loss"] = float(step_metrics["z_loss"])
+        if self.cfg.model.n_experts > 1:  # router losses, unweighted (a dense model has none)
+            row["moe_aux_loss"] = float(step_metrics["moe_aux_loss"])
+            row["moe_z_loss"] = float(step_metrics["moe_z_loss"])
         return row
 
+    def _fp8_description(self) -> str:
+        if not self.policy.fp8_format:
+            return ""
+        e4m3, e5m2 = (jax.numpy.dtype(t).name for t in fp8.FORMATS[self.policy.fp8_format])
+        return f" ({self.policy.fp8_format}: {e4m3}/{e5m2}, {self.cfg.precision.fp8_scaling} scaling)"
+
     def describe(self) -> str:
-        from maxtext_rocm.models import count_params
+        from maxtext_rocm.models import count_active_params, count_params
+        from maxtext_rocm.models.moe import resolve_implementation
 
         cfg = self.cfg
+        moe = (f" ({count_active_params(cfg) / 1e6:,.1f}M active; {cfg.model.n_experts} experts, "
+               f"top {cfg.model.experts_per_token}, moe_impl {resolve_implementation(cfg.model.moe_impl)})"
+               if cfg.model.n_experts > 1 else "")
         return "\n".join([
-            f"run {cfg.name}: {count_params(cfg) / 1e6:,.1f}M parameters, {cfg.model.n_layers} layers, "
-            f"policy {self.policy.name}, remat {cfg.model.remat}",
+            f"run {cfg.name}: {count_params(cfg) / 1e6:,.1f}M parameters{moe}, {cfg.model.n_layers} layers, "
+            f"policy {self.policy.name}{self._fp8_description()}, remat {cfg.model.remat}",
             f"devices: {self.n_devices} x {jax.devices()[0].device_kind} ({jax.default_backend()}), "
             f"mesh {sharding.describe(self.mesh)}",
             f"batch: {self.global_batch} x {cfg.train.seq_len} tokens"
@@ -178,16 +280,22 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     try:
         cfg = config_lib.load(argv[0], argv[1:])
+        distributed.initialize(cfg.distributed)  # before anything touches a device
         trainer = Trainer(cfg)
-        print(trainer.describe(), flush=True)
+        if trainer.is_logger:
+            print(trainer.describe(), flush=True)
         trainer.run()
         trainer.writer.close()
     except config_lib.UserError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    except TrainingDiverged as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 3
+    if trainer.stopped_by_signal is not None:
+        print(f"stopped by signal {trainer.stopped_by_signal} at step {trainer.step_count}; "
+              "checkpoint committed", file=sys.stderr)
+        return 130 if trainer.stopped_by_signal == signal.SIGINT else 0
     return 0
 
 

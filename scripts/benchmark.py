@@ -2,6 +2,7 @@
 """Benchmarks a preset: tokens/s/device, step time, launch-to-first-step time and peak memory.
 
     python scripts/benchmark.py configs/tiny_llama.py --steps 30 [--config.KEY=VALUE ...] [--json out.json]
+    python scripts/benchmark.py configs/tiny_mixtral.py --config.model.moe_impl=capacity
 
 Steps are timed as a block (one device sync at the end), the way a real run pipelines them; the
 first step (compilation) and `--warmup` more are excluded. The last line has the same shape as
@@ -41,6 +42,8 @@ def main() -> int:
 
     import maxtext_rocm as mr
     from maxtext_rocm import metrics as metrics_lib
+    from maxtext_rocm.models import count_active_params
+    from maxtext_rocm.models.moe import resolve_implementation
 
     total = 1 + args.warmup + args.steps
     try:
@@ -68,7 +71,9 @@ def main() -> int:
     result = {
         "config": args.config, "overrides": overrides, "devices": trainer.n_devices,
         "device_kind": jax.devices()[0].device_kind, "policy": cfg.precision.policy,
-        "params": mr.count_params(cfg), "global_batch": trainer.global_batch, "seq_len": cfg.train.seq_len,
+        "params": mr.count_params(cfg), "active_params": count_active_params(cfg),
+        "moe_impl": resolve_implementation(cfg.model.moe_impl) if cfg.model.n_experts > 1 else None,
+        "global_batch": trainer.global_batch, "seq_len": cfg.train.seq_len,
         "step_time_s": step_s, "tokens_per_s": tokens_per_step / step_s,
         "tokens_per_s_per_device": tokens_per_s_per_device, "tflops_per_s_per_device": tflops,
         "mfu": metrics_lib.mfu(tflops, trainer.peak_tflops),

@@ -13,7 +13,7 @@ def loss_and_grads(cfg, devices, step=0):
     batch = trainer.device_batch(step)
     grad_fn = jax.jit(lambda p, b: gradients(p, trainer.model, b, cfg.train.grad_accum, cfg.train.z_loss_weight))
     with trainer.context():
-        grads, sums = grad_fn(trainer.state.params, batch)
+        grads, _, sums = grad_fn(trainer.state.params, batch)
     return float(sums["loss"]), jax.tree_util.tree_map(np.asarray, grads), trainer
 
 

@@ -29,7 +29,7 @@ def test_matmul_params_counts_lm_head_when_tied():
 
 def test_unknown_family_is_refused():
     m = _model()
-    m.family = "mixtral"
+    m.family = "gpt2"
     with pytest.raises(NotImplementedError):
         metrics.matmul_params(m)
 

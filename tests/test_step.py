@@ -35,8 +35,8 @@ def test_grad_accum_weights_tokens_not_micro_batches(devices, tmp_path):
     weights[0, 5:] = 0  # the first row is mostly padding
     batch["weights"] = jax.numpy.asarray(weights)
     with trainer.context():
-        g1, s1 = jax.jit(lambda p, b: gradients(p, trainer.model, b, 1, 0.0))(trainer.state.params, batch)
-        g2, s2 = jax.jit(lambda p, b: gradients(p, trainer.model, b, 2, 0.0))(trainer.state.params, batch)
+        g1, _, s1 = jax.jit(lambda p, b: gradients(p, trainer.model, b, 1, 0.0))(trainer.state.params, batch)
+        g2, _, s2 = jax.jit(lambda p, b: gradients(p, trainer.model, b, 2, 0.0))(trainer.state.params, batch)
     assert float(s1["tokens"]) == float(s2["tokens"]) == 3 * 32 + 5
     assert abs(float(s1["loss"]) - float(s2["loss"])) < 1e-5
     assert_trees_close(g2, g1, atol=1e-5)

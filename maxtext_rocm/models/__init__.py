@@ -2,21 +2,48 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
+import flax.core
 import ml_collections
 
+from flax import linen as nn
+
 from maxtext_rocm.models.llama import Decoder, LlamaBlock
+from maxtext_rocm.models.mixtral import MixtralBlock
 from maxtext_rocm.precision import Policy, policy_from_config
 
-BLOCKS = {"llama": LlamaBlock}
+BLOCKS = {"llama": LlamaBlock, "mixtral": MixtralBlock}
 
 
 def build_model(model_cfg, policy: Policy) -> Decoder:
     frozen = ml_collections.FrozenConfigDict(model_cfg)
     return Decoder(frozen, policy, block=BLOCKS[frozen.family])
+
+
+@functools.lru_cache(maxsize=8)
+def _jitted_apply(model_cfg: ml_collections.FrozenConfigDict, policy: Policy):
+    model = build_model(model_cfg, policy)
+    # Every other collection mutable: state the params do not carry (fp8 scales, router losses)
+    # starts fresh and is dropped.
+    others = flax.core.DenyList("params")
+    return jax.jit(lambda params, tokens: model.apply({"params": params}, tokens, mutable=others)[0])
+
+
+def forward(cfg, params, tokens) -> jax.Array:
+    """Logits [batch, seq, vocab] of `tokens` [batch, seq] for `cfg`'s model under its precision
+    policy (cfg.precision.policy; "fp32" for reference numbers). No mesh is needed: on one device
+    the logical sharding constraints do nothing. `params` as `from_hf` or `restore_params` give them.
+    A mixture of experts runs `model.moe_impl` as training would ("auto" on the CPU is "capacity",
+    which may drop tokens; "dense" and "dropless" are exact)."""
+    params = nn.meta.unbox(params)
+    if set(params) == {"params"}:  # a {"params": ...} variables dict
+        params = params["params"]
+    apply = _jitted_apply(ml_collections.FrozenConfigDict(cfg.model), policy_from_config(cfg.precision))
+    return apply(params, jnp.asarray(tokens, jnp.int32))
 
 
 def abstract_params(cfg):
@@ -30,3 +57,18 @@ def count_params(cfg) -> int:
     """The number of parameters of `cfg`'s model, computed from shapes only."""
     leaves = jax.tree_util.tree_leaves(abstract_params(cfg))
     return sum(math.prod(leaf.shape) for leaf in leaves)
+
+
+def count_active_params(cfg) -> int:
+    """The parameters one token passes through, computed from shapes only.
+
+    An expert weight (one with an "exp" axis) counts experts_per_token / n_experts of its size;
+    everything else, embedding included, counts whole (Mixtral's published "active" figures).
+    """
+    m = cfg.model
+    boxes = jax.tree_util.tree_leaves(abstract_params(cfg), is_leaf=lambda x: isinstance(x, nn.Partitioned))
+    total = 0
+    for box in boxes:
+        size = math.prod(box.value.shape)
+        total += size * m.experts_per_token // m.n_experts if "exp" in box.names else size
+    return total

@@ -16,9 +16,15 @@ from maxtext_rocm.precision import Policy
 Array = jax.Array
 
 
-def attention_mask(seq_len: int, segment_ids: Array | None) -> Array:
-    """Causal mask [batch or 1, 1, seq, seq]; with segment ids, documents never see each other."""
-    causal = jnp.tril(jnp.ones((seq_len, seq_len), dtype=bool))[None, None]
+def attention_mask(seq_len: int, segment_ids: Array | None, sliding_window: int | None = None) -> Array:
+    """Causal mask [batch or 1, 1, seq, seq]; with segment ids, documents never see each other.
+
+    With a sliding window W (Mistral's), a query sees the W tokens ending at itself.
+    """
+    causal = jnp.tril(jnp.ones((seq_len, seq_len), dtype=bool))
+    if sliding_window:
+        causal = jnp.triu(causal, k=1 - sliding_window)
+    causal = causal[None, None]
     if segment_ids is None:
         return causal
     same_doc = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]
@@ -26,18 +32,19 @@ def attention_mask(seq_len: int, segment_ids: Array | None) -> Array:
 
 
 def dot_product_attention(q: Array, k: Array, v: Array, *, segment_ids: Array | None = None,
-                          implementation: str = "xla") -> Array:
+                          implementation: str = "xla", sliding_window: int | None = None) -> Array:
     """Causal attention. q: [batch, seq, heads, head_dim]; k, v: [batch, seq, kv_heads, head_dim].
 
     Each group of heads/kv_heads query heads shares one key/value head.
     """
     batch, seq, heads, head_dim = q.shape
     kv_heads = k.shape[2]
-    mask = attention_mask(seq, segment_ids)
+    mask = attention_mask(seq, segment_ids, sliding_window)
     if implementation == "cudnn":
         return jax.nn.dot_product_attention(
             q, k, v, mask=None if segment_ids is None else mask,
-            is_causal=segment_ids is None, implementation="cudnn")
+            is_causal=segment_ids is None, implementation="cudnn",
+            local_window_size=(sliding_window - 1, 0) if sliding_window else None)
 
     groups = heads // kv_heads
     q = q.reshape(batch, seq, kv_heads, groups, head_dim)
@@ -68,6 +75,7 @@ class Attention(nn.Module):
 
         inv_freq = rope_inv_frequencies(hd, m.rope_theta, m.rope_scaling)
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
-        out = dot_product_attention(q, k, v, segment_ids=segment_ids, implementation=m.attention)
+        out = dot_product_attention(q, k, v, segment_ids=segment_ids, implementation=m.attention,
+                                    sliding_window=m.sliding_window)
         out = nn.with_logical_constraint(out, ("activation_batch", "activation_length", "activation_heads", None))
         return Dense((m.n_heads, hd), (d,), ("heads", "head_dim", "embed"), self.policy, name="o")(out)

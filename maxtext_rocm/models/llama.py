@@ -12,7 +12,9 @@ from flax import linen as nn
 
 from maxtext_rocm.models.attention import Attention
 from maxtext_rocm.models.layers import Dense, Embed, RMSNorm
-from maxtext_rocm.precision import Policy
+from maxtext_rocm.models.moe import AUX_LOSSES
+from maxtext_rocm.fp8 import FP8_COLLECTION
+from maxtext_rocm.precision import Policy, without_fp8
 
 Array = jax.Array
 
@@ -55,9 +57,13 @@ class LlamaBlock(nn.Module):
         attn_in = RMSNorm(m.norm_eps, self.policy, name="attention_norm")(x)
         x = x + Attention(m, self.policy, name="attention")(attn_in, positions, segment_ids)
         mlp_in = RMSNorm(m.norm_eps, self.policy, name="mlp_norm")(x)
-        x = x + MLP(m.d_model, m.mlp_dim, self.policy, name="mlp")(mlp_in)
+        x = x + self.feed_forward()(mlp_in)
         # (carry, per-layer output): the signature nn.scan expects.
         return nn.with_logical_constraint(x, BLOCK_OUTPUT_AXES), None
+
+    def feed_forward(self) -> nn.Module:
+        """The block's feed-forward layer: the one thing a Mixtral block changes."""
+        return MLP(self.cfg.d_model, self.cfg.mlp_dim, self.policy, name="mlp")
 
 
 class Decoder(nn.Module):
@@ -82,8 +88,11 @@ class Decoder(nn.Module):
             # forward pass; unrolled layers need prevent_cse.
             block = nn.remat(block, policy=REMAT_POLICIES[m.remat], prevent_cse=not m.scan_layers)
         if m.scan_layers:
+            # Router losses sown by MoE layers and fp8 scaling state stack over layers like the
+            # parameters.
             stack = nn.scan(
-                block, variable_axes={"params": 0}, split_rngs={"params": True},
+                block, variable_axes={"params": 0, AUX_LOSSES: 0, FP8_COLLECTION: 0},
+                split_rngs={"params": True},
                 in_axes=(nn.broadcast, nn.broadcast), length=m.n_layers,
                 metadata_params={nn.PARTITION_NAME: "layers"})
             x, _ = stack(m, self.policy, name="layers")(x, positions, segment_ids)
@@ -95,5 +104,6 @@ class Decoder(nn.Module):
         if m.tie_embeddings:
             logits = embed.attend(x)
         else:
-            logits = Dense((m.d_model,), (m.vocab_size,), ("embed", "vocab"), self.policy, name="lm_head")(x)
+            head_policy = self.policy if self.policy.fp8_lm_head else without_fp8(self.policy)
+            logits = Dense((m.d_model,), (m.vocab_size,), ("embed", "vocab"), head_policy, name="lm_head")(x)
         return nn.with_logical_constraint(logits, ("activation_batch", "activation_length", "activation_vocab"))

@@ -1,0 +1,307 @@
+"""Hugging Face <-> maxtext_rocm checkpoints, for LlamaForCausalLM and MixtralForCausalLM.
+
+    python -m maxtext_rocm.convert from-hf HF_DIR OUT_DIR [--config.GROUP.KEY=VALUE ...]
+    python -m maxtext_rocm.convert to-hf CHECKPOINT_DIR OUT_DIR [--dtype bfloat16] [--max-shard-size 5GB]
+
+`from-hf` writes a params export (`OUT_DIR/params` through orbax, `OUT_DIR/config.json`) that
+`checkpoint.load_params_from` starts a run from, plus `OUT_DIR/preset.py`, a preset that does so:
+`python -m maxtext_rocm.train OUT_DIR/preset.py`. `to-hf` takes an export, a run directory or one of
+its checkpoints and writes safetensors shards and a config.json that transformers loads.
+
+From Python:
+
+    cfg, params = maxtext_rocm.convert.from_hf("Meta-Llama-3.1-8B", {"precision.policy": "fp32"})
+    logits = maxtext_rocm.forward(cfg, params, tokens)
+    maxtext_rocm.convert.to_hf(cfg, params, "out_hf")
+
+Memory: the parameters are held once (in fp32, the trainer's parameter dtype) plus one tensor
+being read or one shard being written. Nothing is written to OUT_DIR until everything has been
+read and checked; the folder appears by a rename at the end, so a failure leaves no half of it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+import numpy as np
+
+from maxtext_rocm import config as config_lib
+from maxtext_rocm.convert import files as files_lib
+from maxtext_rocm.convert.hf_config import ConvertError, hf_config, model_updates
+from maxtext_rocm.convert.mapping import IGNORED, aliases, leaf, plan
+
+__all__ = ["ConvertError", "from_hf", "hf_to_export", "checkpoint_to_hf", "to_hf"]
+
+DEFAULT_SHARD_SIZE = "5GB"
+
+
+# ----------------------------------------------------------------------------------------------
+# Hugging Face -> ours
+
+
+def read_hf_config(hf_dir) -> dict[str, Any]:
+    hf_dir = Path(hf_dir)
+    if not hf_dir.is_dir():
+        raise ConvertError(f"{hf_dir} is not a directory; give a Hugging Face model folder (config.json + *.safetensors)")
+    path = hf_dir / "config.json"
+    if not path.is_file():
+        raise ConvertError(f"{hf_dir} has no config.json; give a Hugging Face model folder")
+    try:
+        return json.loads(path.read_text())
+    except ValueError as error:
+        raise ConvertError(f"{path} is not valid JSON ({error})") from None
+
+
+def config_from_hf(hf: Mapping[str, Any], where: str, name: str = "converted",
+                   overrides: Mapping[str, Any] | Iterable[str] | None = None):
+    """The full run config for a Hugging Face config.json: defaults, its model keys, then overrides."""
+    cfg = config_lib.defaults()
+    cfg.name = name
+    for key, value in model_updates(hf, where).items():
+        config_lib.set_key(cfg, f"model.{key}", value)
+    if isinstance(overrides, Mapping):
+        for key, value in overrides.items():
+            config_lib.set_key(cfg, key, value)
+    elif overrides is not None:
+        config_lib.apply_cli_overrides(cfg, list(overrides))
+    config_lib.validate(cfg)
+    return cfg
+
+
+def _empty_params(cfg) -> dict:
+    """Our params tree for cfg, as uninitialised numpy arrays in the parameter dtype."""
+    import jax
+    from flax import linen as nn
+
+    from maxtext_rocm.models import abstract_params
+
+    shapes = nn.meta.unbox(abstract_params(cfg))
+    return jax.tree_util.tree_map(lambda x: np.empty(x.shape, x.dtype), shapes)
+
+
+def from_hf(hf_dir, overrides: Mapping[str, Any] | Iterable[str] | None = None):
+    """(config, params) of a Hugging Face LlamaForCausalLM / MixtralForCausalLM folder.
+
+    `overrides` ({"model.scan_layers": False, "precision.policy": "fp32"} or command-line strings)
+    apply to the config before the weights are read; the params tree follows model.scan_layers.
+    """
+    hf_dir = Path(hf_dir)
+    hf = read_hf_config(hf_dir)
+    weight_files = files_lib.weight_files(hf_dir)  # pickles are refused before anything else
+    where = str(hf_dir / "config.json")
+    cfg = config_from_hf(hf, where, re.sub(r"[^A-Za-z0-9_.-]", "_", hf_dir.resolve().name) or "converted", overrides)
+    params = _empty_params(cfg)
+    m = cfg.model
+    slots = {slot.hf_name: slot for slot in plan(m)}
+    alias_table = aliases(m)
+    filled: set[str] = set()
+
+    def place(name: str, array: np.ndarray, origin: str) -> None:
+        slot = slots[name]
+        target = leaf(params, slot.path)
+        ours = target.shape[len(slot.index):]
+        want = slot.hf_shape(ours)
+        if tuple(array.shape) != want:
+            raise ConvertError(f"tensor {origin} has shape {tuple(array.shape)}, but {where} implies {want}")
+        target[slot.index] = slot.to_ours(np.asarray(array, dtype=target.dtype), ours)
+        filled.add(name)
+
+    for name, path, shape, dtype, load in files_lib.tensors(weight_files):
+        origin = f"{name} in {path.name}"
+        if IGNORED.match(name) or (name == "lm_head.weight" and m.tie_embeddings):
+            continue
+        if name not in slots and name not in alias_table:
+            raise ConvertError(f"tensor {origin} has no place in a {m.family} model as {where} describes it "
+                               f"({m.n_layers} layers{f', {m.n_experts} experts' if m.n_experts > 1 else ''}"
+                               f"{', tied embeddings' if m.tie_embeddings else ''})")
+        if dtype not in files_lib.FLOAT_DTYPES:
+            raise ConvertError(f"tensor {origin} is stored as {dtype}; only float32, float16 and bfloat16 "
+                               "weights can be converted (dequantize the checkpoint first)")
+        if name in slots:
+            slot = slots[name]
+            want = slot.hf_shape(leaf(params, slot.path).shape[len(slot.index):])
+            if shape != want:  # refused before the tensor is read
+                raise ConvertError(f"tensor {origin} has shape {shape}, but {where} implies {want}")
+            place(name, load(), origin)
+            continue
+        want, parts = alias_table[name]
+        if shape != want:
+            raise ConvertError(f"tensor {origin} has shape {shape}, but {where} implies {want}")
+        array = load()
+        for published, cut in parts:
+            place(published, cut(array), origin)
+        del array
+
+    missing = [name for name in slots if name not in filled]
+    if missing:
+        raise ConvertError(f"tensor {missing[0]} is missing from {hf_dir}"
+                           + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+                           + f"; {where} describes a {m.family} model that needs it")
+    return cfg, params
+
+
+def _preset_source(cfg, hf_dir: Path) -> str:
+    """A preset file that rebuilds `cfg` from the defaults and starts from the export beside it."""
+    base, ours = config_lib.defaults().to_dict(), cfg.to_dict()
+    lines = [f'"""{cfg.model.family.capitalize()} converted from the Hugging Face folder {hf_dir}.',
+             "",
+             "Written by `python -m maxtext_rocm.convert from-hf`; the parameters are the export in this",
+             'folder, which checkpoint.load_params_from points at."""',
+             "",
+             "from pathlib import Path",
+             "",
+             "from maxtext_rocm.config import apply_variant, defaults",
+             "",
+             "",
+             'def get_config(variant: str = ""):',
+             "    cfg = defaults()",
+             f"    cfg.name = {cfg.name!r}"]
+    for group, values in ours.items():
+        if not isinstance(values, dict) or group == "checkpoint":
+            continue
+        changed = {k: v for k, v in values.items() if base[group].get(k) != v}
+        if changed:
+            body = ", ".join(f"{k}={v!r}" for k, v in changed.items())
+            lines.append(f"    cfg.{group}.update({body})")
+    lines += ["    cfg.checkpoint.load_params_from = str(Path(__file__).resolve().parent)",
+              "    return apply_variant(cfg, variant)", ""]
+    return "\n".join(lines)
+
+
+def _staging(out_dir: Path) -> Path:
+    """A fresh temporary folder beside out_dir (same filesystem, so the final rename is atomic)."""
+    if out_dir.exists():
+        raise ConvertError(f"{out_dir} already exists; choose a new directory for the output")
+    if not out_dir.parent.is_dir():
+        raise ConvertError(f"{out_dir.parent} does not exist; create it or choose another output directory")
+    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    return tmp
+
+
+def hf_to_export(hf_dir, out_dir, overrides=None) -> Path:
+    """`from-hf`: a params export + config.json + preset.py in out_dir."""
+    import orbax.checkpoint as ocp
+
+    hf_dir, out_dir = Path(hf_dir), Path(out_dir).absolute()
+    if out_dir.exists():  # checked before the (long) read too
+        raise ConvertError(f"{out_dir} already exists; choose a new directory for the output")
+    cfg, params = from_hf(hf_dir, overrides)
+    tmp = _staging(out_dir)
+    try:
+        ocp.PyTreeCheckpointer().save(tmp / "params", params)
+        record = {"config": cfg.to_dict(), "hf_config": read_hf_config(hf_dir), "converted_from": str(hf_dir.resolve())}
+        (tmp / "config.json").write_text(json.dumps(record, indent=2) + "\n")
+        (tmp / "preset.py").write_text(_preset_source(cfg, hf_dir.resolve()))
+        tmp.rename(out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+# ----------------------------------------------------------------------------------------------
+# Ours -> Hugging Face
+
+
+def to_hf(cfg, params, out_dir, *, dtype: str = "float32", max_shard_size: str | int = DEFAULT_SHARD_SIZE,
+          hf_base: Mapping[str, Any] | None = None) -> Path:
+    """Writes `params` of `cfg` as a Hugging Face folder: safetensors shards (+ index) and config.json.
+
+    `hf_base` is the original config.json of an imported model, whose other keys (token ids,
+    max_position_embeddings, ...) are kept.
+    """
+    from safetensors.numpy import save_file
+
+    import jax
+
+    out_dir = Path(out_dir).absolute()
+    np_dtype = files_lib.numpy_dtype(dtype)
+    limit = files_lib.parse_size(max_shard_size)
+    slots = plan(cfg.model)
+    params = jax.tree_util.tree_map(np.asarray, params)
+    for slot in slots:  # every tensor must be there before anything is written
+        try:
+            leaf(params, slot.path)[slot.index]
+        except (KeyError, IndexError, TypeError):
+            raise ConvertError(f"the parameters have no {'.'.join(slot.path)}{list(slot.index) or ''} for "
+                               f"{slot.hf_name}; they do not match the config's model") from None
+    shapes = [slot.hf_shape(leaf(params, slot.path).shape[len(slot.index):]) for slot in slots]
+    shard_of = files_lib.plan_shards([files_lib.nbytes(s, np_dtype) for s in shapes], limit)
+    names = files_lib.shard_names(shard_of[-1] + 1)
+    tmp = _staging(out_dir)
+    try:
+        total = 0
+        for shard, filename in enumerate(names):
+            tensors = {}
+            for slot, where in zip(slots, shard_of):
+                if where == shard:
+                    value = slot.to_hf(leaf(params, slot.path)[slot.index])
+                    tensors[slot.hf_name] = np.ascontiguousarray(value.astype(np_dtype))
+            total += sum(t.nbytes for t in tensors.values())
+            save_file(tensors, str(tmp / filename), metadata={"format": "pt"})
+            del tensors
+        if len(names) > 1:
+            index = {"metadata": {"total_size": total},
+                     "weight_map": {slot.hf_name: names[where] for slot, where in zip(slots, shard_of)}}
+            (tmp / files_lib.INDEX).write_text(json.dumps(index, indent=2) + "\n")
+        config = hf_config(cfg.model, hf_base, dtype, max_position=cfg.train.seq_len)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        tmp.rename(out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def _find_record(path: Path) -> tuple[dict, Path]:
+    """The config.json record of an export, a run directory, its checkpoints/ or one checkpoint."""
+    for folder in (path, path.parent, path.parent.parent):
+        candidate = folder / "config.json"
+        if candidate.is_file():
+            try:
+                record = json.loads(candidate.read_text())
+            except ValueError:
+                continue
+            if isinstance(record, dict) and "config" in record:
+                return record, candidate
+    raise ConvertError(f"found no config.json of a run or export at or above {path}; give a directory written "
+                       "by `from-hf`, `maxtext_rocm.checkpoint export` or a training run")
+
+
+def checkpoint_to_hf(checkpoint_dir, out_dir, *, dtype: str | None = None,
+                     max_shard_size: str | int = DEFAULT_SHARD_SIZE) -> Path:
+    """`to-hf`: an export, run directory or checkpoint -> a Hugging Face folder.
+
+    dtype defaults to the imported original's (an export written by `from-hf`), else float32.
+    """
+    import jax
+    import ml_collections
+    from flax import linen as nn
+
+    from maxtext_rocm.checkpoint import restore_params
+    from maxtext_rocm.models import abstract_params
+
+    checkpoint_dir, out_dir = Path(checkpoint_dir), Path(out_dir).absolute()
+    if not checkpoint_dir.is_dir():
+        raise ConvertError(f"{checkpoint_dir} is not a directory; give an export, a run directory or a checkpoint")
+    if out_dir.exists():
+        raise ConvertError(f"{out_dir} already exists; choose a new directory for the output")
+    record, _ = _find_record(checkpoint_dir)
+    cfg = ml_collections.ConfigDict(record["config"])
+    hf_base = record.get("hf_config")
+    if dtype is None:
+        dtype = str((hf_base or {}).get("dtype") or (hf_base or {}).get("torch_dtype") or "float32")
+    files_lib.numpy_dtype(dtype)  # a bad --dtype fails before the restore
+    # Restored to host memory: a 70B model would not fit one accelerator, and it goes to disk next.
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices(backend="cpu")[0])
+    abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
+                                      nn.meta.unbox(abstract_params(cfg)))
+    params = restore_params(checkpoint_dir, abstract)
+    return to_hf(cfg, params, out_dir, dtype=dtype, max_shard_size=max_shard_size, hf_base=hf_base)

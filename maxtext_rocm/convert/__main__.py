@@ -1,0 +1,52 @@
+"""python -m maxtext_rocm.convert {from-hf,to-hf} SRC OUT_DIR [options]; see maxtext_rocm/convert/__init__.py."""
+
+from __future__ import annotations
+
+import sys
+
+USAGE = """usage:
+  python -m maxtext_rocm.convert from-hf HF_DIR OUT_DIR [--config.GROUP.KEY=VALUE ...]
+  python -m maxtext_rocm.convert to-hf CHECKPOINT_DIR OUT_DIR [--dtype float32|bfloat16|float16] [--max-shard-size 5GB]"""
+
+
+def _options(args: list[str], names: tuple[str, ...]) -> dict[str, str]:
+    from maxtext_rocm.convert import ConvertError
+
+    options, i = {}, 0
+    while i < len(args):
+        key, has_value, value = args[i].partition("=")
+        if key not in names:
+            raise ConvertError(f"unknown option {args[i]!r}; to-hf takes {', '.join(names)}")
+        if not has_value:
+            if i + 1 >= len(args):
+                raise ConvertError(f"option {key} needs a value")
+            i, value = i + 1, args[i + 1]
+        options[key.lstrip("-").replace("-", "_")] = value
+        i += 1
+    return options
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) < 3 or argv[0] not in ("from-hf", "to-hf"):
+        print(USAGE, file=sys.stderr)
+        return 2
+    from maxtext_rocm.config import UserError
+    from maxtext_rocm.convert import checkpoint_to_hf, hf_to_export
+
+    command, source, out, rest = argv[0], argv[1], argv[2], argv[3:]
+    try:
+        if command == "from-hf":
+            written = hf_to_export(source, out, overrides=rest)
+            print(f"wrote {written} (train from it: python -m maxtext_rocm.train {written}/preset.py)")
+        else:
+            written = checkpoint_to_hf(source, out, **_options(rest, ("--dtype", "--max-shard-size")))
+            print(f"wrote {written}")
+    except UserError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

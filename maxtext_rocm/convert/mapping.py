@@ -1,0 +1,124 @@
+"""Which Hugging Face tensor fills which slice of which of our parameters, and how.
+
+Our dense kernels are shaped `in_shape + out_shape` (q: [d_model, heads, head_dim], o: [heads,
+head_dim, d_model]); a torch Linear weight is [out, in]. So every projection converts the same
+way: flatten our input and output axes and transpose. No permutation of q/k is needed, because
+our rotary embedding pairs dimension i with i + head_dim/2, as transformers' `rotate_half` does
+(tests/test_convert.py proves it against transformers' logits).
+
+Scanned stacks hold every layer in one array with a leading layers axis (`params["layers"]`);
+unrolled ones hold `params["layers_{i}"]`. Mixtral's experts are stacked on an expert axis
+([n_experts, d_model, mlp]); on disk they are one tensor per expert (`block_sparse_moe.experts.{e}.w1`:
+gate, `w3`: up, `w2`: down), or, as transformers 5 holds them in memory, fused
+(`mlp.experts.gate_up_proj` [E, 2 x mlp, d_model] with gate first, `mlp.experts.down_proj` [E, d_model, mlp]).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import Callable
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Slot:
+    """One Hugging Face tensor (under its published name) and where it lives in our params."""
+
+    hf_name: str
+    path: tuple[str, ...]  # keys into our params tree
+    index: tuple[int, ...]  # leading indices into that leaf: the layer if scanned, then the expert
+    n_in: int | None  # a Dense kernel's number of input axes; None: same layout on both sides
+
+    def hf_shape(self, ours: tuple[int, ...]) -> tuple[int, ...]:
+        """The torch shape of this tensor, given the shape of our slice."""
+        if self.n_in is None:
+            return tuple(ours)
+        return (math.prod(ours[self.n_in:]), math.prod(ours[:self.n_in]))
+
+    def to_ours(self, array: np.ndarray, ours: tuple[int, ...]) -> np.ndarray:
+        return array if self.n_in is None else array.T.reshape(ours)
+
+    def to_hf(self, value: np.ndarray) -> np.ndarray:
+        if self.n_in is None:
+            return value
+        return value.reshape(math.prod(value.shape[:self.n_in]), -1).T
+
+
+# Per layer: Hugging Face suffix -> (our path inside the layer, input axes of the kernel).
+ATTENTION = {
+    "self_attn.q_proj.weight": (("attention", "q", "kernel"), 1),
+    "self_attn.k_proj.weight": (("attention", "k", "kernel"), 1),
+    "self_attn.v_proj.weight": (("attention", "v", "kernel"), 1),
+    "self_attn.o_proj.weight": (("attention", "o", "kernel"), 2),
+    "input_layernorm.weight": (("attention_norm", "scale"), None),
+    "post_attention_layernorm.weight": (("mlp_norm", "scale"), None),
+}
+DENSE_MLP = {
+    "mlp.gate_proj.weight": (("mlp", "gate", "kernel"), 1),
+    "mlp.up_proj.weight": (("mlp", "up", "kernel"), 1),
+    "mlp.down_proj.weight": (("mlp", "down", "kernel"), 1),
+}
+ROUTER = "block_sparse_moe.gate.weight"
+EXPERT = {"w1": ("moe", "gate"), "w3": ("moe", "up"), "w2": ("moe", "down")}
+# Tensors some files carry that hold nothing to convert (old Llama checkpoints saved rotary tables).
+IGNORED = re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")
+
+
+def _layer(m, i: int) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    return (("layers",), (i,)) if m.scan_layers else ((f"layers_{i}",), ())
+
+
+def plan(m) -> list[Slot]:
+    """Every tensor of a Hugging Face checkpoint of `cfg.model`, in the order files list them."""
+    slots = [Slot("model.embed_tokens.weight", ("embed", "embedding"), (), None)]
+    for i in range(m.n_layers):
+        base, index = _layer(m, i)
+        prefix = f"model.layers.{i}."
+        for suffix, (path, n_in) in ATTENTION.items():
+            slots.append(Slot(prefix + suffix, base + path, index, n_in))
+        if m.family == "mixtral":
+            slots.append(Slot(prefix + ROUTER, base + ("moe", "router", "kernel"), index, 1))
+            for e in range(m.n_experts):
+                for w, path in EXPERT.items():
+                    slots.append(Slot(f"{prefix}block_sparse_moe.experts.{e}.{w}.weight", base + path,
+                                      index + (e,), 1))
+        else:
+            for suffix, (path, n_in) in DENSE_MLP.items():
+                slots.append(Slot(prefix + suffix, base + path, index, n_in))
+    slots.append(Slot("model.norm.weight", ("final_norm", "scale"), (), None))
+    if not m.tie_embeddings:
+        slots.append(Slot("lm_head.weight", ("lm_head", "kernel"), (), 1))
+    return slots
+
+
+Extract = Callable[[np.ndarray], np.ndarray]
+
+
+def aliases(m) -> dict[str, tuple[tuple[int, ...], list[tuple[str, Extract]]]]:
+    """Other names for the same tensors: transformers 5's in-memory Mixtral layout.
+
+    alias -> (its torch shape, [(published name, the published tensor cut out of it)]).
+    """
+    if m.family != "mixtral":
+        return {}
+    f, d, n = m.mlp_dim, m.d_model, m.n_experts
+    table = {}
+    for i in range(m.n_layers):
+        prefix = f"model.layers.{i}."
+        table[prefix + "mlp.gate.weight"] = ((n, d), [(prefix + ROUTER, lambda a: a)])
+        experts = f"{prefix}block_sparse_moe.experts."
+        table[prefix + "mlp.experts.gate_up_proj"] = ((n, 2 * f, d), [
+            (f"{experts}{e}.{w}.weight", (lambda a, e=e, lo=lo: a[e, lo:lo + f]))
+            for e in range(n) for w, lo in (("w1", 0), ("w3", f))])
+        table[prefix + "mlp.experts.down_proj"] = ((n, d, f), [
+            (f"{experts}{e}.w2.weight", (lambda a, e=e: a[e])) for e in range(n)])
+    return table
+
+
+def leaf(params, path: tuple[str, ...]):
+    for key in path:
+        params = params[key]
+    return params

@@ -1,0 +1,249 @@
+"""Mixture of experts: a router, SwiGLU experts, and one switch between three ways to compute them.
+
+Routing is Mixtral's: a linear router, a softmax over `n_experts`, the top `experts_per_token`
+kept and their weights renormalised to sum to one. Each token's output is the weighted sum of its
+chosen experts' SwiGLU outputs. `model.moe_impl` chooses how that sum is computed:
+
+- "dropless": (token, choice) pairs sorted by expert, then `jax.lax.ragged_dot` (a grouped GEMM)
+  runs each expert on exactly its tokens. Exact; the right path on GPUs.
+- "capacity": each expert takes at most `capacity` tokens of each sequence into a fixed-size buffer
+  (Switch/GShard style); choices past it are dropped, i.e. contribute nothing. Static shapes, so
+  XLA derives the expert-parallel all-to-all from the buffers' shardings.
+- "dense": every expert runs on every token and the unchosen ones get weight zero. Exact and
+  simple; E/k times the expert FLOPs. The reference the tests compare the others to.
+- "auto": the fastest for the backend, see `resolve_implementation`.
+
+The router's auxiliary losses (load balancing, z-loss) are sown into the `AUX_LOSSES` collection;
+`router_losses` averages them over layers for the objective in step.py. Models stay pure: the
+expert dimension is the logical axis "exp", mapped to a mesh axis by sharding.py alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Mapping
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+
+from maxtext_rocm.models.layers import Dense
+from maxtext_rocm.precision import Policy
+
+Array = jax.Array
+
+# The Flax collection the router losses are sown into (one value per layer). The decoder stack
+# stacks it over scanned layers; the step applies the model with it mutable to read the losses.
+AUX_LOSSES = "aux_losses"
+# Router loss name -> the model config key that weighs it in the objective.
+ROUTER_LOSS_WEIGHTS = {"moe_aux_loss": "moe_aux_loss_weight", "moe_z_loss": "moe_router_z_loss_weight"}
+
+# Expert weights: experts over "exp", then their own d_model axis "exp_embed" (FSDP-sharded like
+# "embed" but never over the mesh axis that already splits the experts), then "mlp" (tensor).
+GATE_UP_AXES = ("exp", "exp_embed", "mlp")
+DOWN_AXES = ("exp", "mlp", "exp_embed")
+# Capacity buffers [batch, experts, slots, features]: the all-to-all moves tokens from the batch
+# sharding to the expert sharding.
+BUFFER_AXES = ("activation_exp_batch", "activation_exp", None)
+
+
+# ----------------------------------------------------------------------------------------------
+# Routing and its auxiliary losses
+
+
+def route(logits: Array, k: int) -> tuple[Array, Array, Array]:
+    """(probabilities [..., E], weights [..., k], experts [..., k]) from router logits.
+
+    Softmax over all experts, top-k, and the k weights renormalised to sum to one (Mixtral's
+    `softmax(topk(logits))` is the same thing).
+    """
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    weights, experts = jax.lax.top_k(probs, k)
+    return probs, weights / jnp.sum(weights, axis=-1, keepdims=True), experts
+
+
+def load_balancing_loss(probs: Array, experts: Array) -> Array:
+    """Switch Transformer's load-balancing loss as Mixtral (Hugging Face, MaxText) scales it.
+
+    n_experts * sum_e f_e * P_e, where f_e is the fraction of tokens that chose expert e among
+    their top k (the f_e sum to k) and P_e the mean router probability of e. Perfect balance gives
+    k, so a weight taken from either code base means the same here.
+    """
+    n_experts = probs.shape[-1]
+    chosen = jnp.sum(jax.nn.one_hot(experts, n_experts, dtype=jnp.float32), axis=-2)
+    fraction = jnp.mean(chosen.reshape(-1, n_experts), axis=0)
+    mean_prob = jnp.mean(probs.reshape(-1, n_experts), axis=0)
+    return n_experts * jnp.sum(fraction * mean_prob)
+
+
+def router_z_loss(logits: Array) -> Array:
+    """ST-MoE's router z-loss: mean squared log-partition, which keeps router logits small."""
+    return jnp.mean(jnp.square(jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1)))
+
+
+def router_losses(aux: Mapping) -> dict[str, Array]:
+    """Each router loss sown into the `AUX_LOSSES` collection, averaged over layers.
+
+    `aux` is what `model.apply(..., mutable=[AUX_LOSSES])` returns next to the logits; a dense
+    model sows nothing and gets zeros, so the step needs no branch on the model family.
+    """
+    found: dict[str, list[Array]] = {name: [] for name in ROUTER_LOSS_WEIGHTS}
+    for path, leaf in jax.tree_util.tree_leaves_with_path(aux):
+        # Sown values sit at .../<name>/(value,): the last dictionary key names the loss.
+        name = [entry.key for entry in path if isinstance(entry, jax.tree_util.DictKey)][-1]
+        found[name].append(jnp.ravel(leaf))
+    return {name: jnp.mean(jnp.concatenate(values)) if values else jnp.zeros((), jnp.float32)
+            for name, values in found.items()}
+
+
+def weighted_router_loss(losses: Mapping[str, Array], model_cfg) -> Array:
+    """The router losses' share of the objective, weighted by their model config keys."""
+    return sum(model_cfg[ROUTER_LOSS_WEIGHTS[name]] * value for name, value in losses.items())
+
+
+# ----------------------------------------------------------------------------------------------
+# Expert computation: x [batch, seq, d], weights and experts [batch, seq, k] -> [batch, seq, d]
+
+
+def _swiglu(gate: Array, up: Array) -> Array:
+    return nn.silu(gate) * up
+
+
+def dense_experts(x: Array, weights: Array, experts: Array, gate: Array, up: Array, down: Array) -> Array:
+    """Every expert on every token; unchosen experts weigh zero. gate, up: [E, d, f]; down: [E, f, d]."""
+    n_experts = gate.shape[0]
+    # [b, s, E]: each token's renormalised weight on each expert, zero where not chosen.
+    combine = jnp.einsum("bske,bsk->bse", jax.nn.one_hot(experts, n_experts, dtype=x.dtype),
+                         weights.astype(x.dtype))
+    hidden = _swiglu(jnp.einsum("bsd,edf->bsef", x, gate), jnp.einsum("bsd,edf->bsef", x, up))
+    # Weighing the hidden units first lets one einsum contract both the experts and the MLP axis.
+    return jnp.einsum("bsef,efd->bsd", hidden * combine[..., None], down)
+
+
+def dropless_experts(x: Array, weights: Array, experts: Array, gate: Array, up: Array, down: Array) -> Array:
+    """Each (token, choice) pair through its expert with grouped GEMMs over expert-sorted rows."""
+    batch, seq, d = x.shape
+    k, n_experts = experts.shape[-1], gate.shape[0]
+    flat = experts.reshape(-1)  # [T*k], token-major
+    order = jnp.argsort(flat, stable=True)  # rows grouped by expert
+    group_sizes = jnp.bincount(flat, length=n_experts).astype(jnp.int32)
+    rows = x.reshape(-1, d)[order // k]  # [T*k, d]
+    hidden = _swiglu(jax.lax.ragged_dot(rows, gate, group_sizes), jax.lax.ragged_dot(rows, up, group_sizes))
+    out = jax.lax.ragged_dot(hidden, down, group_sizes)
+    out = jnp.zeros_like(out).at[order].set(out)  # back to token-major order
+    return jnp.einsum("bskd,bsk->bsd", out.reshape(batch, seq, k, d), weights.astype(x.dtype))
+
+
+def expert_capacity(seq_len: int, n_experts: int, k: int, factor: float) -> int:
+    """Slots per expert per sequence: `factor` times an even share of the seq_len * k choices.
+
+    Never more than seq_len, since a token chooses an expert at most once.
+    """
+    return max(1, min(seq_len, math.ceil(factor * seq_len * k / n_experts)))
+
+
+def capacity_slots(experts: Array, n_experts: int) -> Array:
+    """The buffer slot [b, s, k] each (token, choice) takes in its expert, before any dropping.
+
+    Slots fill in token order, a token's first choice before its second: whether a token is
+    dropped then depends only on the tokens before it, so dropping never leaks the future.
+    """
+    batch, seq, k = experts.shape
+    chosen = jax.nn.one_hot(experts, n_experts, dtype=jnp.int32).reshape(batch, seq * k, n_experts)
+    slots = (jnp.cumsum(chosen, axis=1) - 1) * chosen
+    return jnp.sum(slots, axis=-1).reshape(batch, seq, k)
+
+
+def capacity_experts(x: Array, weights: Array, experts: Array, gate: Array, up: Array, down: Array,
+                     capacity: int) -> Array:
+    """Fixed-capacity expert buffers; choices beyond an expert's `capacity` are dropped.
+
+    Tokens move into and out of the buffers by gathers along the sequence, not GShard's one-hot
+    dispatch/combine einsums: those build [batch, seq, experts, capacity] tensors (42M entries per
+    sequence for Mixtral at 4K tokens) and cost 1.35x more time on the CPU at tiny_mixtral's size.
+    """
+    batch, seq, d = x.shape
+    n_experts, k = gate.shape[0], experts.shape[-1]
+    n_rows = n_experts * capacity
+    slots = capacity_slots(experts, n_experts)
+    # The buffer row [0, E * C) of each (token, choice); a dropped one gets row E * C, which reads
+    # a row of zeros in both directions.
+    rows = jnp.where(slots < capacity, experts * capacity + slots, n_rows)  # [b, s, k]
+    token_ids = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32)[:, None], (seq, k))
+    # The token in each buffer row (an empty row holds token `seq`, the zero row): kept rows are
+    # unique, dropped choices all land on the spare row, which is cut off.
+    owners = jax.vmap(lambda r: jnp.full((n_rows + 1,), seq, jnp.int32).at[r].set(token_ids))(rows)[:, :n_rows]
+    padded = jnp.pad(x, ((0, 0), (0, 1), (0, 0)))
+    buffers = jnp.take_along_axis(padded, owners[..., None], axis=1).reshape(batch, n_experts, capacity, d)
+
+    buffers = nn.with_logical_constraint(buffers, BUFFER_AXES + ("activation_embed",))
+    hidden = _swiglu(jnp.einsum("becd,edf->becf", buffers, gate), jnp.einsum("becd,edf->becf", buffers, up))
+    hidden = nn.with_logical_constraint(hidden, BUFFER_AXES + ("activation_mlp",))
+    out = jnp.einsum("becf,efd->becd", hidden, down)
+    out = nn.with_logical_constraint(out, BUFFER_AXES + ("activation_embed",))
+    # Back to the batch sharding (the return all-to-all), then each choice reads its row.
+    out = out.reshape(batch, n_rows, d)
+    out = nn.with_logical_constraint(out, ("activation_batch", None, "activation_embed"))
+    out = jnp.pad(out, ((0, 0), (0, 1), (0, 0)))
+    chosen = jnp.take_along_axis(out, rows.reshape(batch, seq * k)[..., None], axis=1)
+    return jnp.einsum("bskd,bsk->bsd", chosen.reshape(batch, seq, k, d), weights.astype(x.dtype))
+
+
+def resolve_implementation(name: str, backend: str | None = None) -> str:
+    """`model.moe_impl`, with "auto" replaced by the backend's fastest implementation.
+
+    GPUs: "dropless" (ragged_dot is a grouped GEMM, and nothing is dropped). The CPU lowers
+    ragged_dot to a masked dense dot over every expert; measured on tiny_mixtral (8 experts, top 2,
+    one train step, best of 6): "capacity" 3,460 tokens/s, "dense" 2,070, "dropless" 1,290. So the
+    CPU gets "capacity", which may drop overflow tokens (moe_capacity_factor); ask for "dense"
+    where the exact model matters more than speed.
+    """
+    if name != "auto":
+        return name
+    backend = backend or jax.default_backend()
+    return "capacity" if backend == "cpu" else "dropless"
+
+
+# ----------------------------------------------------------------------------------------------
+# The layer
+
+
+class MoE(nn.Module):
+    """Router + SwiGLU experts, computed by `model.moe_impl`; sows the router losses."""
+
+    cfg: "ml_collections.FrozenConfigDict"  # noqa: F821 - cfg.model
+    policy: Policy
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        m = self.cfg
+        n_experts, d, f = m.n_experts, m.d_model, m.mlp_dim
+        # The router runs in fp32 whatever the policy: its softmax and top-k decide where tokens
+        # go, and bf16 logits would flip near-ties. It is d_model x n_experts, so this is free.
+        router_policy = dataclasses.replace(self.policy, compute_dtype=jnp.float32, dot_general_cls=None)
+        logits = Dense((d,), (n_experts,), ("embed", None), router_policy, name="router")(x)
+        probs, weights, experts = route(logits, m.experts_per_token)
+        self.sow(AUX_LOSSES, "moe_aux_loss", load_balancing_loss(probs, experts))
+        self.sow(AUX_LOSSES, "moe_z_loss", router_z_loss(logits))
+
+        # Fan-in scaled per expert: axis 0 (experts) is a batch axis, not a fan.
+        init = nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal",
+                                                in_axis=1, out_axis=2, batch_axis=(0,))
+
+        def kernel(name, shape, axes):
+            value = self.param(name, nn.with_logical_partitioning(init, axes), shape, self.policy.param_dtype)
+            return value.astype(self.policy.compute_dtype)
+
+        gate = kernel("gate", (n_experts, d, f), GATE_UP_AXES)
+        up = kernel("up", (n_experts, d, f), GATE_UP_AXES)
+        down = kernel("down", (n_experts, f, d), DOWN_AXES)
+        x = x.astype(self.policy.compute_dtype)
+
+        implementation = resolve_implementation(m.moe_impl)
+        if implementation == "dense":
+            return dense_experts(x, weights, experts, gate, up, down)
+        if implementation == "dropless":
+            return dropless_experts(x, weights, experts, gate, up, down)
+        capacity = expert_capacity(x.shape[1], n_experts, m.experts_per_token, m.moe_capacity_factor)
+        return capacity_experts(x, weights, experts, gate, up, down, capacity)

@@ -1,0 +1,195 @@
+"""FP8: the quantizer against ml_dtypes, GEMM accuracy, parity with Flax's ops, the delayed-scaling
+state through training and checkpoints, and the HLO that XLA sees."""
+
+import types
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from flax.linen import fp8_ops
+
+from maxtext_rocm import fp8
+from maxtext_rocm.step import eval_step
+from maxtext_rocm.train import Trainer
+
+from conftest import small_config
+
+DIMS = (((1,), (0,)), ((), ()))
+
+
+@pytest.mark.parametrize("fmt", ["ocp", "fnuz"])
+def test_quantize_dequantize_matches_ml_dtypes(fmt):
+    e4m3, e5m2 = fp8.FORMATS[fmt]
+    for q_dtype, reference in ((e4m3, getattr(ml_dtypes, jnp.dtype(e4m3).name)),
+                               (e5m2, getattr(ml_dtypes, jnp.dtype(e5m2).name))):
+        top = float(ml_dtypes.finfo(reference).max)
+        tiny = float(ml_dtypes.finfo(reference).smallest_subnormal)
+        x = np.array([0.0, -0.0, 1.0, -3.3, 0.1, top, -top, 2 * top, -1e30, tiny, tiny / 3, 1e-30],
+                     np.float32)
+        scale = np.float32(1.0)
+        got = np.asarray(fp8.quantize_dequantize(jnp.asarray(x), q_dtype, jnp.asarray(scale)))
+        want = np.clip(x / scale, -top, top).astype(reference).astype(np.float32) * scale
+        np.testing.assert_array_equal(got, want)
+        assert got[7] == top and got[8] == -top, "out-of-range values saturate, never inf/NaN"
+        assert np.isfinite(got).all()
+        if fmt == "fnuz":
+            assert not np.signbit(got[1]), "FNUZ has no -0"
+        # A scale moves the grid: 1000 with scale 8 lands on 8 * q(125).
+        scaled = float(fp8.quantize_dequantize(jnp.float32(1000.0), q_dtype, jnp.float32(8.0)))
+        assert scaled == 8 * float(np.float32(125.0).astype(reference).astype(np.float32))
+
+
+def test_scale_has_a_floor_and_keeps_the_old_one_on_zero_or_inf():
+    e4m3 = fp8.FORMATS["ocp"][0]
+    old = jnp.float32(0.5)
+    assert float(fp8.scale_from_amax(jnp.float32(0.0), e4m3, old)) == 0.5
+    assert float(fp8.scale_from_amax(jnp.float32(np.inf), e4m3, old)) == 0.5
+    assert float(fp8.scale_from_amax(jnp.float32(np.nan), e4m3, old)) == 0.5
+    assert float(fp8.scale_from_amax(jnp.float32(1e-35), e4m3, old)) == fp8.SCALE_FLOOR
+    assert float(fp8.scale_from_amax(jnp.float32(448.0), e4m3, old)) == 1.0
+    zeros = jnp.zeros((4, 8), jnp.float32)
+    for scaling in ("delayed", "current"):
+        op = fp8.Fp8DotGeneral(scaling=scaling, amax_history_len=4)
+        variables = op.init(jax.random.key(0), zeros, jnp.ones((8, 3)), DIMS)
+        y = op.apply(variables, zeros, jnp.ones((8, 3)), DIMS)
+        assert np.array_equal(np.asarray(y), np.zeros((4, 3))), "a zero tensor gives a zero result"
+
+
+def snr_db(reference, approx):
+    reference, approx = np.asarray(reference, np.float64), np.asarray(approx, np.float64)
+    return 10 * np.log10(np.sum(reference ** 2) / np.sum((reference - approx) ** 2))
+
+
+@pytest.mark.parametrize("fmt", ["ocp", "fnuz"])
+@pytest.mark.parametrize("scaling", ["delayed", "current"])
+def test_fp8_gemm_forward_and_backward_snr(fmt, scaling):
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((64, 256)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((256, 128)) * 0.05, jnp.float32)
+    cotangent = jnp.asarray(rng.standard_normal((64, 128)) * 1e-3, jnp.float32)
+    op = fp8.Fp8DotGeneral(fmt=fmt, scaling=scaling, amax_history_len=8)
+    variables = op.init(jax.random.key(0), x, w, DIMS)
+    if scaling == "delayed":  # warm the history with one step, as training does
+        variables = jax.grad(lambda v: jnp.sum(op.apply(v, x, w, DIMS) * cotangent))(variables)
+
+    def fp8_loss(x, w):
+        return jnp.sum(op.apply(variables, x, w, DIMS) * cotangent)
+
+    def exact_loss(x, w):
+        return jnp.sum((x @ w) * cotangent)
+
+    assert snr_db(x @ w, op.apply(variables, x, w, DIMS)) >= 25
+    for got, want in zip(jax.grad(fp8_loss, (0, 1))(x, w), jax.grad(exact_loss, (0, 1))(x, w)):
+        assert snr_db(want, got) >= 20
+
+
+@pytest.mark.parametrize("fmt, flax_op", [("ocp", fp8_ops.Fp8DirectDotGeneralOp),
+                                          ("fnuz", fp8_ops.NANOOFp8DotGeneralOp)])
+def test_parity_with_flax_delayed_scaling(fmt, flax_op):
+    rng = np.random.default_rng(1)
+    ours, theirs = fp8.Fp8DotGeneral(fmt=fmt, amax_history_len=16), flax_op(amax_history_length=16)
+    k = jnp.asarray(rng.standard_normal((64, 32)) * 0.1, jnp.float32)
+    x0 = jnp.asarray(rng.standard_normal((16, 64)), jnp.float32)
+    ours_state = ours.init(jax.random.key(0), x0, k, DIMS)
+    theirs_state = theirs.init(jax.random.key(0), x0, k, DIMS)
+    for step in range(4):
+        x = jnp.asarray(rng.standard_normal((16, 64)) * (step + 1), jnp.float32)
+        c = jnp.asarray(rng.standard_normal((16, 32)), jnp.float32)
+        np.testing.assert_allclose(ours.apply(ours_state, x, k, DIMS), theirs.apply(theirs_state, x, k, DIMS),
+                                   rtol=1e-6, atol=1e-6)
+        # Both hand the updated state back as the state's gradient.
+        ours_state = jax.grad(lambda v: jnp.sum(ours.apply(v, x, k, DIMS) * c))(ours_state)
+        theirs_state = jax.grad(lambda v: jnp.sum(theirs.apply(v, x, k, DIMS) * c))(theirs_state)
+    mine, flax_state = ours_state["fp8"], theirs_state["_overwrite_with_gradient"]
+    for name in ("input", "kernel", "output_grad"):
+        np.testing.assert_allclose(mine[f"{name}_scale"], flax_state[f"{name}_scale"][0], rtol=1e-6)
+        np.testing.assert_array_equal(mine[f"{name}_amax_history"], flax_state[f"{name}_amax_history"])
+    assert int((mine["input_amax_history"] > 0).sum()) == 4, "four steps of history were recorded"
+
+
+@pytest.mark.parametrize("kind, capability, expected", [
+    ("AMD Instinct MI300X", "", "fnuz"), ("AMD Instinct MI325X", "", "fnuz"),
+    ("", "gfx942", "fnuz"), ("AMD Instinct MI355X", "gfx950", "ocp"), ("NVIDIA H100 80GB HBM3", "9.0", "ocp"),
+    ("cpu", "", "ocp"),
+])
+def test_auto_format_follows_the_device(kind, capability, expected):
+    device = types.SimpleNamespace(device_kind=kind, compute_capability=capability)
+    assert fp8.resolve_format("auto", device) == expected
+    assert fp8.resolve_format("ocp", device) == "ocp"
+
+
+def fp8_config(tmp_path, **overrides):
+    return small_config(**{"precision.policy": "fp8", "precision.amax_history_len": 8,
+                           "output_dir": str(tmp_path), **overrides})
+
+
+def test_delayed_state_is_updated_by_the_step_not_the_optimizer(devices, tmp_path):
+    cfg = fp8_config(tmp_path, **{"optimizer.weight_decay": 0.5, "optimizer.lr": 1.0, "train.steps": 3})
+    trainer = Trainer(cfg, devices=devices[:2], log=lambda *_: None)
+    before = jax.tree_util.tree_map(np.asarray, trainer.state.fp8)
+    batch = trainer.device_batch(0)
+    # What the op alone makes of this batch: the new state is the state's "gradient".
+    from maxtext_rocm.step import summed_loss
+    with trainer.context():
+        _, expected = jax.jit(jax.grad(
+            lambda p, f: summed_loss(p, trainer.model, batch, 0.0, f)[0], argnums=(0, 1)))(
+            trainer.state.params, trainer.state.fp8)
+    trainer.step()
+    after = trainer.state.fp8
+    q_kernel = after["layers"]["attention"]["q"]["dot"]
+    assert q_kernel["input_amax_history"].shape == (2, 8), "one history per scanned layer"
+    assert float(q_kernel["input_amax_history"][0, 0]) > 0 and before["layers"]["attention"]["q"]["dot"][
+        "input_amax_history"].max() == 0
+    for got, want in zip(jax.tree_util.tree_leaves(after), jax.tree_util.tree_leaves(expected)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert "fp8" not in str(jax.tree_util.tree_structure(trainer.state.opt_state)), "the optimizer never sees it"
+    assert "lm_head" not in after, "the LM head stays in bf16 by default"
+
+
+def test_delayed_state_survives_a_checkpoint(devices, tmp_path):
+    cfg = fp8_config(tmp_path, **{"train.steps": 3, "checkpoint.every": 3})
+    trainer = Trainer(cfg, devices=devices[:2], log=lambda *_: None)
+    trainer.run()
+    saved = jax.tree_util.tree_map(np.asarray, trainer.state.fp8)
+    resumed = Trainer(fp8_config(tmp_path, **{"train.steps": 6}), devices=devices[:2], log=lambda *_: None)
+    assert resumed.step_count == 3
+    for a, b in zip(jax.tree_util.tree_leaves(resumed.state.fp8), jax.tree_util.tree_leaves(saved)):
+        np.testing.assert_array_equal(np.asarray(a), b)
+
+
+@pytest.mark.parametrize("fmt, types_", [("fnuz", ("f8E4M3FNUZ", "f8E5M2FNUZ")), ("ocp", ("f8E4M3FN", "f8E5M2"))])
+def test_train_step_hlo_has_the_fp8_types(fmt, types_, devices, tmp_path):
+    trainer = Trainer(fp8_config(tmp_path, **{"precision.fp8_format": fmt}), devices=devices[:1],
+                      log=lambda *_: None)
+    with trainer.context():
+        hlo = trainer._train_step.lower(trainer.state, trainer.device_batch(0)).as_text()
+    for name in types_:
+        assert name.lower() in hlo.lower(), name
+    if fmt == "fnuz":
+        assert "f8e4m3fn>" not in hlo.lower() and "f8e4m3fn " not in hlo.lower()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt, scaling", [("ocp", "delayed"), ("fnuz", "delayed"), ("ocp", "current"),
+                                          ("fnuz", "current")])
+def test_tiny_model_fp8_loss_tracks_bf16(fmt, scaling, devices, tmp_path):
+    def final_loss(policy, **extra):
+        cfg = small_config(**{"precision.policy": policy, "data.source": "embedded", "model.vocab_size": 512,
+                              "model.d_model": 128, "train.steps": 200, "train.seq_len": 128,
+                              "train.per_device_batch_size": 8, "optimizer.lr": 3e-3, "optimizer.warmup_steps": 20,
+                              "log.every": 20, "output_dir": str(tmp_path / f"{policy}{fmt}{scaling}"), **extra})
+        trainer = Trainer(cfg, devices=devices[:1], log=lambda *_: None)
+        trainer.run()
+        assert int(trainer.state.nonfinite_steps) == 0
+        # The final parameters on 20 batches of the last steps: less noisy than one logged loss.
+        loss = jax.jit(lambda params, fp8_state, batch: eval_step(params, batch, model=trainer.model,
+                                                                  fp8_state=fp8_state)["loss"])
+        with trainer.context():
+            return np.mean([float(loss(trainer.state.params, trainer.state.fp8, trainer.device_batch(step)))
+                            for step in range(180, 200)])
+
+    bf16 = final_loss("bf16")
+    fp8_loss = final_loss("fp8", **{"precision.fp8_format": fmt, "precision.fp8_scaling": scaling})
+    assert abs(fp8_loss - bf16) / bf16 < 0.015, (fp8_loss, bf16)
