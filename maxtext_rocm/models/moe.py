@@ -110,15 +110,29 @@ def _swiglu(gate: Array, up: Array) -> Array:
     return nn.silu(gate) * up
 
 
-def dense_experts(x: Array, weights: Array, experts: Array, gate: Array, up: Array, down: Array) -> Array:
+def _dots(dots: Mapping | None) -> dict:
+    """The dot_general of each expert weight: the policy's (fp8 keeps a scale per weight) or XLA's."""
+    return {name: (dots or {}).get(name, jax.lax.dot_general) for name in ("gate", "up", "down")}
+
+
+def _per_expert(dot, buffers: Array, weight: Array) -> Array:
+    """[b, E, c, i] x [E, i, o] -> [b, E, c, o], the expert axis as a dot batch axis."""
+    out = dot(buffers, weight, (((3,), (1,)), ((1,), (0,))))  # [E, b, c, o]
+    return jnp.swapaxes(out, 0, 1)
+
+
+def dense_experts(x: Array, weights: Array, experts: Array, gate: Array, up: Array, down: Array,
+                  dots: Mapping | None = None) -> Array:
     """Every expert on every token; unchosen experts weigh zero. gate, up: [E, d, f]; down: [E, f, d]."""
+    dot = _dots(dots)
     n_experts = gate.shape[0]
     # [b, s, E]: each token's renormalised weight on each expert, zero where not chosen.
     combine = jnp.einsum("bske,bsk->bse", jax.nn.one_hot(experts, n_experts, dtype=x.dtype),
                          weights.astype(x.dtype))
-    hidden = _swiglu(jnp.einsum("bsd,edf->bsef", x, gate), jnp.einsum("bsd,edf->bsef", x, up))
-    # Weighing the hidden units first lets one einsum contract both the experts and the MLP axis.
-    return jnp.einsum("bsef,efd->bsd", hidden * combine[..., None], down)
+    to_hidden = (((2,), (1,)), ((), ()))  # bsd,edf->bsef
+    hidden = _swiglu(dot["gate"](x, gate, to_hidden), dot["up"](x, up, to_hidden))
+    # Weighing the hidden units first lets one dot contract both the experts and the MLP axis.
+    return dot["down"](hidden * combine[..., None], down, (((2, 3), (0, 1)), ((), ())))  # bsef,efd->bsd
 
 
 def dropless_experts(x: Array, weights: Array, experts: Array, gate: Array, up: Array, down: Array) -> Array:
@@ -156,7 +170,7 @@ def capacity_slots(experts: Array, n_experts: int) -> Array:
 
 
 def capacity_experts(x: Array, weights: Array, experts: Array, gate: Array, up: Array, down: Array,
-                     capacity: int) -> Array:
+                     capacity: int, dots: Mapping | None = None) -> Array:
     """Fixed-capacity expert buffers; choices beyond an expert's `capacity` are dropped.
 
     Tokens move into and out of the buffers by gathers along the sequence, not GShard's one-hot
@@ -178,9 +192,10 @@ def capacity_experts(x: Array, weights: Array, experts: Array, gate: Array, up: 
     buffers = jnp.take_along_axis(padded, owners[..., None], axis=1).reshape(batch, n_experts, capacity, d)
 
     buffers = nn.with_logical_constraint(buffers, BUFFER_AXES + ("activation_embed",))
-    hidden = _swiglu(jnp.einsum("becd,edf->becf", buffers, gate), jnp.einsum("becd,edf->becf", buffers, up))
+    dot = _dots(dots)
+    hidden = _swiglu(_per_expert(dot["gate"], buffers, gate), _per_expert(dot["up"], buffers, up))
     hidden = nn.with_logical_constraint(hidden, BUFFER_AXES + ("activation_mlp",))
-    out = jnp.einsum("becf,efd->becd", hidden, down)
+    out = _per_expert(dot["down"], hidden, down)
     out = nn.with_logical_constraint(out, BUFFER_AXES + ("activation_embed",))
     # Back to the batch sharding (the return all-to-all), then each choice reads its row.
     out = out.reshape(batch, n_rows, d)
@@ -241,9 +256,12 @@ class MoE(nn.Module):
         x = x.astype(self.policy.compute_dtype)
 
         implementation = resolve_implementation(m.moe_impl)
-        if implementation == "dense":
-            return dense_experts(x, weights, experts, gate, up, down)
-        if implementation == "dropless":
+        if implementation == "dropless":  # ragged_dot has no fp8 form: the grouped GEMM stays bf16
             return dropless_experts(x, weights, experts, gate, up, down)
+        # The policy's dot (fp8 under the fp8 policy) for each expert weight, one scale per weight.
+        dots = ({name: self.policy.dot_general_cls(name=f"{name}_dot") for name in ("gate", "up", "down")}
+                if self.policy.dot_general_cls else None)
+        if implementation == "dense":
+            return dense_experts(x, weights, experts, gate, up, down, dots)
         capacity = expert_capacity(x.shape[1], n_experts, m.experts_per_token, m.moe_capacity_factor)
-        return capacity_experts(x, weights, experts, gate, up, down, capacity)
+        return capacity_experts(x, weights, experts, gate, up, down, capacity, dots)
