@@ -5,11 +5,21 @@ The names a notebook needs, re-exported:
     import maxtext_rocm as mr
     cfg = mr.load_config("configs/tiny_llama.py", overrides={"train.steps": 50})
     mr.Trainer(cfg).run()
+    params = mr.load_params(cfg.output_dir)     # or mr.init_params(cfg, seed=0)
+    mr.generate(cfg, params, [prompt_ids], max_new_tokens=32, temperature=0.8, top_k=40)
 """
 
 from maxtext_rocm.config import ConfigError, UserError
 from maxtext_rocm.config import load as load_config
 from maxtext_rocm.models import build_model, count_active_params, count_params, forward
+from maxtext_rocm.api import init_params, load_params, loss, run_config
+from maxtext_rocm.generate import generate
+
+# `python -m maxtext_rocm.generate` runs a module this package has already imported (for the
+# function of the same name); runpy's warning about that says nothing a user can act on.
+import warnings as _warnings  # noqa: E402
+
+_warnings.filterwarnings("ignore", message="'maxtext_rocm.generate' found in sys.modules", category=RuntimeWarning)
 
 
 def __getattr__(name):
@@ -21,4 +31,4 @@ def __getattr__(name):
     raise AttributeError(f"module 'maxtext_rocm' has no attribute {name!r}")
 
 __all__ = ["ConfigError", "Trainer", "UserError", "build_model", "count_active_params", "count_params",
-           "forward", "load_config"]
+           "forward", "generate", "init_params", "load_config", "load_params", "loss", "run_config"]

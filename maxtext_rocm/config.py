@@ -27,7 +27,7 @@ PRECISION_POLICIES = ("fp32", "bf16", "fp8")
 FP8_FORMATS = ("auto", "ocp", "fnuz")
 FP8_SCALINGS = ("delayed", "current")
 SCHEDULES = ("cosine", "constant")
-DATA_SOURCES = ("synthetic", "embedded")
+DATA_SOURCES = ("synthetic", "embedded", "files")
 MODEL_FAMILIES = ("llama", "mixtral")
 MOE_IMPLEMENTATIONS = ("auto", "dropless", "capacity", "dense")
 PRECISION_VARIANTS = ("", "bf16", "fp32", "fp8")
@@ -102,7 +102,17 @@ def defaults() -> ml_collections.ConfigDict:
         eps=1e-8,
     )
     # tokenizer: "byte", or a tokenizer.json / SentencePiece .model / tiktoken rank file (data/tokenizer.py)
-    cfg.data = dict(source="synthetic", seed=0, tokenizer="byte")
+    cfg.data = dict(
+        source="synthetic", seed=0, tokenizer="byte",
+        # data.source="files" (maxtext_rocm/data/files.py): comma-separated files or globs of
+        # .jsonl / .parquet / .txt / .arrayrecord (pre-tokenized by scripts/pretokenize.py).
+        paths="", eval_paths="",
+        text_field="text",  # the JSON Lines field / Parquet column holding the text
+        add_bos=True, add_eos=True,  # around each document, where the tokenizer has them
+        packing=True,  # several documents per row (segment ids); off: one per row, truncated/padded
+        epochs=0,  # passes over data.paths before the run stops with an error; 0: no limit
+        prefetch=4,  # batches a background thread builds ahead of the step
+    )
     cfg.train = dict(
         steps=1000,
         per_device_batch_size=4,
@@ -113,6 +123,8 @@ def defaults() -> ml_collections.ConfigDict:
         # A step whose loss or gradients are inf/NaN: "skip" drops its update and counts it;
         # "stop" keeps the last good state, checkpoints it and exits non-zero.
         on_nonfinite="skip",
+        eval_every=0,  # steps between evaluations on the eval split (data.eval_paths for files); 0: off
+        eval_steps=10,  # batches per evaluation
     )
     cfg.checkpoint = dict(
         enabled=True,
@@ -127,6 +139,9 @@ def defaults() -> ml_collections.ConfigDict:
         every=10,
         tensorboard=True,
         peak_tflops=0.0,  # > 0 overrides the per-device peak table (used for MFU)
+        # (start, end): a jax.profiler trace of steps start..end-1 (0-based) into
+        # output_dir/profile, for TensorBoard's profile plugin; (0, 0) = off.
+        profile_steps=(0, 0),
     )
     # Multi-process start-up (maxtext_rocm/distributed.py). Unset keys are found from the
     # environment (JAX_*, SLURM, Open MPI, Kubernetes); one process needs none of them.
@@ -373,6 +388,17 @@ def validate(cfg: ml_collections.ConfigDict, device_count: int | None = None,
              f"checkpoint.load_params_from={c.load_params_from!r} is not a directory")
 
     _one_of("data.source", cfg.data.source, DATA_SOURCES)
+    _require(t.eval_every >= 0, f"train.eval_every must be >= 0 (0: no evaluation), got {t.eval_every}")
+    _require(t.eval_steps >= 1, f"train.eval_steps must be >= 1, got {t.eval_steps}")
+    if cfg.data.source == "files":
+        _require(bool(cfg.data.paths), "data.source='files' needs data.paths: files or globs of .jsonl, "
+                 ".parquet, .txt or .arrayrecord, comma-separated")
+        _require(not t.eval_every or bool(cfg.data.eval_paths),
+                 f"train.eval_every={t.eval_every} with data.source='files' needs data.eval_paths "
+                 "(held-out files); or set train.eval_every=0")
+        from maxtext_rocm.data.files import check_inputs
+
+        check_inputs(cfg.data, m.vocab_size)  # files exist, are not empty, have the text field
     if cfg.data.source == "embedded":
         from maxtext_rocm.data.tokenizer import ByteTokenizer
 
@@ -391,6 +417,10 @@ def validate(cfg: ml_collections.ConfigDict, device_count: int | None = None,
 
     _positive(cfg, "log.every")
     _require(cfg.log.peak_tflops >= 0, f"log.peak_tflops must be >= 0, got {cfg.log.peak_tflops}")
+    profile = tuple(cfg.log.profile_steps)
+    _require(len(profile) == 2 and all(isinstance(s, int) for s in profile)
+             and (profile == (0, 0) or 0 <= profile[0] < profile[1]),
+             f"log.profile_steps must be (start, end) with 0 <= start < end, or (0, 0) for off; got {profile}")
 
     d = cfg.distributed
     _require(d.num_processes >= 0, f"distributed.num_processes must be >= 0 (0: detect), got {d.num_processes}")

@@ -30,8 +30,9 @@ from maxtext_rocm.data import build_source
 from maxtext_rocm.models import build_model
 from maxtext_rocm.optim import build_optimizer
 from maxtext_rocm.precision import policy_from_config
+from maxtext_rocm.profiling import Profiler
 from maxtext_rocm.run_info import write_config_json
-from maxtext_rocm.step import create_state, train_step
+from maxtext_rocm.step import create_state, eval_step, train_step
 
 USAGE = "usage: python -m maxtext_rocm.train CONFIG.py[:VARIANT] [--config.GROUP.KEY=VALUE ...]"
 
@@ -70,6 +71,28 @@ class PreemptionGuard:
             signal.signal(sig, handler)
 
 
+def abstract_state(cfg, model, tx, mesh):
+    """(init fn, its key, the state as ShapeDtypeStructs carrying their shardings, the shardings):
+    the state's layout without allocating it (the Trainer and the AOT fit check share it)."""
+    init = functools.partial(create_state, model=model, tx=tx, batch_shape=(1, min(cfg.train.seq_len, 8)))
+    key = jax.random.key(cfg.train.seed)
+    abstract = jax.eval_shape(init, key)
+    state_sharding = sharding.logical_to_sharding(nn.get_partition_spec(abstract), mesh)
+    abstract = jax.tree_util.tree_map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                                      nn.meta.unbox(abstract), state_sharding)
+    return init, key, abstract, state_sharding
+
+
+def jit_train_step(cfg, model, tx, schedule, mesh, state_sharding, batch_sharding):
+    """The jitted train step, state donated (maxtext_rocm/compile.py lowers this same function)."""
+    return jax.jit(
+        functools.partial(train_step, model=model, tx=tx, schedule=schedule,
+                          train_cfg=ml_collections.FrozenConfigDict(cfg.train)),
+        in_shardings=(state_sharding, batch_sharding),
+        out_shardings=(state_sharding, sharding.replicated(mesh)),
+        donate_argnums=0)
+
+
 class Trainer:
     """Owns the mesh, the jitted step and the sharded state of one run.
 
@@ -97,17 +120,26 @@ class Trainer:
         self.checkpointer = Checkpointer(cfg.checkpoint, cfg.output_dir) if cfg.checkpoint.enabled else None
         self.state, self.state_sharding, self.step_count = self._init_state()
         self.batch_sharding = sharding.batch_sharding(self.mesh)
-        self._train_step = jax.jit(
-            functools.partial(train_step, model=self.model, tx=self.tx, schedule=self.schedule,
-                              train_cfg=ml_collections.FrozenConfigDict(cfg.train)),
-            in_shardings=(self.state_sharding, self.batch_sharding),
-            out_shardings=(self.state_sharding, sharding.replicated(self.mesh)),
-            donate_argnums=0)
+        self._train_step = jit_train_step(cfg, self.model, self.tx, self.schedule, self.mesh,
+                                          self.state_sharding, self.batch_sharding)
         self.data = build_source(
             cfg.data, vocab_size=cfg.model.vocab_size, global_batch=self.global_batch,
             seq_len=cfg.train.seq_len, process_index=jax.process_index(),
             process_count=jax.process_count())
+        if getattr(self, "_resumed_data_state", None) and hasattr(self.data, "restore"):
+            self.data.restore(self._resumed_data_state)
+        self.eval_data, self._eval_step = None, None
+        if cfg.train.eval_every:
+            self.eval_data = build_source(
+                cfg.data, vocab_size=cfg.model.vocab_size, global_batch=self.global_batch,
+                seq_len=cfg.train.seq_len, process_index=jax.process_index(),
+                process_count=jax.process_count(), split="eval")
+            self._eval_step = jax.jit(
+                lambda params, batch, fp8_state: eval_step(params, batch, model=self.model, fp8_state=fp8_state),
+                in_shardings=(self.state_sharding.params, self.batch_sharding, self.state_sharding.fp8),
+                out_shardings=sharding.replicated(self.mesh))
         self.stopped_by_signal = None
+        self.profiler = Profiler(cfg.log.profile_steps, cfg.output_dir, enabled=self.is_logger)
 
         self.flops_per_token = metrics_lib.train_flops_per_token(cfg.model, cfg.train.seq_len)
         self.peak_tflops = metrics_lib.peak_tflops(
@@ -132,17 +164,12 @@ class Trainer:
     def _init_state(self):
         """(state, its shardings, its step): resumed from a checkpoint, or fresh (optionally with
         parameters from another run). Either way every array lands directly in its sharding."""
-        init = functools.partial(create_state, model=self.model, tx=self.tx,
-                                 batch_shape=(1, min(self.cfg.train.seq_len, 8)))
-        key = jax.random.key(self.cfg.train.seed)
-        abstract = jax.eval_shape(init, key)
-        state_sharding = sharding.logical_to_sharding(nn.get_partition_spec(abstract), self.mesh)
-        abstract = jax.tree_util.tree_map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                                          nn.meta.unbox(abstract), state_sharding)
+        init, key, abstract, state_sharding = abstract_state(self.cfg, self.model, self.tx, self.mesh)
         resume = self.checkpointer.find_resume() if self.checkpointer else None
         if resume:
             state, data_state = self.checkpointer.restore(*resume, abstract)
             self.log(f"resumed from {resume[0].directory}/{resume[1]}")
+            self._resumed_data_state = data_state  # the data source continues from it
             return state, state_sharding, int(data_state["step"])
 
         init_jit = jax.jit(lambda k: nn.meta.unbox(init(k)), out_shardings=state_sharding)
@@ -158,7 +185,26 @@ class Trainer:
     def save_checkpoint(self) -> None:
         """Starts an asynchronous save of the current state (all processes must call it)."""
         step = int(jax.device_get(self.state.step))
-        self.checkpointer.save(step, self.state, {"step": step}, self.cfg.model)
+        data_state = self.data.state() if hasattr(self.data, "state") else {}
+        data_state = data_state if data_state.get("step") == step else {}  # else: replayed up to step
+        self.checkpointer.save(step, self.state, {**data_state, "step": step}, self.cfg.model)
+
+    def evaluate(self) -> dict:
+        """Token-mean loss and perplexity over train.eval_steps batches of the eval split (the same
+        batches every time, so evaluations compare)."""
+        ce, tokens = 0.0, 0.0
+        with self.context():
+            for i in range(self.cfg.train.eval_steps):
+                host = self.eval_data.batch(i)
+                batch = {k: jax.make_array_from_process_local_data(self.batch_sharding, np.asarray(v))
+                         for k, v in host.items()}
+                out = self._eval_step(self.state.params, batch, self.state.fp8)
+                ce, tokens = ce + out["loss"] * out["tokens"], tokens + out["tokens"]
+        if hasattr(self.eval_data, "close"):
+            self.eval_data.close()  # no prefetching in the background while training
+        ce, tokens = (float(x) for x in jax.device_get((ce, tokens)))
+        loss = ce / max(tokens, 1.0)
+        return {"eval_loss": loss, "eval_perplexity": float(np.exp(min(loss, 80.0))), "eval_tokens": tokens}
 
     def device_batch(self, step: int) -> dict[str, jax.Array]:
         """This process's rows of the step's batch, assembled into one global sharded array each."""
@@ -168,10 +214,12 @@ class Trainer:
 
     def step(self):
         """One optimizer step. Returns the step's metrics as device arrays (no host sync)."""
+        self.profiler.before_step(self.step_count)
         batch = self.device_batch(self.step_count)
         with self.context():
             self.state, step_metrics = self._train_step(self.state, batch)
         self.step_count += 1
+        self.profiler.after_step(self.step_count, step_metrics)
         return step_metrics
 
     def run(self, steps: int | None = None) -> dict | None:
@@ -195,6 +243,14 @@ class Trainer:
                 if self.checkpointer and (
                         stopping or self.checkpointer.should_save(self.step_count, self.cfg.train.steps)):
                     self.save_checkpoint()
+                if self.eval_data is not None and self.step_count % self.cfg.train.eval_every == 0:
+                    jax.block_until_ready(step_metrics)  # eval time stays out of the step time
+                    eval_started = time.perf_counter()
+                    evaluated = self.evaluate()
+                    mark_time += time.perf_counter() - eval_started
+                    self.writer.write(self.step_count, evaluated)
+                    self.log(f"step {self.step_count}: eval loss {evaluated['eval_loss']:.4f}, "
+                             f"perplexity {evaluated['eval_perplexity']:.2f}")
                 if self.step_count % self.cfg.log.every and self.step_count != end and not stopping:
                     continue
                 fetched = jax.device_get(step_metrics)  # the only host sync, on logging steps
@@ -208,6 +264,7 @@ class Trainer:
                 if fetched["nonfinite_steps"] and self.cfg.train.on_nonfinite == "stop":
                     self._stop_on_nonfinite()
             self.stopped_by_signal = preemption.signal
+        self.profiler.stop(self.state)  # a trace still open when the run ends early
         if self.checkpointer:
             if self.stopped_by_signal is not None:  # the signal may have come between two steps
                 self.save_checkpoint()

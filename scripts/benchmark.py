@@ -3,6 +3,13 @@
 
     python scripts/benchmark.py configs/tiny_llama.py --steps 30 [--config.KEY=VALUE ...] [--json out.json]
     python scripts/benchmark.py configs/tiny_mixtral.py --config.model.moe_impl=capacity
+    python scripts/benchmark.py --suite seed [--out DIR]   # the published MI355X comparison's rows
+    python scripts/benchmark.py --suite cpu [--out DIR]    # the tiny presets on this CPU
+
+A suite runs each row in its own process (this script's single-config mode) and writes
+DIR/results.json plus DIR/results.md, a table of tokens/s/GPU, TFLOP/s/GPU and MFU. The seed
+suite needs a node of 8 GPUs; without one, each row is AOT-checked for mi355x:8 by
+`python -m maxtext_rocm.compile` (memory fit, per-device batch, remat) and skipped with the reason.
 
 Steps are timed as a block (one device sync at the end), the way a real run pipelines them; the
 first step (compilation) and `--warmup` more are excluded. The last line has the same shape as
@@ -14,8 +21,31 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
+import tempfile
 import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# (row name, CONFIG[:VARIANT], extra overrides). The seed rows: one node of 8 GPUs, each row's
+# per-device batch and remat chosen by the fit check (the preset's batch, with the least
+# recomputation that fits it; the largest batch that fits otherwise).
+SUITES = {
+    "seed": [
+        ("Llama3 8B fp8", "llama3_8b:fp8", []),
+        ("Llama3 8B bf16", "llama3_8b:bf16", []),
+        ("Llama3 70B fp8", "llama3_70b:fp8", []),
+        ("Llama3 70B bf16", "llama3_70b:bf16", []),
+        ("Llama3.1 8B fp8", "llama3_1_8b:fp8", []),
+        ("Llama3.1 70B fp8", "llama3_1_70b:fp8", []),
+        ("Mixtral 8x7B bf16", "mixtral_8x7b:bf16", []),
+    ],
+    "cpu": [
+        ("tiny_llama", "tiny_llama", []),
+        ("tiny_mixtral", "tiny_mixtral", []),
+    ],
+}
+SEED_TARGET = "mi355x:8"
 
 
 def seconds_since_launch() -> float | None:
@@ -30,13 +60,145 @@ def seconds_since_launch() -> float | None:
         return None
 
 
+def _probe_devices() -> dict:
+    """The backend, device count and kind, asked in a child process (so this one never holds a GPU)."""
+    code = ("import jax, json; d = jax.devices(); "
+            "print(json.dumps({'backend': jax.default_backend(), 'count': len(d), 'kind': d[0].device_kind}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    try:
+        return json.loads(out.stdout.strip().splitlines()[-1])
+    except (IndexError, ValueError):
+        return {"backend": "unknown", "count": 0, "kind": "unknown"}
+
+
+def _fit_check(spec: str, overrides: list[str], target: str) -> dict:
+    """The AOT fit check of one row (python -m maxtext_rocm.compile ... --search)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "fit.json")
+        proc = subprocess.run([sys.executable, "-m", "maxtext_rocm.compile", spec, f"--target={target}",
+                               "--search", "--max-compiles=1", f"--json={out}", *overrides],
+                              capture_output=True, text=True, cwd=REPO, timeout=1800)
+        if proc.returncode or not os.path.exists(out):
+            return {"error": (proc.stderr.strip().splitlines() or ["compile failed"])[-1]}
+        with open(out) as f:
+            report = json.load(f)
+    search = report.get("search") or {}
+    remat = search.get("remat_for_configured_batch")
+    batch = report["per_device_batch_size"]
+    if remat is None and search.get("largest_batch"):
+        remat, batch = search["largest_batch_remat"], search["largest_batch"]
+    report["chosen"] = {"remat": remat, "per_device_batch_size": batch} if remat else None
+    for confirmed in search.get("confirmed", []):  # the chosen setting's own estimate, when compiled
+        if report["chosen"] and (confirmed["remat"], confirmed["per_device_batch_size"]) == (remat, batch):
+            report["chosen"].update(analytic_total_bytes=confirmed["analytic_total_bytes"],
+                                    xla_total_bytes=confirmed["xla_total_bytes"])
+    return report
+
+
+def _markdown(rows: list[dict], suite: str, devices: dict) -> str:
+    def num(value, fmt):
+        return "-" if value is None else format(value, fmt)
+
+    lines = [f"## Benchmark suite `{suite}` ({devices['count']} x {devices['kind']}, {devices['backend']})", "",
+             "| row | config | status | devices | batch/device | remat | tokens/s/GPU | TFLOP/s/GPU | MFU | note |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        mfu = None if r.get("mfu") is None else 100 * r["mfu"]
+        lines.append(
+            f"| {r['row']} | `{r['config']}` | {r['status']} | {r.get('devices') or '-'} | "
+            f"{r.get('per_device_batch_size') or '-'} | {r.get('remat') or '-'} | "
+            f"{num(r.get('tokens_per_s_per_device'), ',.0f')} | {num(r.get('tflops_per_s_per_device'), '.2f')} | "
+            f"{num(mfu, '.1f')}{'%' if mfu is not None else ''} | {r.get('note', '')} |")
+    return "\n".join(lines) + "\n"
+
+
+def run_suite(suite: str, out_dir: str, steps: int, warmup: int, extra: list[str], only: str | None = None) -> int:
+    devices = _probe_devices()
+    on_gpus = devices["backend"] in ("gpu", "cuda", "rocm") and devices["count"] >= 8
+    rows = []
+    for name, spec, overrides in SUITES[suite]:
+        if only and only.lower() not in name.lower():
+            continue
+        overrides = [*overrides, *extra]
+        row = {"row": name, "config": spec, "overrides": overrides, "status": "skipped", "note": ""}
+        if suite == "seed":
+            fit = _fit_check(spec, overrides, SEED_TARGET)
+            if "error" in fit:
+                row["note"] = f"fit check failed: {fit['error']}"
+                rows.append(row)
+                print(f"{name}: {row['note']}", flush=True)
+                continue
+            row["fit"] = {k: fit.get(k) for k in ("target", "analytic_total_bytes", "xla_total_bytes",
+                                                   "target_memory_bytes", "fits", "compile_s", "search")}
+            if not fit["chosen"]:
+                row["note"] = f"does not fit {SEED_TARGET} under any remat policy or batch"
+                rows.append(row)
+                print(f"{name}: {row['note']}", flush=True)
+                continue
+            chosen = dict(fit["chosen"])
+            total_gib = chosen.pop("analytic_total_bytes", fit["analytic_total_bytes"]) / 2 ** 30
+            row["fit"]["chosen_xla_total_bytes"] = chosen.pop("xla_total_bytes", None)
+            row.update(chosen, devices=8)
+            overrides = [*overrides, f"--config.model.remat={row['remat']}",
+                         f"--config.train.per_device_batch_size={row['per_device_batch_size']}"]
+            if not on_gpus:
+                row["note"] = (f"skipped: no 8-GPU node here ({devices['count']} x {devices['kind']}); "
+                               f"AOT check for {SEED_TARGET}: fits at batch {row['per_device_batch_size']}, "
+                               f"remat {row['remat']} (~{total_gib:.0f} GiB/GPU analytic; as configured: "
+                               f"{'fits' if fit['fits'] else 'does not fit'})")
+                rows.append(row)
+                print(f"{name}: {row['note']}", flush=True)
+                continue
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "row.json")
+            run_dir = os.path.abspath(os.path.join(out_dir, "".join(ch if ch.isalnum() else "_" for ch in name)))
+            # A fresh run directory and no checkpoints: a benchmark must never resume one.
+            proc = subprocess.run([sys.executable, os.path.abspath(__file__), spec, f"--steps={steps}",
+                                   f"--warmup={warmup}", f"--json={out}", f"--config.output_dir={run_dir}",
+                                   "--config.checkpoint.enabled=false", *overrides],
+                                  capture_output=True, text=True, cwd=REPO)
+            if proc.returncode or not os.path.exists(out):
+                row.update(status="failed", note=(proc.stderr.strip().splitlines() or ["?"])[-1][:200])
+            else:
+                with open(out) as f:
+                    result = json.load(f)
+                row.update(status="ran", **{k: result[k] for k in (
+                    "devices", "device_kind", "policy", "global_batch", "seq_len", "step_time_s",
+                    "tokens_per_s_per_device", "tflops_per_s_per_device", "mfu", "launch_to_first_step_s",
+                    "peak_rss_mib", "final_loss")})
+                row["per_device_batch_size"] = result["global_batch"] // result["devices"]
+                row["remat"] = row.get("remat") or result.get("remat")
+        rows.append(row)
+        print(f"{name}: {row['status']} {row.get('tokens_per_s_per_device') or ''} {row['note']}", flush=True)
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "results.json"), "w") as f:
+        json.dump({"suite": suite, "devices": devices, "rows": rows}, f, indent=2)
+    table = _markdown(rows, suite, devices)
+    with open(os.path.join(out_dir, "results.md"), "w") as f:
+        f.write(table)
+    print(table)
+    print(f"wrote {out_dir}/results.json and {out_dir}/results.md")
+    return 1 if any(r["status"] == "failed" for r in rows) else 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("config", help="CONFIG.py[:VARIANT] or a preset name")
+    parser.add_argument("config", nargs="?", help="CONFIG.py[:VARIANT] or a preset name")
+    parser.add_argument("--suite", choices=sorted(SUITES), help="run a suite of rows instead of one config")
+    parser.add_argument("--rows", help="only the suite's rows whose name contains this (case-insensitive)")
+    parser.add_argument("--out", help="the suite's output folder (default runs/benchmark/SUITE)")
     parser.add_argument("--steps", type=int, default=30, help="timed steps")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps after the first")
     parser.add_argument("--json", help="also write the results to this file")
+    parser.add_argument("--checkpoint-every", type=int, default=0,
+                        help="save an (async) checkpoint every N timed steps, waiting for the last one "
+                             "inside the timing; 0 (default) writes none")
     args, overrides = parser.parse_known_args()
+    if args.suite:
+        return run_suite(args.suite, args.out or f"runs/benchmark/{args.suite}", args.steps, args.warmup,
+                         overrides, args.rows)
+    if not args.config:
+        parser.error("give a CONFIG or --suite")
 
     import jax
 
@@ -47,8 +209,10 @@ def main() -> int:
 
     total = 1 + args.warmup + args.steps
     try:
+        checkpoints = ([f"--config.checkpoint.every={args.checkpoint_every}", "--config.checkpoint.resume=never"]
+                       if args.checkpoint_every else ["--config.checkpoint.enabled=false"])
         cfg = mr.load_config(args.config, [f"--config.train.steps={total}", "--config.log.tensorboard=false",
-                                           *overrides])
+                                           *checkpoints, *overrides])
         trainer = mr.Trainer(cfg, log=lambda *_: None)
     except mr.UserError as error:
         print(f"error: {error}", file=sys.stderr)
@@ -62,7 +226,11 @@ def main() -> int:
     start = time.perf_counter()
     for _ in range(args.steps):
         last = trainer.step()
+        if args.checkpoint_every and trainer.step_count % args.checkpoint_every == 0:
+            trainer.save_checkpoint()
     loss = float(jax.device_get(last["loss"]))
+    if args.checkpoint_every:
+        trainer.checkpointer.wait()
     step_s = (time.perf_counter() - start) / args.steps
 
     tokens_per_step = trainer.global_batch * cfg.train.seq_len
@@ -73,7 +241,7 @@ def main() -> int:
         "device_kind": jax.devices()[0].device_kind, "policy": cfg.precision.policy,
         "params": mr.count_params(cfg), "active_params": count_active_params(cfg),
         "moe_impl": resolve_implementation(cfg.model.moe_impl) if cfg.model.n_experts > 1 else None,
-        "global_batch": trainer.global_batch, "seq_len": cfg.train.seq_len,
+        "global_batch": trainer.global_batch, "seq_len": cfg.train.seq_len, "remat": cfg.model.remat,
         "step_time_s": step_s, "tokens_per_s": tokens_per_step / step_s,
         "tokens_per_s_per_device": tokens_per_s_per_device, "tflops_per_s_per_device": tflops,
         "mfu": metrics_lib.mfu(tflops, trainer.peak_tflops),

@@ -1,4 +1,5 @@
-"""Data sources: each gives batch(step) -> {"inputs", "targets", "weights"} for this process's rows."""
+"""Data sources: each gives batch(step) -> {"inputs", "targets", "weights"} for this process's rows
+(files add "positions" and "segment_ids"; see data/files.py)."""
 from __future__ import annotations
 
 from maxtext_rocm.data.embedded import EmbeddedSource
@@ -17,4 +18,9 @@ def build_source(data_cfg, *, vocab_size: int, global_batch: int, seq_len: int,
         return SyntheticSource(**common, split=split)
     if data_cfg.source == "embedded":
         return EmbeddedSource(**common, split=split)
-    raise ValueError(f"data.source={data_cfg.source!r} is not one of 'synthetic', 'embedded'")
+    if data_cfg.source == "files":
+        from maxtext_rocm.data.files import FilesSource  # grain and pyarrow load only when used
+
+        return FilesSource(data_cfg, vocab_size=vocab_size, global_batch=global_batch, seq_len=seq_len,
+                           process_index=process_index, process_count=process_count, split=split)
+    raise ValueError(f"data.source={data_cfg.source!r} is not one of 'synthetic', 'embedded', 'files'")

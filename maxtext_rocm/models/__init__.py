@@ -19,9 +19,10 @@ from maxtext_rocm.precision import Policy, policy_from_config
 BLOCKS = {"llama": LlamaBlock, "mixtral": MixtralBlock}
 
 
-def build_model(model_cfg, policy: Policy) -> Decoder:
+def build_model(model_cfg, policy: Policy, decode: bool = False) -> Decoder:
+    """`decode=True`: the same parameters, with a KV cache for generation (maxtext_rocm/generate.py)."""
     frozen = ml_collections.FrozenConfigDict(model_cfg)
-    return Decoder(frozen, policy, block=BLOCKS[frozen.family])
+    return Decoder(frozen, policy, block=BLOCKS[frozen.family], decode=decode)
 
 
 @functools.lru_cache(maxsize=8)

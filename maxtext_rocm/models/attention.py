@@ -14,6 +14,8 @@ from maxtext_rocm.models.layers import Dense, apply_rope, rope_inv_frequencies
 from maxtext_rocm.precision import Policy
 
 Array = jax.Array
+# The Flax collection of the decoding KV cache (Attention with decode=True).
+CACHE = "cache"
 
 
 def attention_mask(seq_len: int, segment_ids: Array | None, sliding_window: int | None = None) -> Array:
@@ -46,6 +48,16 @@ def dot_product_attention(q: Array, k: Array, v: Array, *, segment_ids: Array | 
             is_causal=segment_ids is None, implementation="cudnn",
             local_window_size=(sliding_window - 1, 0) if sliding_window else None)
 
+    return masked_attention(q, k, v, mask)
+
+
+def masked_attention(q: Array, k: Array, v: Array, mask: Array) -> Array:
+    """The "xla" attention under any mask [batch or 1, 1, q_len, kv_len] (True = attend).
+
+    q: [batch, q_len, heads, head_dim]; k, v: [batch, kv_len, kv_heads, head_dim].
+    """
+    batch, seq, heads, head_dim = q.shape
+    kv_heads = k.shape[2]
     groups = heads // kv_heads
     q = q.reshape(batch, seq, kv_heads, groups, head_dim)
     scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32)
@@ -56,11 +68,25 @@ def dot_product_attention(q: Array, k: Array, v: Array, *, segment_ids: Array | 
     return out.reshape(batch, seq, heads, head_dim)
 
 
+def position_mask(q_positions: Array, k_positions: Array, sliding_window: int | None = None) -> Array:
+    """Mask [batch, 1, q_len, kv_len] from token positions: a query sees the keys at or before its
+    own position (within the sliding window, if any). A negative position marks padding or an
+    empty cache slot, which no query sees."""
+    q_pos, k_pos = q_positions[:, None, :, None], k_positions[:, None, None, :]
+    mask = (k_pos >= 0) & (k_pos <= q_pos)
+    if sliding_window:
+        mask &= q_pos - k_pos < sliding_window
+    return mask
+
+
 class Attention(nn.Module):
     """Self-attention with rotary embeddings: q/k/v projections, attention, output projection."""
 
     cfg: "ml_collections.FrozenConfigDict"  # noqa: F821 - cfg.model
     policy: Policy
+    # Decoding (generate.py): keys and values accumulate in the "cache" collection, sized by the
+    # input of `init`; each call appends its tokens and attends over the cache by position.
+    decode: bool = False
 
     @nn.compact
     def __call__(self, x: Array, positions: Array, segment_ids: Array | None) -> Array:
@@ -75,7 +101,33 @@ class Attention(nn.Module):
 
         inv_freq = rope_inv_frequencies(hd, m.rope_theta, m.rope_scaling)
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
-        out = dot_product_attention(q, k, v, segment_ids=segment_ids, implementation=m.attention,
-                                    sliding_window=m.sliding_window)
+        if self.decode and self.has_variable(CACHE, "key"):
+            out = self.cached_attention(q, k, v, positions)
+        else:
+            if self.decode:  # `init` sizes the cache [batch, max_len, kv_heads, head_dim]
+                self.cache_variables(k, positions)
+            out = dot_product_attention(q, k, v, segment_ids=segment_ids, implementation=m.attention,
+                                        sliding_window=m.sliding_window)
         out = nn.with_logical_constraint(out, ("activation_batch", "activation_length", "activation_heads", None))
         return Dense((m.n_heads, hd), (d,), ("heads", "head_dim", "embed"), self.policy, name="o")(out)
+
+    def cache_variables(self, k: Array, positions: Array):
+        """(keys, values, their positions, next free slot): kv_heads wide, not heads (GQA)."""
+        key = self.variable(CACHE, "key", jnp.zeros, k.shape, k.dtype)
+        value = self.variable(CACHE, "value", jnp.zeros, k.shape, k.dtype)
+        pos = self.variable(CACHE, "positions", lambda: jnp.full(positions.shape, -1, jnp.int32))
+        index = self.variable(CACHE, "index", lambda: jnp.zeros((), jnp.int32))
+        return key, value, pos, index
+
+    def cached_attention(self, q: Array, k: Array, v: Array, positions: Array) -> Array:
+        """Writes this call's keys/values at the cache's next slots, then attends over the cache.
+
+        A negative position (left padding) is stored as such and never attended to."""
+        key, value, pos, index = self.cache_variables(k, positions)
+        start = index.value
+        key.value = jax.lax.dynamic_update_slice(key.value, k.astype(key.value.dtype), (0, start, 0, 0))
+        value.value = jax.lax.dynamic_update_slice(value.value, v.astype(value.value.dtype), (0, start, 0, 0))
+        pos.value = jax.lax.dynamic_update_slice(pos.value, positions.astype(jnp.int32), (0, start))
+        index.value = start + k.shape[1]
+        mask = position_mask(positions, pos.value, self.cfg.sliding_window)
+        return masked_attention(q, key.value, value.value, mask)

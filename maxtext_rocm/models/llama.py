@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from maxtext_rocm.models.attention import Attention
+from maxtext_rocm.models.attention import CACHE, Attention
 from maxtext_rocm.models.layers import Dense, Embed, RMSNorm
 from maxtext_rocm.models.moe import AUX_LOSSES
 from maxtext_rocm.fp8 import FP8_COLLECTION
@@ -50,12 +50,13 @@ class LlamaBlock(nn.Module):
 
     cfg: "ml_collections.FrozenConfigDict"  # noqa: F821 - cfg.model
     policy: Policy
+    decode: bool = False  # attention keeps a KV cache (generate.py)
 
     @nn.compact
     def __call__(self, x: Array, positions: Array, segment_ids: Array | None):
         m = self.cfg
         attn_in = RMSNorm(m.norm_eps, self.policy, name="attention_norm")(x)
-        x = x + Attention(m, self.policy, name="attention")(attn_in, positions, segment_ids)
+        x = x + Attention(m, self.policy, self.decode, name="attention")(attn_in, positions, segment_ids)
         mlp_in = RMSNorm(m.norm_eps, self.policy, name="mlp_norm")(x)
         x = x + self.feed_forward()(mlp_in)
         # (carry, per-layer output): the signature nn.scan expects.
@@ -72,6 +73,7 @@ class Decoder(nn.Module):
     cfg: "ml_collections.FrozenConfigDict"  # noqa: F821 - cfg.model
     policy: Policy
     block: type[nn.Module] = LlamaBlock
+    decode: bool = False  # KV-cache decoding (generate.py): no remat, a "cache" collection per layer
 
     @nn.compact
     def __call__(self, tokens: Array, positions: Array | None = None,
@@ -83,7 +85,7 @@ class Decoder(nn.Module):
         x = nn.with_logical_constraint(embed(tokens), BLOCK_OUTPUT_AXES)
 
         block = self.block
-        if m.remat != "none":
+        if m.remat != "none" and not self.decode:
             # Under scan the loop boundary already stops XLA from merging recomputation with the
             # forward pass; unrolled layers need prevent_cse.
             block = nn.remat(block, policy=REMAT_POLICIES[m.remat], prevent_cse=not m.scan_layers)
@@ -91,14 +93,14 @@ class Decoder(nn.Module):
             # Router losses sown by MoE layers and fp8 scaling state stack over layers like the
             # parameters.
             stack = nn.scan(
-                block, variable_axes={"params": 0, AUX_LOSSES: 0, FP8_COLLECTION: 0},
+                block, variable_axes={"params": 0, AUX_LOSSES: 0, FP8_COLLECTION: 0, CACHE: 0},
                 split_rngs={"params": True},
                 in_axes=(nn.broadcast, nn.broadcast), length=m.n_layers,
                 metadata_params={nn.PARTITION_NAME: "layers"})
-            x, _ = stack(m, self.policy, name="layers")(x, positions, segment_ids)
+            x, _ = stack(m, self.policy, self.decode, name="layers")(x, positions, segment_ids)
         else:
             for i in range(m.n_layers):
-                x, _ = block(m, self.policy, name=f"layers_{i}")(x, positions, segment_ids)
+                x, _ = block(m, self.policy, self.decode, name=f"layers_{i}")(x, positions, segment_ids)
 
         x = RMSNorm(m.norm_eps, self.policy, name="final_norm")(x)
         if m.tie_embeddings:

@@ -1,0 +1,113 @@
+"""The notebook-facing functions that `maxtext_rocm/__init__.py` re-exports.
+
+    import maxtext_rocm as mr
+    cfg = mr.load_config("tiny_llama", {"precision.policy": "fp32"})
+    params = mr.init_params(cfg, seed=0)            # sharded over the current devices
+    mr.loss(cfg, params, batch)                     # the trainer's token-mean cross-entropy
+    params = mr.load_params("runs/tiny_llama")      # a run dir, a checkpoint, or an export
+    cfg = mr.run_config("runs/tiny_llama")          # the config that run was made with
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+from flax import linen as nn
+
+from maxtext_rocm import config as config_lib
+from maxtext_rocm import sharding
+from maxtext_rocm.checkpoint import CheckpointError, restore_params
+from maxtext_rocm.models import build_model
+from maxtext_rocm.precision import policy_from_config
+from maxtext_rocm.step import summed_loss
+
+
+def _param_mesh(cfg) -> jax.sharding.Mesh:
+    """The run's mesh over the current devices; all-FSDP where that mesh does not fit them (a run
+    trained with tensor=8, loaded on one device) or does not divide the model's dimensions."""
+    try:
+        mesh = sharding.make_mesh(cfg.mesh)
+        if sharding.check_param_divisibility(cfg.model, dict(mesh.shape)) is None:
+            return mesh
+    except config_lib.ConfigError:
+        pass
+    mesh = sharding.make_mesh(config_lib.defaults().mesh)
+    if sharding.check_param_divisibility(cfg.model, dict(mesh.shape)) is None:
+        return mesh
+    return sharding.make_mesh(config_lib.defaults().mesh, jax.devices()[:1])
+
+
+def _abstract_params(cfg):
+    """(boxed abstract params, their shardings on the current devices)."""
+    model = build_model(cfg.model, policy_from_config(cfg.precision))
+    boxed = jax.eval_shape(lambda k: model.init(k, jnp.zeros((1, 8), jnp.int32))["params"], jax.random.key(0))
+    shardings = sharding.logical_to_sharding(nn.get_partition_spec(boxed), _param_mesh(cfg))
+    return model, boxed, shardings
+
+
+def init_params(cfg, seed: int = 0):
+    """Fresh parameters of `cfg`'s model, each array created directly in its sharding over the
+    current devices (the mesh of cfg.mesh). The same values as a Trainer with train.seed=seed."""
+    model, _, shardings = _abstract_params(cfg)
+    init = jax.jit(lambda k: nn.meta.unbox(model.init(k, jnp.zeros((1, 8), jnp.int32))["params"]),
+                   out_shardings=shardings)
+    key = jax.random.key(seed)
+    # As in Trainer: init runs once, and on the CPU LLVM's optimisation of it costs more than it saves.
+    options = {"xla_backend_optimization_level": 0} if jax.default_backend() == "cpu" else None
+    return init.lower(key).compile(compiler_options=options)(key)
+
+
+def run_config(path) -> ml_collections.ConfigDict:
+    """The config a run was made with, from the config.json of a run directory, of the run above a
+    checkpoints/ or checkpoints/<step> directory, or of a params export."""
+    path = Path(path)
+    for folder in (path, path.parent, path.parent.parent):
+        if (folder / "config.json").is_file():
+            try:
+                return ml_collections.ConfigDict(json.loads((folder / "config.json").read_text())["config"])
+            except (ValueError, KeyError) as error:
+                raise CheckpointError(f"{folder / 'config.json'} is not a run's config.json ({error})") from None
+    if not path.exists():
+        raise CheckpointError(f"{path} does not exist; give a run directory (output_dir), one of its "
+                              "checkpoints/<step>, or a params export")
+    raise CheckpointError(f"no config.json in or above {path}; give a run directory (output_dir), one of "
+                          "its checkpoints/<step>, or a params export")
+
+
+def load_params(path, cfg=None):
+    """The parameters saved in a run directory (its newest checkpoint), a checkpoints/<step>
+    directory or a params export, sharded like `init_params` would shard them. `cfg` defaults to
+    the run's own config (`run_config(path)`)."""
+    cfg = run_config(path) if cfg is None else cfg
+    _, boxed, shardings = _abstract_params(cfg)
+    abstract = jax.tree_util.tree_map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                                      nn.meta.unbox(boxed), shardings)
+    return restore_params(path, abstract)
+
+
+@functools.lru_cache(maxsize=8)
+def _jitted_loss(model_cfg: ml_collections.FrozenConfigDict, policy):
+    model = build_model(model_cfg, policy)
+
+    def mean_loss(params, batch):
+        _, sums = summed_loss(params, model, batch, 0.0)
+        return sums["ce"] / jnp.maximum(sums["tokens"], 1.0)
+    return jax.jit(mean_loss)
+
+
+def loss(cfg, params, batch) -> jax.Array:
+    """Token-mean cross-entropy of `batch` ({"inputs", "targets"} [batch, seq], optional
+    "weights", "positions", "segment_ids"), the trainer's "loss" metric. Not for fp8 delayed
+    scaling, whose state lives in the Trainer (use `trainer.state`)."""
+    params = nn.meta.unbox(params)
+    if set(params) == {"params"}:
+        params = params["params"]
+    batch = {k: jnp.asarray(v) for k, v in batch.items()}
+    batch.setdefault("weights", jnp.ones(batch["targets"].shape, jnp.float32))
+    policy = policy_from_config(cfg.precision)
+    return _jitted_loss(ml_collections.FrozenConfigDict(cfg.model), policy)(params, batch)

@@ -1,0 +1,412 @@
+"""Will it fit? Ahead-of-time compile of the real train step for a target GPU node, on this CPU.
+
+    python -m maxtext_rocm.compile CONFIG.py[:VARIANT] --target=mi355x:8 [--search] [--json OUT]
+                                   [--config.GROUP.KEY=VALUE ...]
+
+The train step (`train.jit_train_step`, the one the Trainer runs) is lowered and compiled against
+abstract arrays (`jax.ShapeDtypeStruct` with their shardings) on N fake CPU devices, so nothing
+is allocated. Printed per device:
+
+- parameters, optimizer state, gradients: exact, from the shapes, dtypes and shardings;
+- activations and temporaries, two ways, side by side:
+  * "XLA (CPU)": `compiled.memory_analysis()` of the CPU executable (temp buffers minus the
+    gradients). The CPU's buffer assignment is not a GPU's: it upcasts bf16/fp8 matmuls to fp32,
+    has no latency-hiding scheduler and no GPU fusions, so it usually over-states the GPU's need.
+  * "analytic (GPU)": the formula below, from the model's dimensions and the remat policy;
+- FLOPs per step (analytic, `metrics.train_flops_per_token`: `cost_analysis()` counts a scanned
+  layer once);
+- the verdict against the target's memory (times `--usable`, default 0.92: the runtime and the
+  allocator keep some), decided on the analytic GPU estimate; the XLA CPU figure is printed with it.
+
+Analytic activation estimate per device, bytes (c = compute dtype bytes: 4 fp32, 2 bf16/fp8;
+T = tokens per device per micro-batch; b = sequences per device; s = seq_len; t = tensor shards;
+L = layers; d = d_model; q = n_heads*head_dim/t; kv = 2*n_kv_heads*head_dim/t; f = mlp_dim/t for a
+dense model, experts_per_token * capacity_factor * mlp_dim/t for MoE; S = b*(n_heads/t)*s^2, the
+attention scores of the "xla" implementation; a fused flash attention ("cudnn") keeps only
+b*(n_heads/t)*s fp32 softmax statistics instead):
+
+    layer_all   = T*c*(4d + 2q + kv + 3f) + S*(4 + c)      every tensor of one layer's forward
+    saved/layer = full:      T*d*c                          (the block input only)
+                  minimal:   T*c*(2d + q + kv + 2f) + T*d*c (matmuls without batch dims)
+                  save_dots: minimal + S*4 + T*q*c          (+ the attention einsums)
+                  none:      layer_all
+    activations = L*saved + 2*layer_all (one layer recomputed + its gradients)
+                  + T*V/t*(c + 8)                           (logits, fp32 copy, fp32 gradient)
+                  + 2*one layer's parameters in fp32 when they are sharded (FSDP all-gather, prefetched)
+
+`--search` (and any config that does not fit) looks for the largest per-device batch that fits
+under each remat policy by the estimate, then confirms the recommendation with a real compile
+(at most `--max-compiles`, so the search stays bounded in time).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import sys
+import time
+
+# Target -> (memory in GiB, the device_kind substring metrics.PEAK_TFLOPS knows it by).
+TARGETS = {
+    "mi300x": 192, "mi325x": 256, "mi355x": 288, "mi350x": 288,
+    "h100": 80, "h200": 141, "b200": 180,
+}
+FNUZ_TARGETS = ("mi300x", "mi325x")  # gfx942: fp8 "auto" resolves to FNUZ there
+GIB = 2 ** 30
+USAGE = ("usage: python -m maxtext_rocm.compile CONFIG.py[:VARIANT] --target=KIND:N "
+         f"[--search] [--max-compiles=K] [--usable=0.92] [--json OUT] [--config.KEY=VALUE ...]; "
+         f"KIND is one of {', '.join(TARGETS)}")
+# Least recomputation first: the first policy that fits is the fastest one that fits.
+REMAT_ORDER = ("none", "save_dots", "minimal", "full")
+
+
+def parse_target(text: str) -> tuple[str, int]:
+    kind, _, count = text.lower().partition(":")
+    if kind not in TARGETS or not (count or "1").isdigit() or int(count or 1) < 1:
+        raise ValueError(f"--target={text!r} is not valid; use KIND:N with KIND one of "
+                         f"{', '.join(TARGETS)} and N a device count, e.g. mi355x:8")
+    return kind, int(count or 1)
+
+
+def force_host_devices(n: int) -> None:
+    """N fake CPU devices. XLA reads the flag when JAX first starts a backend, which importing the
+    package (it imports jax) does not do; if a backend already started, re-run this process."""
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+             if not f.startswith("--xla_force_host_platform_device_count")]
+    os.environ["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={n}"])
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    if "jax" in sys.modules:
+        import jax
+        from jax._src import xla_bridge
+
+        if getattr(xla_bridge, "_backends", None):  # started: the flag comes too late here
+            if jax.default_backend() == "cpu" and jax.device_count() == n:
+                return
+            os.execv(sys.executable, [sys.executable, "-m", "maxtext_rocm.compile", *sys.argv[1:]])
+        jax.config.update("jax_platforms", "cpu")
+
+
+# ----------------------------------------------------------------------------------------------
+# Bytes from shapes
+
+
+def _sharded_bytes(tree) -> int:
+    import jax
+    total = 0
+    for leaf in jax.tree_util.tree_leaves(tree):
+        shape = leaf.sharding.shard_shape(leaf.shape) if leaf.sharding is not None else leaf.shape
+        total += math.prod(shape) * leaf.dtype.itemsize
+    return total
+
+
+def analytic_activations(cfg, axis_sizes: dict[str, int], n_devices: int) -> dict[str, float]:
+    """The activation estimate of the module docstring, per device, in bytes."""
+    m, tr = cfg.model, cfg.train
+    c = 4 if cfg.precision.policy == "fp32" else 2
+    t = axis_sizes["tensor"]
+    batch_shards = axis_sizes["data"] * axis_sizes["fsdp"] * axis_sizes["expert"]
+    b = tr.per_device_batch_size * n_devices / tr.grad_accum / batch_shards
+    s = tr.seq_len
+    T = b * s / axis_sizes["sequence"]
+    d, L, V = m.d_model, m.n_layers, m.vocab_size
+    q = m.n_heads * m.head_dim / t
+    kv = 2 * m.n_kv_heads * m.head_dim / t
+    f = m.mlp_dim / t
+    if m.n_experts > 1:
+        f *= m.experts_per_token * m.moe_capacity_factor
+    S = b * (m.n_heads / t) * s * (s / axis_sizes["sequence"])
+    if m.attention != "xla":  # fused flash attention keeps only the softmax statistics
+        S = b * (m.n_heads / t) * s * 4 / (4 + c)
+    layer_all = T * c * (4 * d + 2 * q + kv + 3 * f) + S * (4 + c)
+    minimal = T * c * (2 * d + q + kv + 2 * f) + T * d * c
+    saved = {"full": T * d * c, "minimal": minimal, "save_dots": minimal + S * 4 + T * q * c,
+             "none": layer_all}[m.remat if m.scan_layers or m.remat != "none" else "none"]
+    logits = T * V / t * (c + 8)
+    return {"layers": L * saved + 2 * layer_all, "logits": logits}
+
+
+def _layer_param_bytes(cfg, axis_sizes) -> float:
+    """One layer's parameters in fp32, gathered (tensor and expert parallelism still split them)."""
+    from maxtext_rocm import metrics
+    m = cfg.model
+    per_layer = metrics._attention_params(m) + (  # expert weights stay split over `expert`
+        3 * m.d_model * m.mlp_dim * m.n_experts / axis_sizes["expert"] + m.d_model * m.n_experts
+        if m.n_experts > 1 else metrics._ffn_params(m))
+    return 4 * per_layer / axis_sizes["tensor"]
+
+
+# ----------------------------------------------------------------------------------------------
+# The compile
+
+
+def analyse(cfg, kind: str, n_devices: int, usable: float = 0.92, compile_it: bool = True) -> dict:
+    """Lowers and compiles the train step for `n_devices` (fake CPU devices); returns a report."""
+    import jax
+    import jax.numpy as jnp
+    from flax import linen as nn
+
+    from maxtext_rocm import config as config_lib
+    from maxtext_rocm import metrics, sharding
+    from maxtext_rocm.models import build_model
+    from maxtext_rocm.optim import build_optimizer
+    from maxtext_rocm.precision import policy_from_config
+    from maxtext_rocm.train import abstract_state, jit_train_step
+
+    if cfg.precision.policy == "fp8" and cfg.precision.fp8_format == "auto":
+        cfg.precision.fp8_format = "fnuz" if kind in FNUZ_TARGETS else "ocp"
+    devices = jax.devices()[:n_devices]
+    config_lib.validate(cfg, n_devices, 1)
+    mesh = sharding.make_mesh(cfg.mesh, devices)
+    sizes = config_lib.axis_sizes(config_lib.mesh_shape(cfg.mesh, n_devices, 1))
+    policy = policy_from_config(cfg.precision, devices[0])
+    cpu_model_cfg = copy.deepcopy(cfg.model)
+    cpu_model_cfg.attention = "xla"  # same parameters; the CPU cannot trace cuDNN's fused attention
+    model = build_model(cpu_model_cfg, policy)
+    tx, schedule = build_optimizer(cfg.optimizer, cfg.train.steps)
+    _, _, abstract, state_sharding = abstract_state(cfg, model, tx, mesh)
+    batch_sharding = sharding.batch_sharding(mesh)
+
+    state_bytes = {
+        "params": _sharded_bytes(abstract.params),
+        "opt_state": _sharded_bytes(abstract.opt_state),
+        "fp8_state": _sharded_bytes(abstract.fp8) + _sharded_bytes((abstract.step, abstract.nonfinite_steps)),
+    }
+    # Gradients have the parameters' shapes, dtypes and shardings; accumulating micro-batches
+    # keeps a running sum beside each micro-batch's gradients.
+    grads = state_bytes["params"] * (2 if cfg.train.grad_accum > 1 else 1)
+    fsdp_sharded = sizes["fsdp"] * sizes["sequence"] * sizes["expert"] > 1
+    act = analytic_activations(cfg, sizes, n_devices)
+    act["gathered_weights"] = 2 * _layer_param_bytes(cfg, sizes) if fsdp_sharded else 0.0
+    analytic_act = sum(act.values())
+    analytic_total = sum(state_bytes.values()) + grads + analytic_act
+    capacity = TARGETS[kind] * GIB
+    report = {
+        "config": cfg.name, "target": f"{kind}:{n_devices}", "policy": cfg.precision.policy,
+        "fp8_format": cfg.precision.fp8_format if cfg.precision.policy == "fp8" else None,
+        "mesh": sharding.describe(mesh), "remat": cfg.model.remat,
+        "per_device_batch_size": cfg.train.per_device_batch_size, "seq_len": cfg.train.seq_len,
+        "grad_accum": cfg.train.grad_accum, "target_memory_bytes": capacity, "usable_fraction": usable,
+        **{f"{k}_bytes": v for k, v in state_bytes.items()}, "gradients_bytes": grads,
+        "analytic_activations_bytes": analytic_act,
+        "analytic_activation_terms_bytes": act,
+        "analytic_total_bytes": analytic_total,
+        "flops_per_token": metrics.train_flops_per_token(cfg.model, cfg.train.seq_len),
+    }
+    global_batch = config_lib.global_batch_size(cfg, n_devices)
+    report["flops_per_step"] = report["flops_per_token"] * global_batch * cfg.train.seq_len
+    peak = metrics.peak_tflops(kind, "fp8" if cfg.precision.policy == "fp8" else "bf16")
+    report["peak_tflops_per_device"] = peak
+    report["fits"] = analytic_total <= usable * capacity
+    if cfg.model.n_experts > 1:
+        from maxtext_rocm.models.moe import resolve_implementation
+        report["moe_impl"] = resolve_implementation(cfg.model.moe_impl)
+    if not compile_it:
+        return report
+
+    if cfg.model.attention != "xla":  # the CPU cannot lower cuDNN's fused attention
+        report["xla_note"] = f"XLA (CPU) compiled model.attention='xla' in place of {cfg.model.attention!r}"
+    batch = {name: jax.ShapeDtypeStruct((global_batch, cfg.train.seq_len), dtype, sharding=batch_sharding)
+             for name, dtype in (("inputs", jnp.int32), ("targets", jnp.int32), ("weights", jnp.float32))}
+    step = jit_train_step(cfg, model, tx, schedule, mesh, state_sharding, batch_sharding)
+    started = time.perf_counter()
+    with jax.set_mesh(mesh), nn.logical_axis_rules(sharding.LOGICAL_RULES):
+        lowered = step.lower(abstract, batch)
+        compiled = lowered.compile()
+    report["compile_s"] = time.perf_counter() - started
+    mem = compiled.memory_analysis()
+    if mem is not None:
+        args, out = mem.argument_size_in_bytes, mem.output_size_in_bytes
+        alias, temp = mem.alias_size_in_bytes, mem.temp_size_in_bytes
+        report.update(xla_argument_bytes=args, xla_output_bytes=out, xla_alias_bytes=alias,
+                      xla_temp_bytes=temp, xla_total_bytes=args + out - alias + temp,
+                      xla_activations_bytes=max(temp - grads, 0))
+        report["xla_fits"] = report["xla_total_bytes"] <= usable * capacity
+    return report
+
+
+def search(cfg, kind: str, n_devices: int, usable: float, max_compiles: int, log=print) -> dict:
+    """Largest per-device batch that fits for each remat policy (by the estimate), confirmed by
+    compiling at most `max_compiles` candidates."""
+    def with_(remat, batch, attention=None):
+        trial = copy.deepcopy(cfg)
+        trial.model.remat, trial.train.per_device_batch_size, trial.train.grad_accum = remat, batch, 1
+        trial.model.attention = attention or cfg.model.attention
+        return trial
+
+    def largest_by_remat(attention=None):
+        largest = {}
+        for remat in REMAT_ORDER:
+            best, batch = None, 1
+            while batch <= 256:
+                if not analyse(with_(remat, batch, attention), kind, n_devices, usable, compile_it=False)["fits"]:
+                    break
+                best, batch = batch, batch * 2
+            largest[remat] = best
+        return largest
+
+    largest = largest_by_remat()
+    wanted = cfg.train.per_device_batch_size
+    fitting = [r for r in REMAT_ORDER if largest[r] and largest[r] >= wanted]
+    result = {"largest_batch_by_remat": largest,
+              "remat_for_configured_batch": fitting[0] if fitting else None,
+              "largest_batch": max((b for b in largest.values() if b), default=None)}
+    result["largest_batch_remat"] = next((r for r in REMAT_ORDER if largest[r] == result["largest_batch"]), None)
+    confirmed = []
+    candidates = []
+    if result["remat_for_configured_batch"]:
+        candidates.append((result["remat_for_configured_batch"], wanted))
+    if result["largest_batch"] and (result["largest_batch_remat"], result["largest_batch"]) not in candidates:
+        candidates.append((result["largest_batch_remat"], result["largest_batch"]))
+    for remat, batch in candidates[:max_compiles]:
+        log(f"  confirming remat={remat} per_device_batch_size={batch} by compiling ...")
+        r = analyse(with_(remat, batch), kind, n_devices, usable)
+        confirmed.append({"remat": remat, "per_device_batch_size": batch, "compile_s": r.get("compile_s"),
+                          "analytic_total_bytes": r["analytic_total_bytes"],
+                          "xla_total_bytes": r.get("xla_total_bytes"), "fits": r["fits"]})
+    result["confirmed"] = confirmed
+    if result["largest_batch"] is None and cfg.model.attention == "xla":
+        result["largest_batch_by_remat_flash"] = largest_by_remat("cudnn")
+    return result
+
+
+# ----------------------------------------------------------------------------------------------
+# Report
+
+
+def _gib(x) -> str:
+    return "n/a" if x is None else f"{x / GIB:8.2f} GiB"
+
+
+def format_report(r: dict) -> str:
+    cap = r["target_memory_bytes"]
+    lines = [
+        f"{r['config']} on {r['target']} ({r['target'].split(':')[0].upper()}: {cap / GIB:.0f} GiB each, "
+        f"{100 * r['usable_fraction']:.0f}% usable); mesh {r['mesh']}; policy {r['policy']}"
+        + (f" ({r['fp8_format']})" if r.get("fp8_format") else "")
+        + (f"; moe_impl {r['moe_impl']}" if r.get("moe_impl") else ""),
+        f"batch {r['per_device_batch_size']}/device x {r['seq_len']} tokens"
+        + (f" in {r['grad_accum']} micro-batches" if r["grad_accum"] > 1 else "") + f"; remat {r['remat']}"
+        + (f"; compiled in {r['compile_s']:.1f} s" if "compile_s" in r else ""),
+        "per device                      analytic (GPU)       XLA (CPU buffer assignment)",
+        f"  parameters                    {_gib(r['params_bytes'])}         (in the arguments)",
+        f"  optimizer state               {_gib(r['opt_state_bytes'])}         (in the arguments)",
+        f"  fp8 scales + counters         {_gib(r['fp8_state_bytes'])}         (in the arguments)",
+        f"  gradients                     {_gib(r['gradients_bytes'])}         (in the temporaries)",
+        f"  activations + temporaries     {_gib(r['analytic_activations_bytes'])}     "
+        f"{_gib(r.get('xla_activations_bytes'))} (temporaries - gradients)",
+        f"  total                         {_gib(r['analytic_total_bytes'])}     "
+        f"{_gib(r.get('xla_total_bytes'))} (arguments + outputs - donated + temporaries)",
+        f"  target                        {_gib(cap)}     usable {_gib(r['usable_fraction'] * cap)}",
+        "  (analytic activations: " + ", ".join(f"{k} {v / GIB:.1f} GiB" for k, v in
+                                               r["analytic_activation_terms_bytes"].items()) + ")",
+    ]
+    if r.get("xla_note"):
+        lines.append(f"  ({r['xla_note']})")
+    flops = r["flops_per_step"]
+    n = int(r["target"].split(":")[1])
+    timing = ""
+    if r.get("peak_tflops_per_device"):
+        timing = f"; >= {flops / n / (r['peak_tflops_per_device'] * 1e12):.3f} s/step at 100% MFU"
+    lines.append(f"FLOPs: {flops / 1e15:.2f} PFLOP/step ({flops / n / 1e12:.1f} TFLOP/device, "
+                 f"{r['flops_per_token'] / 1e9:.2f} GFLOP/token, analytic 6N + attention){timing}")
+    agree = ""
+    if "xla_fits" in r:
+        agree = ("; the XLA CPU figure agrees" if r["xla_fits"] == r["fits"] else
+                 f"; the XLA CPU figure says it would {'' if r['xla_fits'] else 'not '}fit (CPU buffers "
+                 "upcast bf16/fp8 matmuls and are not scheduled for memory like a GPU's)")
+    lines.append(f"verdict: {'FITS' if r['fits'] else 'DOES NOT FIT'} "
+                 f"({r['analytic_total_bytes'] / GIB:.1f} of {r['usable_fraction'] * cap / GIB:.1f} GiB usable, "
+                 f"analytic GPU estimate){agree}")
+    s = r.get("search")
+    if s:
+        by = ", ".join(f"{k}: {v or 'none'}" for k, v in s["largest_batch_by_remat"].items())
+        lines.append(f"largest per-device batch that fits, by remat policy (estimate): {by}")
+        if s["remat_for_configured_batch"]:
+            lines.append(f"remat policy that fits batch {r['per_device_batch_size']} with the least recomputation: "
+                         f"{s['remat_for_configured_batch']}")
+        elif s["largest_batch"]:
+            lines.append(f"batch {r['per_device_batch_size']} fits under no remat policy; "
+                         f"largest that fits: {s['largest_batch']} with remat={s['largest_batch_remat']}")
+        else:
+            need = (r["params_bytes"] + r["opt_state_bytes"] + r["gradients_bytes"]) * n
+            min_devices = math.ceil(need / (r["usable_fraction"] * cap))
+            flash = s.get("largest_batch_by_remat_flash") or {}
+            if need / n <= r["usable_fraction"] * cap:
+                lines.append(f"no batch fits under any remat policy: state (parameters, optimizer, gradients) "
+                             f"takes {need / n / GIB:.1f} GiB/device and one {r['seq_len']}-token sequence's "
+                             "activations the rest; use more devices, mesh.ici.tensor or mesh.ici.sequence, "
+                             "or a shorter train.seq_len")
+                if any(flash.values()):
+                    remat = next(k for k in REMAT_ORDER if flash[k])
+                    by_flash = ", ".join(f"{k}: {v or 'none'}" for k, v in flash.items())
+                    lines.append(f"with fused flash attention (model.attention='cudnn'; CUDA only in this "
+                                 f"project) it would fit by the estimate: batch {flash[remat]} with remat={remat} "
+                                 f"(largest by remat: {by_flash})")
+            else:
+                lines.append(f"no batch fits under any remat policy: parameters, optimizer state and gradients "
+                             f"alone need {need / GIB:,.0f} GiB in all, i.e. at least {min_devices} "
+                             f"{r['target'].split(':')[0].upper()}s with FSDP (before activations)")
+        for c in s["confirmed"]:
+            lines.append(f"  compiled remat={c['remat']} batch={c['per_device_batch_size']}: "
+                         f"{c['analytic_total_bytes'] / GIB:.1f} GiB analytic, "
+                         f"{_gib(c['xla_total_bytes']).strip()} XLA CPU, {c['compile_s']:.1f} s")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help") or argv[0].startswith("--"):
+        print(USAGE, file=sys.stderr)
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    spec, rest = argv[0], argv[1:]
+    options = {"target": None, "search": False, "max-compiles": "2", "usable": "0.92", "json": None}
+    overrides, i = [], 0
+    while i < len(rest):
+        arg = rest[i]
+        name = arg[2:].split("=", 1)[0] if arg.startswith("--") else None
+        if arg.startswith("--config."):
+            overrides.append(arg)
+            if "=" not in arg and i + 1 < len(rest):
+                overrides.append(rest[i + 1])
+                i += 1
+        elif name == "search":
+            options["search"] = True
+        elif name in options:
+            if "=" in arg:
+                options[name] = arg.split("=", 1)[1]
+            elif i + 1 < len(rest):
+                options[name] = rest[i + 1]
+                i += 1
+        else:
+            print(f"error: unexpected argument {arg!r}\n{USAGE}", file=sys.stderr)
+            return 2
+        i += 1
+    try:
+        kind, n = parse_target(options["target"] or "")
+        usable, max_compiles = float(options["usable"]), int(options["max-compiles"])
+    except ValueError as error:
+        print(f"error: {error}" if options["target"] else f"error: --target is required\n{USAGE}", file=sys.stderr)
+        return 2
+    force_host_devices(n)
+
+    from maxtext_rocm import config as config_lib
+
+    try:
+        cfg = config_lib.load(spec, overrides)
+        report = analyse(cfg, kind, n, usable)
+        if options["search"] or not report["fits"]:
+            report["search"] = search(cfg, kind, n, usable, max_compiles)
+    except config_lib.UserError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print(format_report(report), flush=True)
+    if options["json"]:
+        with open(options["json"], "w") as f:
+            json.dump(report, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

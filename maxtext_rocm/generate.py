@@ -1,0 +1,187 @@
+"""Text generation with a KV cache: one prefill pass over the prompts, then a jitted decode loop.
+
+    python -m maxtext_rocm.generate CHECKPOINT_DIR --prompt "..." [--max-new-tokens N]
+        [--temperature T] [--top-k K] [--top-p P] [--seed S]
+
+Prompts of different lengths are left-padded to one length. Padding gets position -1, which
+attention never attends to (models/attention.py), and each real token keeps the position it has
+alone, so every prompt of a batch continues as it would alone. The cache holds kv_heads (not
+heads) per layer, in the model's "cache" collection; the decode loop runs on the device
+(`lax.while_loop`) until every row has produced `eos_id` or `max_new_tokens` tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+
+import flax.core
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from flax import linen as nn
+
+from maxtext_rocm.config import UserError
+from maxtext_rocm.models import build_model
+from maxtext_rocm.models.attention import CACHE
+from maxtext_rocm.models.moe import resolve_implementation
+from maxtext_rocm.precision import policy_from_config
+
+USAGE = ("python -m maxtext_rocm.generate CHECKPOINT_DIR --prompt TEXT [--max-new-tokens N] "
+         "[--temperature T] [--top-k K] [--top-p P] [--seed S]")
+
+
+def sample(logits, key, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0):
+    """Next tokens [batch] from logits [batch, vocab]: the argmax at temperature 0; otherwise a
+    draw from softmax(logits / temperature) restricted to the top_k most likely tokens (0: all)
+    and to the smallest set of them whose probability reaches top_p (1.0: all)."""
+    if temperature == 0:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logits = logits.astype(jnp.float32) / temperature
+    if top_k:
+        kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    if top_p < 1.0:
+        ordered = jnp.sort(logits, axis=-1)[:, ::-1]
+        probs = jax.nn.softmax(ordered, axis=-1)
+        before = jnp.cumsum(probs, axis=-1) - probs  # the mass of the tokens more likely than each
+        threshold = jnp.min(jnp.where(before < top_p, ordered, jnp.inf), axis=-1, keepdims=True)
+        logits = jnp.where(logits < threshold, -jnp.inf, logits)
+    return jax.random.categorical(key, logits).astype(jnp.int32)
+
+
+def _decoding_model_cfg(model_cfg) -> ml_collections.FrozenConfigDict:
+    """The model config for decoding: a mixture of experts that never drops a token ("capacity"
+    would drop where a decode step's few tokens crowd one expert)."""
+    m = ml_collections.ConfigDict(model_cfg)
+    if m.n_experts > 1 and resolve_implementation(m.moe_impl) == "capacity":
+        m.moe_impl = "dense" if jax.default_backend() == "cpu" else "dropless"
+    return ml_collections.FrozenConfigDict(m)
+
+
+@functools.lru_cache(maxsize=16)
+def _decoder(model_cfg, policy, batch: int, prompt_len: int, max_new: int, temperature: float,
+             top_k: int, top_p: float, eos_id: int):
+    """The jitted prefill + decode loop for one shape and one sampling setting."""
+    model = build_model(model_cfg, policy, decode=True)
+    others = flax.core.DenyList("params")  # the cache, plus fp8 state / router losses (dropped)
+
+    def step(params, cache, tokens, positions):
+        logits, variables = model.apply({"params": params, CACHE: cache}, tokens, positions, mutable=others)
+        return logits[:, -1], variables[CACHE]
+
+    def run(params, tokens, positions, key):
+        # `init` sizes the cache (positions -1: empty); XLA drops the parameter initialisation.
+        cache = model.init(jax.random.key(0), jnp.zeros((batch, prompt_len + max_new), jnp.int32))[CACHE]
+        logits, cache = step(params, cache, tokens, positions)  # prefill
+        next_position = jnp.max(positions, axis=1) + 1
+        key, sub = jax.random.split(key)
+        out = jnp.zeros((batch, max_new), jnp.int32)
+
+        def body(carry):  # the decode step: record the token, feed it, sample the next
+            i, token, cache, out, done, key = carry
+            out = out.at[:, i].set(token)
+            done = done | (token == eos_id)
+            logits, cache = step(params, cache, token[:, None], (next_position + i)[:, None])
+            key, sub = jax.random.split(key)
+            return i + 1, sample(logits, sub, temperature, top_k, top_p), cache, out, done, key
+
+        def cond(carry):
+            i, _, _, _, done, _ = carry
+            return (i < max_new) & ~jnp.all(done)
+
+        first = sample(logits, sub, temperature, top_k, top_p)
+        carry = (jnp.int32(0), first, cache, out, jnp.zeros((batch,), bool), key)
+        steps, _, _, out, _, _ = jax.lax.while_loop(cond, body, carry)
+        return out, steps
+
+    return jax.jit(run)
+
+
+def _left_pad(prompts) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens, positions) [batch, longest]: prompts aligned to the right, padding at position -1."""
+    longest = max(len(p) for p in prompts)
+    tokens = np.zeros((len(prompts), longest), np.int32)
+    positions = np.full((len(prompts), longest), -1, np.int32)
+    for row, prompt in enumerate(prompts):
+        if len(prompt):
+            tokens[row, longest - len(prompt):] = prompt
+            positions[row, longest - len(prompt):] = np.arange(len(prompt))
+    return tokens, positions
+
+
+def generate(cfg, params, prompt_tokens, max_new_tokens: int = 64, temperature: float = 0.0,
+             top_k: int = 0, top_p: float = 1.0, seed: int = 0, eos_id: int | None = None):
+    """Continues each prompt of `prompt_tokens` (a list of token-id sequences, any lengths) by up
+    to `max_new_tokens` tokens: greedy at temperature 0, else sampled (top_k, top_p), the same
+    for the same seed. A row stops after `eos_id` (kept in its output). Returns one int32 array
+    of new tokens per prompt; a single prompt (one sequence of ints) gives one array."""
+    single = len(prompt_tokens) > 0 and np.ndim(prompt_tokens[0]) == 0
+    prompts = [np.asarray(p, np.int32).reshape(-1) for p in ([prompt_tokens] if single else prompt_tokens)]
+    vocab = cfg.model.vocab_size
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise UserError("every prompt needs at least one token")
+    if any(((p < 0) | (p >= vocab)).any() for p in prompts):
+        raise UserError(f"prompt token ids must lie in [0, {vocab}) for model.vocab_size={vocab}")
+    if max_new_tokens < 1:
+        raise UserError(f"max_new_tokens={max_new_tokens} must be at least 1")
+    if temperature < 0 or top_k < 0 or not 0 < top_p <= 1:
+        raise UserError(f"temperature={temperature}, top_k={top_k}, top_p={top_p}: need temperature >= 0 "
+                        "(0 = greedy), top_k >= 0 (0 = all tokens) and 0 < top_p <= 1")
+    params = nn.meta.unbox(params)
+    if set(params) == {"params"}:
+        params = params["params"]
+    tokens, positions = _left_pad(prompts)
+    run = _decoder(_decoding_model_cfg(cfg.model), policy_from_config(cfg.precision), len(prompts),
+                   tokens.shape[1], int(max_new_tokens), float(temperature), int(min(top_k, vocab)),
+                   float(top_p), -1 if eos_id is None else int(eos_id))
+    out, steps = jax.device_get(run(params, tokens, positions, jax.random.key(seed)))
+    results = []
+    for row in out[:, :steps]:
+        stop = np.flatnonzero(row == eos_id) if eos_id is not None else []
+        results.append(row[:stop[0] + 1] if len(stop) else row)
+    return results[0] if single else results
+
+
+def main(argv: list[str] | None = None) -> int:
+    from maxtext_rocm.api import load_params, run_config
+    from maxtext_rocm.data.tokenizer import load_tokenizer
+
+    parser = argparse.ArgumentParser(prog="python -m maxtext_rocm.generate", usage=USAGE,
+                                     description="Continue a prompt with a trained model.")
+    parser.add_argument("checkpoint", help="a run directory, one of its checkpoints/<step>, or an export")
+    parser.add_argument("--prompt", required=True)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
+    parser.add_argument("--top-k", type=int, default=0, help="0 (default): no limit")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--bos", action="store_true",
+                        help="start the prompt with the tokenizer's bos token (the default when the run's "
+                             "data.source='files' added one to each document)")
+    args = parser.parse_args(argv)
+    try:
+        cfg = run_config(args.checkpoint)
+        try:
+            tokenizer = load_tokenizer(cfg.data.tokenizer)
+        except (OSError, ValueError) as error:
+            raise UserError(f"cannot load the run's tokenizer data.tokenizer={cfg.data.tokenizer!r} ({error})") from None
+        data = cfg.data
+        run_added_bos = data.get("source") == "files" and data.get("add_bos", False)
+        prompt = tokenizer.encode(args.prompt, bos=(args.bos or run_added_bos) and tokenizer.bos_id is not None)
+        if len(prompt) == 0:
+            raise UserError("--prompt is empty; give some text to continue")
+        params = load_params(args.checkpoint, cfg)
+        new = generate(cfg, params, prompt, args.max_new_tokens, args.temperature, args.top_k,
+                       args.top_p, args.seed, tokenizer.eos_id)
+    except UserError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print(args.prompt + tokenizer.decode(new))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,108 @@
+"""The AOT fit check (python -m maxtext_rocm.compile) and the benchmark suites.
+
+Subprocesses: the compile tool sets the fake device count before JAX starts a backend, and the
+tests' own process already has 8 devices.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import small_config
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def fit_check(*args, timeout=600):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the tool sets its own
+    return subprocess.run([sys.executable, "-m", "maxtext_rocm.compile", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_llama3_8b_fsdp8_compiles_and_fits_mi355x(tmp_path):
+    out = tmp_path / "fit.json"
+    result = fit_check("llama3_8b:fp8", "--target=mi355x:8", f"--json={out}")
+    assert result.returncode == 0, result.stderr
+    assert "mesh fsdp=8" in result.stdout and "verdict: FITS" in result.stdout
+    report = json.loads(out.read_text())
+    assert report["fp8_format"] == "ocp"  # gfx950: OCP formats
+    # 8.03B fp32 parameters over 8 devices, Adam's two moments, gradients like the parameters.
+    assert report["params_bytes"] == pytest.approx(8.03e9 * 4 / 8, rel=0.01)
+    assert report["opt_state_bytes"] == pytest.approx(2 * report["params_bytes"], rel=0.01)
+    assert report["xla_temp_bytes"] > report["gradients_bytes"]
+    assert report["xla_argument_bytes"] >= report["params_bytes"] + report["opt_state_bytes"]
+    # Analytic FLOPs: the whole stack, not cost_analysis's one scanned layer.
+    assert report["flops_per_step"] == pytest.approx(report["flops_per_token"] * 16 * 8192)
+
+
+def test_mixtral_8x7b_expert8_compiles(tmp_path):
+    out = tmp_path / "fit.json"
+    result = fit_check("mixtral_8x7b", "--target=mi355x:8", "--config.mesh.ici.fsdp=1",
+                       "--config.mesh.ici.expert=8", f"--json={out}")
+    assert result.returncode == 0, result.stderr
+    assert "mesh expert=8" in result.stdout and "verdict: FITS" in result.stdout
+    report = json.loads(out.read_text())
+    assert report["params_bytes"] == pytest.approx(46.7e9 * 4 / 8, rel=0.01)
+    assert report["xla_total_bytes"] > 0
+
+
+def test_405b_on_one_h100_does_not_fit():
+    result = fit_check("llama3_1_405b", "--target=h100:1")
+    assert result.returncode == 0, result.stderr
+    assert "verdict: DOES NOT FIT" in result.stdout
+    assert "no batch fits under any remat policy" in result.stdout
+    assert "H100s with FSDP" in result.stdout
+
+
+def test_bad_target_is_a_user_error():
+    result = fit_check("tiny_llama", "--target=tpu:8")
+    assert result.returncode == 2 and "--target='tpu:8' is not valid" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_analytic_activations_shrink_with_remat(devices):
+    from maxtext_rocm.compile import analyse
+
+    totals = {}
+    for remat in ("none", "save_dots", "minimal", "full"):
+        cfg = small_config(**{"model.remat": remat, "train.seq_len": 256})
+        totals[remat] = analyse(cfg, "h100", 8, compile_it=False)["analytic_activations_bytes"]
+    assert totals["none"] >= totals["save_dots"] > totals["minimal"] > totals["full"] > 0
+    flash = analyse(small_config(**{"model.attention": "cudnn", "train.seq_len": 256}), "h100", 8,
+                    compile_it=False)["analytic_activations_bytes"]
+    assert flash < analyse(small_config(**{"train.seq_len": 256}), "h100", 8,
+                           compile_it=False)["analytic_activations_bytes"]
+
+
+def bench(*args, timeout=900):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    return subprocess.run([sys.executable, "scripts/benchmark.py", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.slow
+def test_seed_suite_without_gpus_aot_checks_and_skips(tmp_path):
+    result = bench("--suite", "seed", "--rows", "llama3 8b fp8", "--out", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    record = json.loads((tmp_path / "results.json").read_text())
+    (row,) = record["rows"]
+    assert row["status"] == "skipped" and "AOT check for mi355x:8: fits" in row["note"]
+    assert row["remat"] in ("none", "save_dots", "minimal", "full") and row["per_device_batch_size"] >= 1
+    table = (tmp_path / "results.md").read_text()
+    assert "| tokens/s/GPU | TFLOP/s/GPU | MFU |" in table and "Llama3 8B fp8" in table
+
+
+@pytest.mark.slow
+def test_cpu_suite_runs_the_tiny_presets(tmp_path):
+    result = bench("--suite", "cpu", "--steps", "2", "--warmup", "0", "--out", str(tmp_path),
+                   "--config.train.seq_len=64", "--config.train.per_device_batch_size=1",
+                   "--config.checkpoint.enabled=false")
+    assert result.returncode == 0, result.stderr
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert [r["row"] for r in rows] == ["tiny_llama", "tiny_mixtral"]
+    assert all(r["status"] == "ran" and r["tokens_per_s_per_device"] > 0 for r in rows)
+    assert all(r["mfu"] is None for r in rows)  # no peak is known for a CPU
+    assert "tiny_mixtral" in (tmp_path / "results.md").read_text()
