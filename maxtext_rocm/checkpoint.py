@@ -131,6 +131,11 @@ class Checkpointer:
         "auto" = the newest complete checkpoint here, "never", a step here, or a checkpoint path."""
         choice = str(self.cfg.resume)
         if choice == "never":
+            steps = self.manager.all_steps() if self.directory.exists() else []
+            if steps:  # a fresh run would collide with (and then delete) them
+                raise CheckpointError(
+                    f"checkpoint.resume=never but {self.directory} already holds checkpoints "
+                    f"(steps {', '.join(map(str, sorted(steps)))}); use a new output_dir or remove them")
             return None
         if choice == "auto" or choice.isdigit():
             steps = self.manager.all_steps() if self.directory.exists() else []

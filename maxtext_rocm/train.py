@@ -118,7 +118,7 @@ class Trainer:
         self.global_batch = config_lib.global_batch_size(cfg, self.n_devices)
 
         self.checkpointer = Checkpointer(cfg.checkpoint, cfg.output_dir) if cfg.checkpoint.enabled else None
-        self.state, self.state_sharding, self.step_count = self._init_state()
+        self.state, self.state_sharding, self.step_count, resumed_data_state = self._init_state()
         self.batch_sharding = sharding.batch_sharding(self.mesh)
         self._train_step = jit_train_step(cfg, self.model, self.tx, self.schedule, self.mesh,
                                           self.state_sharding, self.batch_sharding)
@@ -126,8 +126,8 @@ class Trainer:
             cfg.data, vocab_size=cfg.model.vocab_size, global_batch=self.global_batch,
             seq_len=cfg.train.seq_len, process_index=jax.process_index(),
             process_count=jax.process_count())
-        if getattr(self, "_resumed_data_state", None) and hasattr(self.data, "restore"):
-            self.data.restore(self._resumed_data_state)
+        if resumed_data_state and hasattr(self.data, "restore"):  # the files source continues from it
+            self.data.restore(resumed_data_state)
         self.eval_data, self._eval_step = None, None
         if cfg.train.eval_every:
             self.eval_data = build_source(
@@ -162,15 +162,15 @@ class Trainer:
         return stack
 
     def _init_state(self):
-        """(state, its shardings, its step): resumed from a checkpoint, or fresh (optionally with
-        parameters from another run). Either way every array lands directly in its sharding."""
+        """(state, its shardings, its step, the data position saved with it or None): resumed from
+        a checkpoint, or fresh (optionally with parameters from another run). Either way every
+        array lands directly in its sharding."""
         init, key, abstract, state_sharding = abstract_state(self.cfg, self.model, self.tx, self.mesh)
         resume = self.checkpointer.find_resume() if self.checkpointer else None
         if resume:
             state, data_state = self.checkpointer.restore(*resume, abstract)
             self.log(f"resumed from {resume[0].directory}/{resume[1]}")
-            self._resumed_data_state = data_state  # the data source continues from it
-            return state, state_sharding, int(data_state["step"])
+            return state, state_sharding, int(data_state["step"]), data_state
 
         init_jit = jax.jit(lambda k: nn.meta.unbox(init(k)), out_shardings=state_sharding)
         # Init runs once: on the CPU, LLVM's optimisation of its RNG code costs more than it saves
@@ -180,7 +180,7 @@ class Trainer:
         if self.cfg.checkpoint.load_params_from:
             state = state.replace(params=restore_params(self.cfg.checkpoint.load_params_from, abstract.params))
             self.log(f"parameters from {self.cfg.checkpoint.load_params_from}; fresh optimizer at step 0")
-        return state, state_sharding, 0
+        return state, state_sharding, 0, None
 
     def save_checkpoint(self) -> None:
         """Starts an asynchronous save of the current state (all processes must call it)."""
@@ -195,10 +195,7 @@ class Trainer:
         ce, tokens = 0.0, 0.0
         with self.context():
             for i in range(self.cfg.train.eval_steps):
-                host = self.eval_data.batch(i)
-                batch = {k: jax.make_array_from_process_local_data(self.batch_sharding, np.asarray(v))
-                         for k, v in host.items()}
-                out = self._eval_step(self.state.params, batch, self.state.fp8)
+                out = self._eval_step(self.state.params, self._to_device(self.eval_data.batch(i)), self.state.fp8)
                 ce, tokens = ce + out["loss"] * out["tokens"], tokens + out["tokens"]
         if hasattr(self.eval_data, "close"):
             self.eval_data.close()  # no prefetching in the background while training
@@ -206,11 +203,13 @@ class Trainer:
         loss = ce / max(tokens, 1.0)
         return {"eval_loss": loss, "eval_perplexity": float(np.exp(min(loss, 80.0))), "eval_tokens": tokens}
 
-    def device_batch(self, step: int) -> dict[str, jax.Array]:
-        """This process's rows of the step's batch, assembled into one global sharded array each."""
-        host = self.data.batch(step)
+    def _to_device(self, host: dict) -> dict[str, jax.Array]:
+        """This process's rows of a batch, assembled into one global sharded array each."""
         return {k: jax.make_array_from_process_local_data(self.batch_sharding, np.asarray(v))
                 for k, v in host.items()}
+
+    def device_batch(self, step: int) -> dict[str, jax.Array]:
+        return self._to_device(self.data.batch(step))
 
     def step(self):
         """One optimizer step. Returns the step's metrics as device arrays (no host sync)."""
@@ -234,10 +233,12 @@ class Trainer:
             while self.step_count < end and not preemption.requested(self.step_count):
                 step_metrics = self.step()
                 if mark_time is None:
-                    # The first step includes compilation: wait for it once and time from its end.
+                    # Time from the end of this call's first step (the Trainer's first includes compilation).
                     jax.block_until_ready(step_metrics)
-                    self.log(f"first step done {time.perf_counter() - self._started:.1f}s after the trainer "
-                             "started (includes compilation)")
+                    if self._started is not None:
+                        self.log(f"first step done {time.perf_counter() - self._started:.1f}s after the "
+                                 "trainer started (includes compilation)")
+                        self._started = None
                     mark_time, mark_step = time.perf_counter(), self.step_count
                 stopping = preemption.requested(self.step_count)
                 if self.checkpointer and (

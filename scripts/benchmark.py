@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -209,10 +210,12 @@ def main() -> int:
 
     total = 1 + args.warmup + args.steps
     try:
-        checkpoints = ([f"--config.checkpoint.every={args.checkpoint_every}", "--config.checkpoint.resume=never"]
-                       if args.checkpoint_every else ["--config.checkpoint.enabled=false"])
+        checkpoints = ["--config.checkpoint.enabled=false"]
+        if args.checkpoint_every:  # into a fresh directory, so nothing resumes or collides
+            checkpoints = [f"--config.checkpoint.every={args.checkpoint_every}", "--config.checkpoint.resume=never",
+                           f"--config.output_dir={tempfile.mkdtemp(prefix='benchmark_checkpoints_')}"]
         cfg = mr.load_config(args.config, [f"--config.train.steps={total}", "--config.log.tensorboard=false",
-                                           *checkpoints, *overrides])
+                                           *overrides, *checkpoints])
         trainer = mr.Trainer(cfg, log=lambda *_: None)
     except mr.UserError as error:
         print(f"error: {error}", file=sys.stderr)
@@ -232,6 +235,8 @@ def main() -> int:
     if args.checkpoint_every:
         trainer.checkpointer.wait()
     step_s = (time.perf_counter() - start) / args.steps
+    if args.checkpoint_every:
+        shutil.rmtree(cfg.output_dir, ignore_errors=True)
 
     tokens_per_step = trainer.global_batch * cfg.train.seq_len
     tokens_per_s_per_device = tokens_per_step / step_s / trainer.n_devices

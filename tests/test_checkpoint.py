@@ -230,3 +230,13 @@ def test_start_from_another_runs_params_and_from_an_export(devices, tmp_path):
 
     with pytest.raises(CheckpointError, match="holds no params export or checkpoint"):
         restore_params(tmp_path, trainer.state.params)
+
+
+def test_resume_never_refuses_to_write_over_existing_checkpoints(devices, tmp_path):
+    cfg = small_config(**{"output_dir": str(tmp_path), "train.steps": 2, "checkpoint.every": 2})
+    Trainer(cfg, devices=devices[:2], log=lambda *_: None).run()
+    before = snapshot(tmp_path)
+    again = small_config(**{"output_dir": str(tmp_path), "train.steps": 2, "checkpoint.resume": "never"})
+    with pytest.raises(CheckpointError, match="checkpoint.resume=never but .* already holds checkpoints \\(steps 2\\)"):
+        Trainer(again, devices=devices[:2], log=lambda *_: None)
+    assert snapshot(tmp_path) == before
