@@ -216,12 +216,22 @@ def restore_params(path, abstract_params):
     return restored["params"] if whole_state else restored
 
 
-def export_params(run_dir, out_dir, step: int | None = None) -> Path:
-    """Writes `out_dir/params` and `out_dir/config.json` from a run's checkpoint."""
-    import ml_collections
+def restore_params_to_host(path, cfg):
+    """`cfg`'s parameters from `path` into host memory: for exports and conversions, which go to
+    disk next and whose model need not fit one accelerator."""
     from flax import linen as nn
 
     from maxtext_rocm.models import abstract_params
+
+    host = jax.sharding.SingleDeviceSharding(jax.local_devices(backend="cpu")[0])
+    abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=host),
+                                      nn.meta.unbox(abstract_params(cfg)))
+    return restore_params(path, abstract)
+
+
+def export_params(run_dir, out_dir, step: int | None = None) -> Path:
+    """Writes `out_dir/params` and `out_dir/config.json` from a run's checkpoint."""
+    import ml_collections
 
     run_dir, out_dir = Path(run_dir), Path(out_dir)
     if out_dir.exists():
@@ -232,10 +242,7 @@ def export_params(run_dir, out_dir, step: int | None = None) -> Path:
     record = json.loads(config_path.read_text())
     cfg = ml_collections.ConfigDict(record["config"])
     source = run_dir / "checkpoints" / str(step) if step is not None else run_dir
-    abstract = jax.tree_util.tree_map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0])),
-        nn.meta.unbox(abstract_params(cfg)))
-    params = restore_params(source, abstract)
+    params = restore_params_to_host(source, cfg)
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     ocp.PyTreeCheckpointer().save(tmp / "params", params)

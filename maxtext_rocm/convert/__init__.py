@@ -281,12 +281,9 @@ def checkpoint_to_hf(checkpoint_dir, out_dir, *, dtype: str | None = None,
 
     dtype defaults to the imported original's (an export written by `from-hf`), else float32.
     """
-    import jax
     import ml_collections
-    from flax import linen as nn
 
-    from maxtext_rocm.checkpoint import restore_params
-    from maxtext_rocm.models import abstract_params
+    from maxtext_rocm.checkpoint import restore_params_to_host
 
     checkpoint_dir, out_dir = Path(checkpoint_dir), Path(out_dir).absolute()
     if not checkpoint_dir.is_dir():
@@ -299,9 +296,5 @@ def checkpoint_to_hf(checkpoint_dir, out_dir, *, dtype: str | None = None,
     if dtype is None:
         dtype = str((hf_base or {}).get("dtype") or (hf_base or {}).get("torch_dtype") or "float32")
     files_lib.numpy_dtype(dtype)  # a bad --dtype fails before the restore
-    # Restored to host memory: a 70B model would not fit one accelerator, and it goes to disk next.
-    device = jax.sharding.SingleDeviceSharding(jax.local_devices(backend="cpu")[0])
-    abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
-                                      nn.meta.unbox(abstract_params(cfg)))
-    params = restore_params(checkpoint_dir, abstract)
+    params = restore_params_to_host(checkpoint_dir, cfg)
     return to_hf(cfg, params, out_dir, dtype=dtype, max_shard_size=max_shard_size, hf_base=hf_base)

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from maxtext_rocm.models.layers import Dense
-from maxtext_rocm.precision import Policy
+from maxtext_rocm.precision import Policy, without_fp8
 
 Array = jax.Array
 
@@ -236,7 +236,7 @@ class MoE(nn.Module):
         n_experts, d, f = m.n_experts, m.d_model, m.mlp_dim
         # The router runs in fp32 whatever the policy: its softmax and top-k decide where tokens
         # go, and bf16 logits would flip near-ties. It is d_model x n_experts, so this is free.
-        router_policy = dataclasses.replace(self.policy, compute_dtype=jnp.float32, dot_general_cls=None)
+        router_policy = dataclasses.replace(without_fp8(self.policy), compute_dtype=jnp.float32)
         logits = Dense((d,), (n_experts,), ("embed", None), router_policy, name="router")(x)
         probs, weights, experts = route(logits, m.experts_per_token)
         self.sow(AUX_LOSSES, "moe_aux_loss", load_balancing_loss(probs, experts))
