@@ -21,7 +21,7 @@ from flax import linen as nn
 
 from maxtext_rocm import config as config_lib
 from maxtext_rocm import sharding
-from maxtext_rocm.checkpoint import CheckpointError, restore_params
+from maxtext_rocm.config import CheckpointError
 from maxtext_rocm.models import build_model
 from maxtext_rocm.precision import policy_from_config
 from maxtext_rocm.step import summed_loss
@@ -87,6 +87,8 @@ def load_params(path, cfg=None):
     _, boxed, shardings = _abstract_params(cfg)
     abstract = jax.tree_util.tree_map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                                       nn.meta.unbox(boxed), shardings)
+    from maxtext_rocm.checkpoint import restore_params  # orbax, imported when needed
+
     return restore_params(path, abstract)
 
 

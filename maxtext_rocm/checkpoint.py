@@ -25,7 +25,7 @@ import jax
 import orbax.checkpoint as ocp
 from orbax.checkpoint.checkpoint_managers import preservation_policy as policies
 
-from maxtext_rocm.config import UserError
+from maxtext_rocm.config import CheckpointError, UserError
 
 STATE, DATA, META = "state", "data", "meta"
 
@@ -34,10 +34,6 @@ def _handlers():
     # Named up front so that a manager that has not saved yet can read metadata and restore.
     return {STATE: ocp.StandardCheckpointHandler(), DATA: ocp.JsonCheckpointHandler(),
             META: ocp.JsonCheckpointHandler()}
-
-
-class CheckpointError(UserError):
-    """A checkpoint that cannot be used: missing, unreadable, or of another model's shapes."""
 
 
 def _flat_shapes(tree) -> dict[str, tuple]:

@@ -31,7 +31,11 @@ b*(n_heads/t)*s fp32 softmax statistics instead):
                   save_dots: minimal + S*4 + T*q*c          (+ the attention einsums)
                   none:      layer_all
     activations = L*saved + 2*layer_all (one layer recomputed + its gradients)
-                  + T*V/t*(c + 8)                           (logits, fp32 copy, fp32 gradient)
+                  + T_c*V/t*(c + 8) + 4*d*V/t               (a loss chunk's logits: fp32, fp32
+                                                             softmax, gradient in c; the fp32 sum
+                                                             of the head's gradient)
+    with T_c = T * loss chunk / s (maxtext_rocm/cross_entropy.py); unchunked (model.loss_chunk_len=0
+    or an fp8 LM head): T_c = T and no separate head-gradient sum.
                   + 2*one layer's parameters in fp32 when they are sharded (FSDP all-gather, prefetched)
 
 `--search` (and any config that does not fit) looks for the largest per-device batch that fits
@@ -123,7 +127,14 @@ def analytic_activations(cfg, axis_sizes: dict[str, int], n_devices: int) -> dic
     minimal = T * c * (2 * d + q + kv + 2 * f) + T * d * c
     saved = {"full": T * d * c, "minimal": minimal, "save_dots": minimal + S * 4 + T * q * c,
              "none": layer_all}[m.remat if m.scan_layers or m.remat != "none" else "none"]
-    logits = T * V / t * (c + 8)
+    from maxtext_rocm import cross_entropy
+    from maxtext_rocm.step import fused_head_loss
+
+    if fused_head_loss(m, cfg.precision.policy == "fp8" and cfg.precision.fp8_lm_head):
+        chunk = cross_entropy.chunk_length(s, m.loss_chunk_len)
+        logits = T * chunk / s * V / t * (c + 8) + 4 * d * V / t
+    else:
+        logits = T * V / t * (c + 8)
     return {"layers": L * saved + 2 * layer_all, "logits": logits}
 
 

@@ -42,6 +42,10 @@ class ConfigError(UserError):
     """A config key is unknown, mistyped or inconsistent with the others."""
 
 
+class CheckpointError(UserError):
+    """A checkpoint that cannot be used: missing, unreadable, or of another model's shapes."""
+
+
 def defaults() -> ml_collections.ConfigDict:
     """Every key the trainer reads, with its default. Presets start from here."""
     cfg = ml_collections.ConfigDict()
@@ -65,6 +69,9 @@ def defaults() -> ml_collections.ConfigDict:
         tie_embeddings=False,
         scan_layers=True,
         remat="full",
+        # The loss runs the LM head and cross-entropy over this many sequence positions at a time
+        # (maxtext_rocm/cross_entropy.py), so full [tokens, vocab] fp32 logits never exist; 0: unchunked.
+        loss_chunk_len=64,
         attention="xla",
         embed_init_std=0.02,
         # Attention to at most this many tokens back, the query included; None or 0: off.
@@ -355,6 +362,7 @@ def validate(cfg: ml_collections.ConfigDict, device_count: int | None = None,
     _require(m.head_dim % 2 == 0, f"model.head_dim={m.head_dim} must be even for rotary embeddings")
     _one_of("model.remat", m.remat, REMAT_POLICIES)
     _one_of("model.attention", m.attention, ATTENTION_IMPLEMENTATIONS)
+    _require(m.loss_chunk_len >= 0, f"model.loss_chunk_len must be >= 0 (0: unchunked), got {m.loss_chunk_len}")
     if m.rope_scaling is not None:
         _validate_rope_scaling(m.rope_scaling)
     _validate_moe(m)

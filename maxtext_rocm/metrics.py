@@ -16,6 +16,8 @@ import os
 import resource
 from typing import Any, Mapping
 
+from maxtext_rocm.tensorboard import ScalarWriter
+
 FLOPS_CONVENTION = (
     "FLOPs/token = 6 x matmul params (incl. LM head, excl. embedding gather) "
     "+ 6 x seq_len x n_heads x head_dim per layer (causal attention, halved; Megatron/MaxText)"
@@ -169,10 +171,7 @@ class MetricsWriter:
         # Append, so a resumed run continues the same file.
         self._jsonl = open(os.path.join(output_dir, "metrics.jsonl"), "a", encoding="utf-8")
         if tensorboard:
-            # Imported here so that processes that never write do not pay for it.
-            from tensorboardX import SummaryWriter
-
-            self._tb = SummaryWriter(logdir=os.path.join(output_dir, "tensorboard"))
+            self._tb = ScalarWriter(os.path.join(output_dir, "tensorboard"))
 
     def write(self, step: int, metrics: Mapping[str, float | None]) -> None:
         if not self.enabled:
@@ -181,10 +180,8 @@ class MetricsWriter:
         self._jsonl.write(json.dumps(record) + "\n")
         self._jsonl.flush()  # one line at a time, so a crash loses at most the current line
         if self._tb is not None:
-            for key, value in metrics.items():
-                if value is not None:
-                    # NaN is kept here: TensorBoard draws it, which shows where a run diverged.
-                    self._tb.add_scalar(key, float(value), int(step))
+            # NaN is kept here: TensorBoard draws it, which shows where a run diverged.
+            self._tb.add_scalars(step, {k: float(v) for k, v in metrics.items() if v is not None})
             self._tb.flush()
 
     def close(self) -> None:

@@ -8,7 +8,6 @@ after gradient accumulation, so `grad_accum=4` computes exactly the gradient of 
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import jax
@@ -17,9 +16,10 @@ import optax
 from flax import linen as nn
 from flax import struct
 
-from maxtext_rocm import fp8
+from maxtext_rocm import cross_entropy, fp8
 from maxtext_rocm.fp8 import FP8_COLLECTION
 from maxtext_rocm.models import moe
+from maxtext_rocm.models.llama import lm_head_weight
 
 Array = jax.Array
 Batch = dict[str, Array]
@@ -52,25 +52,34 @@ def token_losses(logits: Array, targets: Array) -> tuple[Array, Array]:
     return log_z - target_logit, log_z
 
 
+def fused_head_loss(model_cfg, fp8_lm_head: bool) -> bool:
+    """Whether the loss applies the LM head itself, in chunks (maxtext_rocm/cross_entropy.py).
+    An fp8 LM head keeps the model's own head, whose fp8 dot carries scaling state."""
+    return model_cfg.loss_chunk_len > 0 and (model_cfg.tie_embeddings or not fp8_lm_head)
+
+
 def summed_loss(params, model: nn.Module, batch: Batch, z_loss_weight: float, fp8_state=None):
     """The objective summed (not averaged) over tokens, and the sums the metrics need."""
     variables = {"params": params, FP8_COLLECTION: fp8_state} if fp8_state else {"params": params}
-    logits, aux = model.apply(variables, batch["inputs"], batch.get("positions"),
-                              batch.get("segment_ids"), mutable=[moe.AUX_LOSSES])
-    ce, log_z = token_losses(logits, batch["targets"])
+    fused = fused_head_loss(model.cfg, model.policy.fp8_lm_head)
+    out, aux = model.apply(variables, batch["inputs"], batch.get("positions"), batch.get("segment_ids"),
+                           return_hidden=fused, mutable=[moe.AUX_LOSSES])
     weights = batch["weights"].astype(jnp.float32)
+    if fused:
+        head_weight, vocab_axis = lm_head_weight(params, model.cfg)
+        objective, sums = cross_entropy.head_loss(
+            out, head_weight, batch["targets"], weights, vocab_axis=vocab_axis, z_loss_weight=z_loss_weight,
+            chunk=cross_entropy.chunk_length(out.shape[1], model.cfg.loss_chunk_len))
+    else:
+        ce, log_z = token_losses(out, batch["targets"])
+        sums = {"ce": jnp.sum(ce * weights), "z_loss": jnp.sum(jnp.square(log_z) * weights)}
+        objective = sums["ce"] + z_loss_weight * sums["z_loss"]
     tokens = jnp.sum(weights)
     # MoE router losses (zero for dense models) are means over this batch; times its token count
     # they average over micro-batches like the rest once divided by the global token count.
     router = {name: value * tokens for name, value in moe.router_losses(aux).items()}
-    sums = {
-        "ce": jnp.sum(ce * weights),
-        "z_loss": jnp.sum(jnp.square(log_z) * weights),
-        "tokens": tokens,
-        **router,
-    }
-    objective = sums["ce"] + z_loss_weight * sums["z_loss"] + moe.weighted_router_loss(router, model.cfg)
-    return objective, sums
+    sums.update(tokens=tokens, **router)
+    return objective + moe.weighted_router_loss(router, model.cfg), sums
 
 
 def split_micro_batches(batch: Batch, n: int) -> Batch:
@@ -113,19 +122,29 @@ def train_step(state: TrainState, batch: Batch, *, model: nn.Module,
     grads, fp8_update, metrics = gradients(state.params, model, batch, train_cfg.grad_accum,
                                            train_cfg.z_loss_weight, state.fp8)
     grad_norm = optax.tree.norm(grads)
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
 
     # An inf/NaN step must not poison the state: keep the old one ("skip"), and under "stop"
     # freeze everything from the first bad step on, so the host can checkpoint the last good state.
+    # A branch rather than a select between old and new: the update then runs in place in the
+    # donated buffers instead of beside a copy of parameters and optimizer state.
     finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
     halting = train_cfg.on_nonfinite == "stop"
     apply = finite & (state.nonfinite_steps == 0) if halting else finite
-    keep_if_bad = functools.partial(jax.tree_util.tree_map, lambda new, old: jnp.where(apply, new, old))
+
+    def update(operands):
+        params, opt_state, grads, fp8_update, _ = operands
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, fp8_update
+
+    def keep(operands):
+        params, opt_state, _, _, fp8_state = operands
+        return params, opt_state, fp8_state
+
+    params, opt_state, fp8_state = jax.lax.cond(
+        apply, update, keep, (state.params, state.opt_state, grads, fp8_update, state.fp8))
     new_state = state.replace(
         step=state.step + (apply.astype(jnp.int32) if halting else 1),
-        params=keep_if_bad(params, state.params), opt_state=keep_if_bad(opt_state, state.opt_state),
-        fp8=keep_if_bad(fp8_update, state.fp8),
+        params=params, opt_state=opt_state, fp8=fp8_state,
         nonfinite_steps=state.nonfinite_steps + (~finite).astype(jnp.int32))
     metrics.update(grad_norm=grad_norm, lr=schedule(state.step), nonfinite_steps=new_state.nonfinite_steps)
     return new_state, metrics

@@ -222,7 +222,7 @@ def main() -> int:
         return 2
 
     jax.block_until_ready(trainer.step())
-    first_step_s = seconds_since_launch()
+    first_step_s, first_step_unix = seconds_since_launch(), time.time()
     for _ in range(args.warmup):
         trainer.step()
     jax.block_until_ready(trainer.state)
@@ -250,7 +250,8 @@ def main() -> int:
         "step_time_s": step_s, "tokens_per_s": tokens_per_step / step_s,
         "tokens_per_s_per_device": tokens_per_s_per_device, "tflops_per_s_per_device": tflops,
         "mfu": metrics_lib.mfu(tflops, trainer.peak_tflops),
-        "launch_to_first_step_s": first_step_s, "peak_rss_mib": metrics_lib.peak_rss_mib(),
+        "launch_to_first_step_s": first_step_s, "first_step_done_unix": first_step_unix,
+        "flops_per_token": trainer.flops_per_token, "peak_rss_mib": metrics_lib.peak_rss_mib(),
         "device_peak_mib": metrics_lib.device_peak_memory_mib(jax.devices()[0]), "final_loss": loss,
     }
     for key, value in result.items():

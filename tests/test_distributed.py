@@ -296,7 +296,9 @@ def test_a_dead_process_stops_the_other(tmp_path):
             f.close()
     log0 = (tmp_path / "process_0.log").read_text()
     assert rc != 0, log0[-2000:]
-    assert "another task died" in log0 or "unhealthy" in log0, log0[-2000:]
+    # Usually the coordination service reports the dead task; when the kill lands inside a
+    # collective, Gloo's transport fails first (seen once under heavy load: a short read).
+    assert any(sign in log0 for sign in ("another task died", "unhealthy", "gloo::")), log0[-2000:]
     print(f"process 0 stopped {took:.1f} s after process 1 was killed (exit status {rc})")
 
 

@@ -1,6 +1,8 @@
 """Analytic FLOPs, the peak table, MFU and the metric writers."""
 
 import json
+import math
+import struct
 
 import pytest
 
@@ -88,7 +90,49 @@ def test_writer_jsonl_and_tensorboard(tmp_path):
     assert set(records[1]) == {"step", "loss", "lr", "mfu"}
     assert records[1]["step"] == 20 and records[1]["loss"] is None and records[1]["mfu"] == 0.4
     events = list((out / "tensorboard").glob("events.out.tfevents*"))
-    assert events and events[0].stat().st_size > 0
+    assert len(events) == 1
+    scalars = read_scalars(events[0])
+    assert scalars[10] == {"loss": 2.5, "lr": pytest.approx(1e-3)}
+    assert scalars[20]["lr"] == pytest.approx(5e-4) and scalars[20]["mfu"] == pytest.approx(0.4)
+    assert math.isnan(scalars[20]["loss"])  # kept: TensorBoard shows where a run diverged
+
+
+def read_scalars(path):
+    """{step: {tag: value}} decoded with TensorBoard's own protocol buffers (from tensorboardX, a
+    test dependency), after checking every record's framing and CRC-32C against crc32c below."""
+    from tensorboardX.proto import event_pb2
+
+    data, scalars, offset = path.read_bytes(), {}, 0
+    while offset < len(data):
+        (length,) = struct.unpack_from("<Q", data, offset)
+        (length_crc,) = struct.unpack_from("<I", data, offset + 8)
+        payload = data[offset + 12: offset + 12 + length]
+        (payload_crc,) = struct.unpack_from("<I", data, offset + 12 + length)
+        assert length_crc == masked_crc32c(data[offset: offset + 8]) and payload_crc == masked_crc32c(payload)
+        event = event_pb2.Event.FromString(payload)
+        if event.file_version:
+            assert event.file_version == "brain.Event:2" and offset == 0
+        for value in event.summary.value:
+            scalars.setdefault(event.step, {})[value.tag] = value.simple_value
+        offset += 16 + length
+    return scalars
+
+
+def masked_crc32c(data: bytes) -> int:
+    """TFRecord's masked CRC-32C, bit by bit (independent of the table in tensorboard.py)."""
+    crc = 0xFFFFFFFF
+    for byte in data:
+        crc ^= byte
+        for _ in range(8):
+            crc = (crc >> 1) ^ (0x82F63B78 * (crc & 1))
+    crc ^= 0xFFFFFFFF
+    return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
+
+
+def test_crc32c_known_value():
+    from maxtext_rocm.tensorboard import crc32c
+
+    assert crc32c(b"123456789") == 0xE3069283  # the CRC-32C check value (RFC 3720)
 
 
 def test_writer_without_tensorboard(tmp_path):

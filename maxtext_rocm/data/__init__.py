@@ -2,11 +2,22 @@
 (files add "positions" and "segment_ids"; see data/files.py)."""
 from __future__ import annotations
 
+import numpy as np
+
 from maxtext_rocm.data.embedded import EmbeddedSource
 from maxtext_rocm.data.synthetic import SyntheticSource
 from maxtext_rocm.data.tokenizer import ByteTokenizer
 
-__all__ = ["ByteTokenizer", "EmbeddedSource", "SyntheticSource", "build_source"]
+__all__ = ["ByteTokenizer", "EmbeddedSource", "SyntheticSource", "batch_spec", "build_source"]
+
+
+def batch_spec(data_cfg) -> dict[str, np.dtype]:
+    """The arrays of a batch and their dtypes (each [rows, seq_len]), known before any batch exists,
+    so the train step can be compiled from shapes alone."""
+    spec = {"inputs": np.dtype(np.int32), "targets": np.dtype(np.int32), "weights": np.dtype(np.float32)}
+    if data_cfg.source == "files":  # packed documents: per-document positions and segment ids
+        spec.update(positions=np.dtype(np.int32), segment_ids=np.dtype(np.int32))
+    return spec
 
 
 def build_source(data_cfg, *, vocab_size: int, global_batch: int, seq_len: int,

@@ -68,7 +68,9 @@ class LlamaBlock(nn.Module):
 
 
 class Decoder(nn.Module):
-    """Embedding -> n_layers blocks -> final norm -> LM head. Returns logits [batch, seq, vocab]."""
+    """Embedding -> n_layers blocks -> final norm -> LM head. Returns logits [batch, seq, vocab],
+    or with `return_hidden` the final norm's output [batch, seq, d_model] for
+    maxtext_rocm/cross_entropy.py, which applies the head itself (see lm_head_weight)."""
 
     cfg: "ml_collections.FrozenConfigDict"  # noqa: F821 - cfg.model
     policy: Policy
@@ -77,7 +79,7 @@ class Decoder(nn.Module):
 
     @nn.compact
     def __call__(self, tokens: Array, positions: Array | None = None,
-                 segment_ids: Array | None = None) -> Array:
+                 segment_ids: Array | None = None, return_hidden: bool = False) -> Array:
         m = self.cfg
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
@@ -103,9 +105,19 @@ class Decoder(nn.Module):
                 x, _ = block(m, self.policy, self.decode, name=f"layers_{i}")(x, positions, segment_ids)
 
         x = RMSNorm(m.norm_eps, self.policy, name="final_norm")(x)
+        if return_hidden:
+            return x
         if m.tie_embeddings:
             logits = embed.attend(x)
         else:
             head_policy = self.policy if self.policy.fp8_lm_head else without_fp8(self.policy)
             logits = Dense((m.d_model,), (m.vocab_size,), ("embed", "vocab"), head_policy, name="lm_head")(x)
         return nn.with_logical_constraint(logits, ("activation_batch", "activation_length", "activation_vocab"))
+
+
+def lm_head_weight(params, cfg) -> tuple[Array, int]:
+    """The LM head's weight in `params` and which of its axes is the vocabulary: the tied
+    embedding [vocab, d_model] or the head's kernel [d_model, vocab]."""
+    if cfg.tie_embeddings:
+        return params["embed"]["embedding"], 0
+    return params["lm_head"]["kernel"], 1

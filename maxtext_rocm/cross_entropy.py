@@ -1,0 +1,127 @@
+"""Cross-entropy fused with the LM head, a chunk of the sequence at a time.
+
+The plain path materialises [tokens, vocab] logits, then fp32 copies of them for the softmax
+and for its gradient: at Llama 3's 128K vocabulary that is the largest buffer of a step (8 x 8K
+tokens: 34 GB in fp32). Here a `lax.scan` over sequence chunks computes each chunk's logits,
+log-partition and target logit in fp32 and, when differentiated, that chunk's gradients at
+once: d(hidden) for the chunk and a running fp32 sum of d(weight). No logits outlive their
+chunk and nothing is recomputed in the backward pass (the backward only scales the gradients
+by the incoming cotangent), so it costs the same three matmuls as the plain path.
+
+Exact for every use: the differentiable output is the objective itself (summed cross-entropy
+plus z-loss); the separate sums returned for metrics carry no gradient.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+
+
+def chunk_length(seq_len: int, max_chunk: int) -> int:
+    """The largest divisor of `seq_len` that is at most `max_chunk` (every chunk the same size)."""
+    max_chunk = max(1, min(max_chunk, seq_len))
+    return next(c for c in range(max_chunk, 0, -1) if seq_len % c == 0)
+
+
+def _chunks(x: Array, chunk: int) -> Array:
+    """[batch, seq, ...] -> [seq / chunk, batch, chunk, ...]: scanning over the sequence keeps the
+    batch axis (the one data parallelism shards) whole in every step."""
+    b, s = x.shape[:2]
+    return jnp.moveaxis(x.reshape(b, s // chunk, chunk, *x.shape[2:]), 1, 0)
+
+
+def _unchunk(x: Array) -> Array:
+    x = jnp.moveaxis(x, 0, 1)
+    return x.reshape(x.shape[0], -1, *x.shape[3:])
+
+
+# Contractions for a head weight laid out [vocab, d_model] (a tied embedding) or [d_model, vocab].
+_LOGITS = {0: "bcd,vd->bcv", 1: "bcd,dv->bcv"}
+_D_HIDDEN = {0: "bcv,vd->bcd", 1: "bcv,dv->bcd"}
+_D_WEIGHT = {0: "bcd,bcv->vd", 1: "bcd,bcv->dv"}
+
+
+def _chunk_statistics(h, w, targets, vocab_axis):
+    """fp32 logits of one chunk, their log-partition and the targets' logits."""
+    logits = jnp.einsum(_LOGITS[vocab_axis], h, w, preferred_element_type=jnp.float32)
+    log_z = jax.nn.logsumexp(logits, axis=-1)
+    target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    return logits, log_z, target_logit
+
+
+def _sums(log_z, target_logit, weights):
+    return jnp.sum((log_z - target_logit) * weights), jnp.sum(jnp.square(log_z) * weights)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _fused(hidden, weight, targets, weights, z_loss_weight, chunk, vocab_axis):
+    """Undifferentiated (evaluation): the chunked forward pass alone."""
+    w = weight.astype(hidden.dtype)
+
+    def body(carry, xs):
+        h, t, wt = xs
+        _, log_z, target_logit = _chunk_statistics(h, w, t, vocab_axis)
+        ce, z = _sums(log_z, target_logit, wt)
+        return (carry[0] + ce, carry[1] + z), None
+
+    zero = jnp.zeros((), jnp.float32)
+    (ce, z), _ = jax.lax.scan(body, (zero, zero), (_chunks(hidden, chunk), _chunks(targets, chunk),
+                                                   _chunks(weights, chunk)))
+    return ce + z_loss_weight * z, (ce, z)
+
+
+def _fused_forward(hidden, weight, targets, weights, z_loss_weight, chunk, vocab_axis):
+    """The forward pass plus the objective's gradients for a cotangent of 1."""
+    w = weight.astype(hidden.dtype)
+
+    def body(d_weight, xs):
+        h, t, wt = xs
+        logits, log_z, target_logit = _chunk_statistics(h, w, t, vocab_axis)
+        # d/dlogits of sum(wt * (log_z - logit[t])) + z * sum(wt * log_z^2):
+        #   wt * (1 + 2 z log_z) * softmax - wt * onehot(t)
+        probs = jnp.exp(logits - log_z[..., None])
+        d_logits = probs * (wt * (1.0 + 2.0 * z_loss_weight * log_z))[..., None]
+        is_target = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 2) == t[..., None]
+        d_logits = jnp.where(is_target, d_logits - wt[..., None], d_logits).astype(h.dtype)
+        d_h = jnp.einsum(_D_HIDDEN[vocab_axis], d_logits, w, preferred_element_type=jnp.float32)
+        d_weight = d_weight + jnp.einsum(_D_WEIGHT[vocab_axis], h, d_logits, preferred_element_type=jnp.float32)
+        ce, z = _sums(log_z, target_logit, wt)
+        return d_weight, (d_h.astype(h.dtype), ce, z)
+
+    d_weight = jnp.zeros(weight.shape, jnp.float32)
+    d_weight, (d_hidden, ce, z) = jax.lax.scan(
+        body, d_weight, (_chunks(hidden, chunk), _chunks(targets, chunk), _chunks(weights, chunk)))
+    ce, z = jnp.sum(ce), jnp.sum(z)
+    return (ce + z_loss_weight * z, (ce, z)), (_unchunk(d_hidden), d_weight.astype(weight.dtype))
+
+
+def _fused_backward(z_loss_weight, chunk, vocab_axis, residuals, cotangents):
+    del z_loss_weight, chunk, vocab_axis
+    d_hidden, d_weight = residuals
+    g = cotangents[0]  # the metric sums' cotangents are zero: head_loss stops their gradient
+    return (d_hidden * g.astype(d_hidden.dtype), d_weight * g.astype(d_weight.dtype), None, None)
+
+
+_fused.defvjp(_fused_forward, _fused_backward)
+
+
+def head_loss(hidden: Array, weight: Array, targets: Array, weights: Array, *, vocab_axis: int,
+              z_loss_weight: float = 0.0, chunk: int) -> tuple[Array, dict[str, Array]]:
+    """(objective, {"ce": ..., "z_loss": ...}) summed over tokens.
+
+    hidden: [batch, seq, d_model] after the final norm, in the compute dtype; weight: the LM head,
+    [vocab, d_model] (`vocab_axis=0`, a tied embedding) or [d_model, vocab] (`vocab_axis=1`);
+    targets: int [batch, seq]; weights: [batch, seq] per-token loss weights (0 masks a token).
+    objective = sum(weights * ce) + z_loss_weight * sum(weights * log_z^2), the only output with
+    a gradient. `chunk` (a divisor of seq, see chunk_length) bounds the logits in memory.
+    """
+    if hidden.shape[1] % chunk:
+        raise ValueError(f"chunk {chunk} does not divide the sequence length {hidden.shape[1]}")
+    objective, (ce, z) = _fused(hidden, weight, targets, weights.astype(jnp.float32),
+                                float(z_loss_weight), int(chunk), int(vocab_axis))
+    return objective, {"ce": jax.lax.stop_gradient(ce), "z_loss": jax.lax.stop_gradient(z)}
