@@ -83,8 +83,8 @@ def _run(cmd: list[str], env: dict | None = None) -> tuple[float, int, str, floa
     return start, proc.returncode, output, usage.ru_maxrss / 1024
 
 
-def run_reference(env: dict, steps: int) -> dict:
-    start, rc, output, _ = _run(["bash", REFERENCE], {"PYENV_VERSION": "3.12.1", "STEPS": str(steps),
+def run_reference(script: str, env: dict, steps: int) -> dict:
+    start, rc, output, _ = _run(["bash", script], {"PYENV_VERSION": "3.12.1", "STEPS": str(steps),
                                                        **{k: str(v) for k, v in {**DIMS, **env}.items()}})
     line = next((l for l in output.splitlines() if "steps_parsed=" in l), None)
     if rc or line is None:
@@ -128,9 +128,11 @@ def main() -> int:
     parser.add_argument("--ref-steps", type=int, default=20, help="reference steps (3 warm-up steps dropped)")
     parser.add_argument("--steps", type=int, default=15, help="our timed steps (after the first and 2 warm-up)")
     parser.add_argument("--out", default="runs/compare")
+    parser.add_argument("--reference", default=REFERENCE, help="the reference's run script")
     args = parser.parse_args()
-    if not os.path.exists(REFERENCE):
-        print(f"error: the reference script {REFERENCE} does not exist", file=sys.stderr)
+    if not os.path.exists(args.reference):
+        print(f"error: the reference script {args.reference} does not exist; give its path with --reference",
+              file=sys.stderr)
         return 2
 
     rows = [r for r in ROWS if not args.rows or args.rows.lower() in r[0].lower()]
@@ -139,7 +141,7 @@ def main() -> int:
     for name, ref_env, preset, overrides in rows:
         rounds = []
         for i in range(args.rounds):
-            ref = run_reference(ref_env, args.ref_steps)
+            ref = run_reference(args.reference, ref_env, args.ref_steps)
             ours = run_ours(preset, overrides, args.steps)
             rounds.append({"reference": ref, "ours": ours})
             print(f"{name} round {i + 1}: reference {ref}\n    ours {ours}", flush=True)
