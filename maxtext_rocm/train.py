@@ -9,17 +9,14 @@ from __future__ import annotations
 import contextlib
 import functools
 from concurrent.futures import Future, ThreadPoolExecutor
-import os
 import signal
 import sys
-import threading
 import time
 
 import jax
 import ml_collections
 import numpy as np
 from flax import linen as nn
-from jax.experimental import multihost_utils
 
 from maxtext_rocm import config as config_lib
 from maxtext_rocm import fp8
@@ -30,6 +27,7 @@ from maxtext_rocm.data import batch_spec, build_source
 from maxtext_rocm.models import build_model
 from maxtext_rocm.optim import build_optimizer
 from maxtext_rocm.precision import policy_from_config
+from maxtext_rocm.preemption import PreemptionGuard
 from maxtext_rocm.profiling import Profiler
 from maxtext_rocm.run_info import write_config_json
 from maxtext_rocm.step import create_state, eval_step, train_step
@@ -39,36 +37,6 @@ USAGE = "usage: python -m maxtext_rocm.train CONFIG.py[:VARIANT] [--config.GROUP
 
 class TrainingDiverged(RuntimeError):
     """The loss or gradients became inf/NaN under train.on_nonfinite='stop'."""
-
-
-class PreemptionGuard:
-    """Turns SIGTERM/SIGINT into a request to stop after the current step; a second signal exits
-    at once. With several processes, JAX's preemption sync point makes them all stop at the same
-    step (a process that stopped alone would leave the others hanging in a collective)."""
-
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-    def __init__(self):
-        self.signal, self._previous = None, {}
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():  # signal handlers live there only
-            self._previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
-        return self
-
-    def _handle(self, signum, _frame):
-        if self.signal is not None:
-            os._exit(128 + signum)
-        self.signal = signum
-
-    def requested(self, step: int) -> bool:
-        if jax.process_count() > 1 and multihost_utils.reached_preemption_sync_point(step):
-            self.signal = self.signal or signal.SIGTERM
-        return self.signal is not None
-
-    def __exit__(self, *exc):
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
 
 
 def abstract_state(cfg, model, tx, mesh):
@@ -93,11 +61,21 @@ def jit_train_step(cfg, model, tx, schedule, mesh, state_sharding, batch_shardin
         donate_argnums=0)
 
 
+def in_thread(fn, *args, **kwargs) -> Future:
+    """fn(*args, **kwargs) in a new thread (XLA compiles without holding the GIL)."""
+    executor = ThreadPoolExecutor(1, thread_name_prefix=getattr(fn, "__name__", "task"))
+    try:
+        return executor.submit(fn, *args, **kwargs)
+    finally:
+        executor.shutdown(wait=False)  # the thread ends when fn does
+
+
 def compile_overlaps_init() -> bool:
     """Whether the train step compiles in the background while the state is initialised or
     restored. On an accelerator XLA compiles on host cores that this leaves idle (restoring a large
     checkpoint takes as long as compiling its step). On the CPU both compete for the same cores and
-    memory: tiny_llama on 2 cores started 0.5 s later with 140 MiB more peak RSS, so there it waits."""
+    memory: tiny_llama on 2 cores started 0.5 s later with 140 MiB more peak RSS, so there the step
+    compiles once the state exists."""
     return jax.default_backend() != "cpu"
 
 
@@ -135,11 +113,16 @@ class Trainer:
         self._batch_dtypes = batch_spec(cfg.data)
         self._train_step = jit_train_step(cfg, self.model, self.tx, self.schedule, self.mesh,
                                           self.state_sharding, self.batch_sharding)
+        # Start-up order: init's (small) compilation runs in a thread while this one traces the
+        # train step; then the state is made (or restored) and the step compiled, in the
+        # background where compile_overlaps_init() says so.
+        finish_state = self._start_state(init, key, abstract)
+        lowered_step = self._lower_step(abstract)
         overlap = compile_overlaps_init()
-        self._compiled_step = self._compile_step(abstract, background=True) if overlap else None
-        self.state, self.step_count, resumed_data_state = self._init_state(init, key, abstract)
-        if self._compiled_step is None:
-            self._compiled_step = self._compile_step(abstract, background=False)
+        self._compiled_step = in_thread(lowered_step.compile) if overlap else None
+        self.state, self.step_count, resumed_data_state = finish_state()
+        if not overlap:
+            self._compiled_step = lowered_step.compile()
         self.data = build_source(
             cfg.data, vocab_size=cfg.model.vocab_size, global_batch=self.global_batch,
             seq_len=cfg.train.seq_len, process_index=jax.process_index(),
@@ -179,44 +162,43 @@ class Trainer:
         stack.enter_context(nn.logical_axis_rules(sharding.LOGICAL_RULES))
         return stack
 
-    def _compile_step(self, abstract, background: bool):
-        """The train step compiled from shapes alone (no state needed yet). Tracing happens here,
-        since it reads this thread's mesh context; with `background`, XLA's compilation runs in
-        a thread and this returns its Future (step() waits for it once)."""
+    def _lower_step(self, abstract):
+        """The train step lowered from shapes alone (no state needed yet); tracing reads this
+        thread's mesh context, so it happens here."""
         shape = (self.global_batch, self.cfg.train.seq_len)
         batch = {k: jax.ShapeDtypeStruct(shape, dtype, sharding=self.batch_sharding)
                  for k, dtype in self._batch_dtypes.items()}
         with self.context():
-            lowered = self._train_step.lower(abstract, batch)
-        if not background:
-            return lowered.compile()
-        executor = ThreadPoolExecutor(1, thread_name_prefix="compile-train-step")
-        try:
-            return executor.submit(lowered.compile)
-        finally:
-            executor.shutdown(wait=False)  # the thread ends when the compilation does
+            return self._train_step.lower(abstract, batch)
 
-    def _init_state(self, init, key, abstract):
-        """(state, its step, the data position saved with it or None): resumed from a checkpoint,
-        or fresh (optionally with parameters from another run). Either way every array lands
-        directly in its sharding."""
+    def _start_state(self, init, key, abstract):
+        """Starts making the state and returns the function that finishes it, giving (state, its
+        step, the data position saved with it or None): resumed from a checkpoint, or fresh
+        (optionally with parameters from another run), init's compilation already under way in
+        a thread. Either way every array lands directly in its sharding."""
         resume = self.checkpointer.find_resume() if self.checkpointer else None
         if resume:
-            state, data_state = self.checkpointer.restore(*resume, abstract)
-            self.log(f"resumed from {resume[0].directory}/{resume[1]}")
-            return state, int(data_state["step"]), data_state
+            def restore():
+                state, data_state = self.checkpointer.restore(*resume, abstract)
+                self.log(f"resumed from {resume[0].directory}/{resume[1]}")
+                return state, int(data_state["step"]), data_state
+            return restore
 
-        init_jit = jax.jit(lambda k: nn.meta.unbox(init(k)), out_shardings=self.state_sharding)
+        lowered = jax.jit(lambda k: nn.meta.unbox(init(k)), out_shardings=self.state_sharding).lower(key)
         # Init runs once: on the CPU, LLVM's optimisation of its RNG code costs more than it saves
         # (tiny_llama: 3.1 s -> 1.4 s to compile, +0.15 s to run). Integer RNG bits are unchanged.
         options = {"xla_backend_optimization_level": 0} if jax.default_backend() == "cpu" else None
-        state = init_jit.lower(key).compile(compiler_options=options)(key)
-        if self.cfg.checkpoint.load_params_from:
-            from maxtext_rocm.checkpoint import restore_params
+        compiling = in_thread(lowered.compile, compiler_options=options)
 
-            state = state.replace(params=restore_params(self.cfg.checkpoint.load_params_from, abstract.params))
-            self.log(f"parameters from {self.cfg.checkpoint.load_params_from}; fresh optimizer at step 0")
-        return state, 0, None
+        def fresh():
+            state = compiling.result()(key)
+            if self.cfg.checkpoint.load_params_from:
+                from maxtext_rocm.checkpoint import restore_params
+
+                state = state.replace(params=restore_params(self.cfg.checkpoint.load_params_from, abstract.params))
+                self.log(f"parameters from {self.cfg.checkpoint.load_params_from}; fresh optimizer at step 0")
+            return state, 0, None
+        return fresh
 
     def save_checkpoint(self) -> None:
         """Starts an asynchronous save of the current state (all processes must call it)."""

@@ -65,6 +65,43 @@ def test_dropless_capacity_and_dense_agree_in_outputs_and_gradients():
     assert float(jnp.max(jnp.abs(ref_out))) > 0.1  # not vacuously equal
 
 
+@pytest.mark.parametrize("block", [0, 1, 8, 64])
+@pytest.mark.parametrize("skewed", [False, True])
+def test_blocked_dropless_equals_dense(block, skewed):
+    """The CPU's blocked layout (block > 0) and ragged_dot (block 0) against every expert on every
+    token, outputs and gradients; `skewed` routes everything to experts 1 and 5, so the other
+    experts get no rows and two get many blocks."""
+    keys = jax.random.split(jax.random.key(3), 6)
+    b, s, d, f, n_experts, k = 2, 24, 16, 24, 8, 2
+    x = jax.random.normal(keys[0], (b, s, d))
+    logits = jax.random.normal(keys[1], (b, s, n_experts))
+    if skewed:
+        logits = logits + 50.0 * jnp.isin(jnp.arange(n_experts), jnp.array([1, 5]))
+    _, weights, experts = moe.route(logits, k)
+    w = [jax.random.normal(keys[i], shape) / 4 for i, shape in
+         zip(range(2, 5), ((n_experts, d, f), (n_experts, d, f), (n_experts, f, d)))]
+
+    def readout(fn, *ws):
+        return jnp.sum(jnp.sin(fn(x, weights, experts, *ws)))
+
+    dropless = jax.jit(jax.value_and_grad(
+        lambda *ws: readout(lambda *a: moe.dropless_experts(*a, block=block), *ws), argnums=(0, 1, 2)))
+    dense = jax.value_and_grad(lambda *ws: readout(moe.dense_experts, *ws), argnums=(0, 1, 2))
+    (value, grads), (ref_value, ref_grads) = dropless(*w), dense(*w)
+    np.testing.assert_allclose(value, ref_value, rtol=1e-5)
+    for g, r in zip(grads, ref_grads):
+        np.testing.assert_allclose(g, r, atol=1e-5)
+    if skewed:
+        assert float(jnp.abs(ref_grads[0][0]).max()) == 0.0  # expert 0 got no rows
+
+
+def test_dropless_block_size():
+    assert moe.dropless_block(8192, 8, "cpu") == 128
+    assert moe.dropless_block(144, 8, "cpu") == 8
+    assert moe.dropless_block(4, 8, "cpu") == 8
+    assert moe.dropless_block(8192, 8, "gpu") == 0  # ragged_dot, a grouped GEMM
+
+
 def test_small_capacity_drops_exactly_the_later_choices():
     # One sequence of 6 tokens, 3 experts, top-2, with this routing (first choice, second choice):
     experts = jnp.array([[[0, 1], [0, 2], [1, 0], [0, 1], [2, 1], [1, 2]]])

@@ -1,0 +1,234 @@
+"""Validation of a run's config: every key and every combination the trainer relies on, and the
+mesh shape it implies. Each failure is a `ConfigError` with one sentence naming the key and what
+would be valid. `maxtext_rocm.config` re-exports `validate`, `mesh_shape`, `axis_sizes` and
+`global_batch_size`.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+import ml_collections
+
+from maxtext_rocm.config import (
+    ATTENTION_IMPLEMENTATIONS, DATA_SOURCES, FP8_FORMATS, FP8_SCALINGS, MESH_AXES, MODEL_FAMILIES,
+    MOE_IMPLEMENTATIONS, NONFINITE_ACTIONS, PRECISION_POLICIES, REMAT_POLICIES, SCHEDULES, ConfigError,
+    _lookup)
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def _one_of(key: str, value: Any, valid: Iterable[Any]) -> None:
+    valid = tuple(valid)
+    _require(value in valid, f"{key}={value!r} is not valid; choose one of {', '.join(map(repr, valid))}")
+
+
+def _positive(cfg, *keys: str) -> None:
+    for key in keys:
+        parent, leaf = _lookup(cfg, key)
+        _require(parent[leaf] > 0, f"{key} must be positive, got {parent[leaf]!r}")
+
+
+def validate(cfg: ml_collections.ConfigDict, device_count: int | None = None,
+             process_count: int = 1) -> None:
+    """Checks every key and every combination the trainer relies on.
+
+    Mesh and batch checks that need the device count run when `device_count` is given (the
+    trainer calls this again once it knows its devices).
+    """
+    m = cfg.model
+    _one_of("model.family", m.family, MODEL_FAMILIES)
+    _positive(cfg, "model.vocab_size", "model.d_model", "model.n_layers", "model.n_heads",
+              "model.n_kv_heads", "model.head_dim", "model.mlp_dim", "model.rope_theta",
+              "model.norm_eps")
+    _require(m.n_heads % m.n_kv_heads == 0,
+             f"model.n_heads={m.n_heads} must be a multiple of model.n_kv_heads={m.n_kv_heads} "
+             "(grouped-query attention shares each kv head among n_heads/n_kv_heads query heads)")
+    _require(m.head_dim % 2 == 0, f"model.head_dim={m.head_dim} must be even for rotary embeddings")
+    _one_of("model.remat", m.remat, REMAT_POLICIES)
+    _one_of("model.attention", m.attention, ATTENTION_IMPLEMENTATIONS)
+    _require(m.loss_chunk_len >= 0, f"model.loss_chunk_len must be >= 0 (0: unchunked), got {m.loss_chunk_len}")
+    if m.rope_scaling is not None:
+        _validate_rope_scaling(m.rope_scaling)
+    _validate_moe(m)
+
+    p = cfg.precision
+    _one_of("precision.policy", p.policy, PRECISION_POLICIES)
+    _one_of("precision.fp8_format", p.fp8_format, FP8_FORMATS)
+    _one_of("precision.fp8_scaling", p.fp8_scaling, FP8_SCALINGS)
+    _positive(cfg, "precision.amax_history_len")
+
+    o = cfg.optimizer
+    _one_of("optimizer.schedule", o.schedule, SCHEDULES)
+    for key in ("lr", "warmup_steps", "weight_decay", "clip_norm", "min_lr_ratio", "eps"):
+        _require(o[key] >= 0, f"optimizer.{key} must be >= 0, got {o[key]!r}")
+    _require(0 <= o.b1 < 1 and 0 <= o.b2 < 1, f"optimizer.b1 and optimizer.b2 must lie in [0, 1), got {o.b1}, {o.b2}")
+
+    t = cfg.train
+    _positive(cfg, "train.steps", "train.per_device_batch_size", "train.seq_len", "train.grad_accum")
+    _require(t.z_loss_weight >= 0, f"train.z_loss_weight must be >= 0, got {t.z_loss_weight}")
+
+    _one_of("train.on_nonfinite", t.on_nonfinite, NONFINITE_ACTIONS)
+
+    c = cfg.checkpoint
+    _require(c.every >= 0, f"checkpoint.every must be >= 0, got {c.every}")
+    _require(c.keep >= 1, f"checkpoint.keep must be >= 1, got {c.keep}")
+    _require(c.keep_period >= 0, f"checkpoint.keep_period must be >= 0, got {c.keep_period}")
+    _require(c.resume in ("auto", "never") or c.resume.isdigit() or Path(c.resume).is_dir(),
+             f"checkpoint.resume={c.resume!r} is not valid; use 'auto', 'never', a step number "
+             "or the path of an existing checkpoint directory")
+    _require(not c.load_params_from or Path(c.load_params_from).is_dir(),
+             f"checkpoint.load_params_from={c.load_params_from!r} is not a directory")
+
+    _one_of("data.source", cfg.data.source, DATA_SOURCES)
+    _require(t.eval_every >= 0, f"train.eval_every must be >= 0 (0: no evaluation), got {t.eval_every}")
+    _require(t.eval_steps >= 1, f"train.eval_steps must be >= 1, got {t.eval_steps}")
+    if cfg.data.source == "files":
+        _require(bool(cfg.data.paths), "data.source='files' needs data.paths: files or globs of .jsonl, "
+                 ".parquet, .txt or .arrayrecord, comma-separated")
+        _require(not t.eval_every or bool(cfg.data.eval_paths),
+                 f"train.eval_every={t.eval_every} with data.source='files' needs data.eval_paths "
+                 "(held-out files); or set train.eval_every=0")
+        from maxtext_rocm.data.files import check_inputs
+
+        check_inputs(cfg.data, m.vocab_size)  # files exist, are not empty, have the text field
+    if cfg.data.source == "embedded":
+        from maxtext_rocm.data.tokenizer import ByteTokenizer
+
+        need = ByteTokenizer.vocab_size
+        _require(m.vocab_size >= need,
+                 f"model.vocab_size={m.vocab_size} is smaller than the byte tokenizer's {need} ids "
+                 f"that data.source='embedded' needs; use model.vocab_size >= {need}")
+    tokenizer = cfg.data.get("tokenizer", "byte")
+    if tokenizer not in ("", "byte"):
+        from maxtext_rocm.data.tokenizer import check_vocab, load_tokenizer
+
+        _require(cfg.data.source != "embedded",
+                 f"data.tokenizer={tokenizer!r} cannot apply to data.source='embedded', whose corpus is "
+                 "byte-tokenized; use data.tokenizer='byte' with it")
+        check_vocab(load_tokenizer(tokenizer), m.vocab_size, tokenizer)
+
+    _positive(cfg, "log.every")
+    _require(cfg.log.peak_tflops >= 0, f"log.peak_tflops must be >= 0, got {cfg.log.peak_tflops}")
+    profile = tuple(cfg.log.profile_steps)
+    _require(len(profile) == 2 and all(isinstance(s, int) for s in profile)
+             and (profile == (0, 0) or 0 <= profile[0] < profile[1]),
+             f"log.profile_steps must be (start, end) with 0 <= start < end, or (0, 0) for off; got {profile}")
+
+    d = cfg.distributed
+    _require(d.num_processes >= 0, f"distributed.num_processes must be >= 0 (0: detect), got {d.num_processes}")
+    _require(d.process_id >= -1, f"distributed.process_id must be >= 0, or -1 to detect, got {d.process_id}")
+    _require(d.num_processes == 0 or d.process_id < d.num_processes,
+             f"distributed.process_id={d.process_id} must be below distributed.num_processes={d.num_processes}")
+    _positive(cfg, "distributed.init_timeout_s", "distributed.heartbeat_timeout_s")
+
+    for group in ("ici", "dcn"):
+        for axis in MESH_AXES:
+            size = cfg.mesh[group][axis]
+            _require(size == -1 or size >= 1,
+                     f"mesh.{group}.{axis}={size} is not valid; use a positive size or -1 to fill")
+        fills = [a for a in MESH_AXES if cfg.mesh[group][a] == -1]
+        _require(len(fills) <= 1,
+                 f"mesh.{group} has -1 on {', '.join(fills)}; at most one axis per group may fill")
+
+    if device_count is not None:
+        shape = mesh_shape(cfg.mesh, device_count, process_count)
+        _validate_against_mesh(cfg, shape, device_count)
+
+
+def _validate_moe(m) -> None:
+    """Mixture-of-experts keys (and the sliding window, which any family may use)."""
+    window = m.sliding_window
+    _require(window is None or (isinstance(window, int) and window >= 0),
+             f"model.sliding_window={window!r} is not valid; use a number of tokens, or 0 or None for off")
+    if m.family != "mixtral":
+        _require(m.n_experts == 1,
+                 f"model.n_experts={m.n_experts} has no effect on model.family={m.family!r}; "
+                 "use model.family='mixtral' for a mixture of experts")
+        return
+    _require(m.n_experts >= 2,
+             f"model.n_experts={m.n_experts} is not valid for model.family='mixtral'; a mixture needs at "
+             "least 2 experts (use model.family='llama' for a dense model)")
+    _require(1 <= m.experts_per_token <= m.n_experts,
+             f"model.experts_per_token={m.experts_per_token} must lie between 1 and model.n_experts={m.n_experts}")
+    _one_of("model.moe_impl", m.moe_impl, MOE_IMPLEMENTATIONS)
+    _require(m.moe_capacity_factor > 0,
+             f"model.moe_capacity_factor must be positive, got {m.moe_capacity_factor}")
+    for key in ("moe_aux_loss_weight", "moe_router_z_loss_weight"):
+        _require(m[key] >= 0, f"model.{key} must be >= 0, got {m[key]}")
+
+
+def _validate_rope_scaling(scaling) -> None:
+    keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position")
+    if not isinstance(scaling, Mapping) and not isinstance(scaling, ml_collections.ConfigDict):
+        raise ConfigError(f"model.rope_scaling must be None or a dict with keys {', '.join(keys)}")
+    missing = [k for k in keys if k not in scaling]
+    extra = [k for k in scaling.keys() if k not in keys]
+    _require(not missing and not extra,
+             f"model.rope_scaling needs exactly the keys {', '.join(keys)}"
+             + (f"; missing {', '.join(missing)}" if missing else "")
+             + (f"; unknown {', '.join(extra)}" if extra else ""))
+    _require(scaling["factor"] >= 1, f"model.rope_scaling.factor must be >= 1, got {scaling['factor']}")
+    _require(0 < scaling["low_freq_factor"] < scaling["high_freq_factor"],
+             "model.rope_scaling needs 0 < low_freq_factor < high_freq_factor, got "
+             f"{scaling['low_freq_factor']} and {scaling['high_freq_factor']}")
+    _require(scaling["original_max_position"] > 0, "model.rope_scaling.original_max_position must be positive")
+
+
+def mesh_shape(mesh_cfg, device_count: int, process_count: int = 1) -> dict[str, dict[str, int]]:
+    """Resolves -1 entries: ICI axes cover the devices of one host, DCN axes the hosts."""
+    _require(device_count % process_count == 0,
+             f"{device_count} devices do not split evenly over {process_count} processes")
+    resolved = {}
+    for group, total in (("ici", device_count // process_count), ("dcn", process_count)):
+        sizes = dict(mesh_cfg[group])
+        known = math.prod(s for s in sizes.values() if s != -1)
+        fill = [a for a, s in sizes.items() if s == -1]
+        if fill:
+            _require(total % known == 0,
+                     f"mesh.{group} sizes multiply to {known}, which does not divide the {total} "
+                     f"{'devices per host' if group == 'ici' else 'hosts'}, so mesh.{group}.{fill[0]}=-1 cannot fill it")
+            sizes[fill[0]] = total // known
+        product = math.prod(sizes.values())
+        _require(product == total,
+                 f"mesh.{group} sizes ({', '.join(f'{a}={s}' for a, s in sizes.items() if s != 1) or 'all 1'}) "
+                 f"multiply to {product} but there are {total} "
+                 f"{'devices per host' if group == 'ici' else 'hosts (processes)'}; "
+                 f"make the product {total} or set one axis to -1")
+        resolved[group] = sizes
+    return resolved
+
+
+def axis_sizes(shape: dict[str, dict[str, int]]) -> dict[str, int]:
+    """The size of each mesh axis, ICI and DCN together."""
+    return {a: shape["ici"][a] * shape["dcn"][a] for a in MESH_AXES}
+
+
+def global_batch_size(cfg, device_count: int) -> int:
+    return cfg.train.per_device_batch_size * device_count
+
+
+def _validate_against_mesh(cfg, shape, device_count: int) -> None:
+    from maxtext_rocm.sharding import check_param_divisibility, mesh_axes_of  # imports jax
+
+    sizes = axis_sizes(shape)
+    m, t = cfg.model, cfg.train
+    batch = global_batch_size(cfg, device_count)
+    batch_axes = mesh_axes_of("activation_batch")
+    batch_shards = math.prod(sizes[a] for a in batch_axes)
+    _require(batch % t.grad_accum == 0,
+             f"the global batch of {batch} sequences (train.per_device_batch_size={t.per_device_batch_size} "
+             f"x {device_count} devices) does not split into train.grad_accum={t.grad_accum} micro-batches")
+    micro = batch // t.grad_accum
+    _require(micro % batch_shards == 0,
+             f"each micro-batch of {micro} sequences does not divide over the {batch_shards} batch shards "
+             f"(mesh axes {' x '.join(batch_axes)}); raise train.per_device_batch_size or lower train.grad_accum")
+    _require(t.seq_len % sizes["sequence"] == 0,
+             f"train.seq_len={t.seq_len} does not divide over mesh sequence={sizes['sequence']}")
+    problem = check_param_divisibility(m, sizes)
+    _require(problem is None, problem or "")
