@@ -113,16 +113,12 @@ class Trainer:
         self._batch_dtypes = batch_spec(cfg.data)
         self._train_step = jit_train_step(cfg, self.model, self.tx, self.schedule, self.mesh,
                                           self.state_sharding, self.batch_sharding)
-        # Start-up order: init's (small) compilation runs in a thread while this one traces the
-        # train step; then the state is made (or restored) and the step compiled, in the
-        # background where compile_overlaps_init() says so.
-        finish_state = self._start_state(init, key, abstract)
-        lowered_step = self._lower_step(abstract)
+        # Off the CPU the step compiles in a thread while the state is made or restored.
         overlap = compile_overlaps_init()
-        self._compiled_step = in_thread(lowered_step.compile) if overlap else None
-        self.state, self.step_count, resumed_data_state = finish_state()
+        self._compiled_step = in_thread(self._lower_step(abstract).compile) if overlap else None
+        self.state, self.step_count, resumed_data_state = self._init_state(init, key, abstract)
         if not overlap:
-            self._compiled_step = lowered_step.compile()
+            self._compiled_step = self._lower_step(abstract).compile()
         self.data = build_source(
             cfg.data, vocab_size=cfg.model.vocab_size, global_batch=self.global_batch,
             seq_len=cfg.train.seq_len, process_index=jax.process_index(),
@@ -171,34 +167,27 @@ class Trainer:
         with self.context():
             return self._train_step.lower(abstract, batch)
 
-    def _start_state(self, init, key, abstract):
-        """Starts making the state and returns the function that finishes it, giving (state, its
-        step, the data position saved with it or None): resumed from a checkpoint, or fresh
-        (optionally with parameters from another run), init's compilation already under way in
-        a thread. Either way every array lands directly in its sharding."""
+    def _init_state(self, init, key, abstract):
+        """(state, its step, the data position saved with it or None): resumed from a checkpoint,
+        or fresh (optionally with parameters from another run). Either way every array lands
+        directly in its sharding."""
         resume = self.checkpointer.find_resume() if self.checkpointer else None
         if resume:
-            def restore():
-                state, data_state = self.checkpointer.restore(*resume, abstract)
-                self.log(f"resumed from {resume[0].directory}/{resume[1]}")
-                return state, int(data_state["step"]), data_state
-            return restore
+            state, data_state = self.checkpointer.restore(*resume, abstract)
+            self.log(f"resumed from {resume[0].directory}/{resume[1]}")
+            return state, int(data_state["step"]), data_state
 
-        lowered = jax.jit(lambda k: nn.meta.unbox(init(k)), out_shardings=self.state_sharding).lower(key)
+        init_jit = jax.jit(lambda k: nn.meta.unbox(init(k)), out_shardings=self.state_sharding)
         # Init runs once: on the CPU, LLVM's optimisation of its RNG code costs more than it saves
         # (tiny_llama: 3.1 s -> 1.4 s to compile, +0.15 s to run). Integer RNG bits are unchanged.
         options = {"xla_backend_optimization_level": 0} if jax.default_backend() == "cpu" else None
-        compiling = in_thread(lowered.compile, compiler_options=options)
+        state = init_jit.lower(key).compile(compiler_options=options)(key)
+        if self.cfg.checkpoint.load_params_from:
+            from maxtext_rocm.checkpoint import restore_params
 
-        def fresh():
-            state = compiling.result()(key)
-            if self.cfg.checkpoint.load_params_from:
-                from maxtext_rocm.checkpoint import restore_params
-
-                state = state.replace(params=restore_params(self.cfg.checkpoint.load_params_from, abstract.params))
-                self.log(f"parameters from {self.cfg.checkpoint.load_params_from}; fresh optimizer at step 0")
-            return state, 0, None
-        return fresh
+            state = state.replace(params=restore_params(self.cfg.checkpoint.load_params_from, abstract.params))
+            self.log(f"parameters from {self.cfg.checkpoint.load_params_from}; fresh optimizer at step 0")
+        return state, 0, None
 
     def save_checkpoint(self) -> None:
         """Starts an asynchronous save of the current state (all processes must call it)."""
