@@ -71,7 +71,10 @@ def final_params(out):
     return jax.tree_util.tree_map(np.asarray, restore_params(out, abstract))
 
 
-@pytest.mark.parametrize("policy, kill_at", [("fp32", [2, 6, 9]), ("bf16", [5])])
+@pytest.mark.parametrize("policy, kill_at", [
+    ("fp32", [2, 6, 9]),
+    pytest.param("bf16", [5], marks=pytest.mark.slow),  # CI budget: the fp32 case covers the logic
+])
 def test_resume_after_sigkill_is_bit_exact(policy, kill_at, tmp_path):
     """Killed at each step of `kill_at` in turn (before the first save, just after one, between
     two), restarted each time, the run logs the same losses and ends with the same parameters."""

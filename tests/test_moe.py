@@ -65,8 +65,7 @@ def test_dropless_capacity_and_dense_agree_in_outputs_and_gradients():
     assert float(jnp.max(jnp.abs(ref_out))) > 0.1  # not vacuously equal
 
 
-@pytest.mark.parametrize("block", [0, 1, 8, 64])
-@pytest.mark.parametrize("skewed", [False, True])
+@pytest.mark.parametrize("block, skewed", [(0, False), (1, True), (8, True), (64, False)])
 def test_blocked_dropless_equals_dense(block, skewed):
     """The CPU's blocked layout (block > 0) and ragged_dot (block 0) against every expert on every
     token, outputs and gradients; `skewed` routes everything to experts 1 and 5, so the other
