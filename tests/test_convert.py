@@ -89,7 +89,8 @@ LLAMA_CASES = {
 }
 
 
-@pytest.mark.parametrize("scan_layers", [True, False], ids=["scan", "unrolled"])
+# Unrolled layers are slow-marked for the CI budget; the Mixtral parity test covers that layout.
+@pytest.mark.parametrize("scan_layers", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["scan", "unrolled"])
 @pytest.mark.parametrize("case", list(LLAMA_CASES))
 def test_llama_logits_match_transformers(case, scan_layers, tmp_path):
     model = make_hf(tmp_path / "hf", **LLAMA_CASES[case])
