@@ -3,11 +3,13 @@
 from pathlib import Path
 
 import nbformat
+import pytest
 from nbclient import NotebookClient
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 
 
+@pytest.mark.slow  # ~1 min (100 training steps in a kernel); CI budget
 def test_quickstart_runs_top_to_bottom():
     path = NOTEBOOKS / "quickstart.ipynb"
     notebook = nbformat.read(path, as_version=4)
