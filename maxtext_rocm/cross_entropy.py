@@ -54,6 +54,11 @@ def _chunk_statistics(h, w, targets, vocab_axis):
     return logits, log_z, target_logit
 
 
+def _chunked(hidden, targets, weights, chunk):
+    """The scan's per-chunk inputs: hidden states, targets and token weights."""
+    return _chunks(hidden, chunk), _chunks(targets, chunk), _chunks(weights, chunk)
+
+
 def _sums(log_z, target_logit, weights):
     return jnp.sum((log_z - target_logit) * weights), jnp.sum(jnp.square(log_z) * weights)
 
@@ -70,8 +75,7 @@ def _fused(hidden, weight, targets, weights, z_loss_weight, chunk, vocab_axis):
         return (carry[0] + ce, carry[1] + z), None
 
     zero = jnp.zeros((), jnp.float32)
-    (ce, z), _ = jax.lax.scan(body, (zero, zero), (_chunks(hidden, chunk), _chunks(targets, chunk),
-                                                   _chunks(weights, chunk)))
+    (ce, z), _ = jax.lax.scan(body, (zero, zero), _chunked(hidden, targets, weights, chunk))
     return ce + z_loss_weight * z, (ce, z)
 
 
@@ -94,8 +98,7 @@ def _fused_forward(hidden, weight, targets, weights, z_loss_weight, chunk, vocab
         return d_weight, (d_h.astype(h.dtype), ce, z)
 
     d_weight = jnp.zeros(weight.shape, jnp.float32)
-    d_weight, (d_hidden, ce, z) = jax.lax.scan(
-        body, d_weight, (_chunks(hidden, chunk), _chunks(targets, chunk), _chunks(weights, chunk)))
+    d_weight, (d_hidden, ce, z) = jax.lax.scan(body, d_weight, _chunked(hidden, targets, weights, chunk))
     ce, z = jnp.sum(ce), jnp.sum(z)
     return (ce + z_loss_weight * z, (ce, z)), (_unchunk(d_hidden), d_weight.astype(weight.dtype))
 
