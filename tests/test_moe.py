@@ -68,7 +68,7 @@ def test_dropless_capacity_and_dense_agree_in_outputs_and_gradients():
 @pytest.mark.parametrize("block, skewed", [(0, False), (1, True), (8, True), (64, False)])
 def test_blocked_dropless_equals_dense(block, skewed):
     """The CPU's blocked layout (block > 0) and ragged_dot (block 0) against every expert on every
-    token, outputs and gradients; `skewed` routes everything to experts 1 and 5, so the other
+    token, outputs and gradients (inputs and weights); `skewed` routes everything to experts 1 and 5, so the other
     experts get no rows and two get many blocks."""
     keys = jax.random.split(jax.random.key(3), 6)
     b, s, d, f, n_experts, k = 2, 24, 16, 24, 8, 2
@@ -80,18 +80,18 @@ def test_blocked_dropless_equals_dense(block, skewed):
     w = [jax.random.normal(keys[i], shape) / 4 for i, shape in
          zip(range(2, 5), ((n_experts, d, f), (n_experts, d, f), (n_experts, f, d)))]
 
-    def readout(fn, *ws):
+    def readout(fn, x, *ws):
         return jnp.sum(jnp.sin(fn(x, weights, experts, *ws)))
 
     dropless = jax.jit(jax.value_and_grad(
-        lambda *ws: readout(lambda *a: moe.dropless_experts(*a, block=block), *ws), argnums=(0, 1, 2)))
-    dense = jax.value_and_grad(lambda *ws: readout(moe.dense_experts, *ws), argnums=(0, 1, 2))
-    (value, grads), (ref_value, ref_grads) = dropless(*w), dense(*w)
+        lambda *a: readout(lambda *b: moe.dropless_experts(*b, block=block), *a), argnums=(0, 1, 2, 3)))
+    dense = jax.value_and_grad(lambda *a: readout(moe.dense_experts, *a), argnums=(0, 1, 2, 3))
+    (value, grads), (ref_value, ref_grads) = dropless(x, *w), dense(x, *w)
     np.testing.assert_allclose(value, ref_value, rtol=1e-5)
     for g, r in zip(grads, ref_grads):
         np.testing.assert_allclose(g, r, atol=1e-5)
     if skewed:
-        assert float(jnp.abs(ref_grads[0][0]).max()) == 0.0  # expert 0 got no rows
+        assert float(jnp.abs(ref_grads[1][0]).max()) == 0.0  # expert 0 got no rows
 
 
 def test_dropless_block_size():

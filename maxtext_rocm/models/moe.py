@@ -7,7 +7,7 @@ chosen experts' SwiGLU outputs. `model.moe_impl` chooses how that sum is compute
 - "dropless": (token, choice) pairs sorted by expert, then `jax.lax.ragged_dot` (a grouped GEMM)
   runs each expert on exactly its tokens. Exact; the right path on GPUs. On the CPU, where
   ragged_dot becomes a masked dense dot over every expert, each expert's rows are padded to
-  whole blocks instead and each block multiplied by its expert's weights.
+  whole blocks instead and a loop runs each block through its expert.
 - "capacity": each expert takes at most `capacity` tokens of each sequence into a fixed-size buffer
   (Switch/GShard style); choices past it are dropped, i.e. contribute nothing. Static shapes, so
   XLA derives the expert-parallel all-to-all from the buffers' shardings.
@@ -23,6 +23,7 @@ expert dimension is the logical axis "exp", mapped to a mesh axis by sharding.py
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Mapping
 
@@ -141,8 +142,8 @@ def dropless_experts(x: Array, weights: Array, experts: Array, gate: Array, up: 
                      block: int = 0) -> Array:
     """Each (token, choice) pair through its expert, rows sorted by expert. `block=0`: grouped
     GEMMs (`jax.lax.ragged_dot`). `block>0` (the CPU, where ragged_dot becomes a masked dense dot
-    over every expert): each expert's rows padded to whole blocks of `block` rows, and every block
-    multiplied by its own expert's weights, gathered per block; exact all the same."""
+    over every expert): each expert's rows padded to whole blocks of `block` rows, and a loop over
+    the blocks in use runs each through its expert (`blocked_swiglu`); exact all the same."""
     batch, seq, d = x.shape
     k, n_experts = experts.shape[-1], gate.shape[0]
     flat = experts.reshape(-1)  # [T*k], token-major
@@ -151,8 +152,8 @@ def dropless_experts(x: Array, weights: Array, experts: Array, gate: Array, up: 
     rows = x.reshape(-1, d)[order // k]  # [T*k, d]
     if block:
         grouped = _blocked_groups(group_sizes, rows.shape[0], block)
-        padded = grouped.pad(rows)
-        out = grouped.unpad(grouped.dot(_swiglu(grouped.dot(padded, gate), grouped.dot(padded, up)), down))
+        out = grouped.unpad(blocked_swiglu(grouped.pad(rows), grouped.block_expert, grouped.n_used,
+                                           gate, up, down, block))
     else:
         hidden = _swiglu(jax.lax.ragged_dot(rows, gate, group_sizes), jax.lax.ragged_dot(rows, up, group_sizes))
         out = jax.lax.ragged_dot(hidden, down, group_sizes)
@@ -166,20 +167,14 @@ class _BlockedGroups:
 
     dest: Array  # [rows]: each sorted row's place in the padded layout
     block_expert: Array  # [padded rows / block]: the expert of each block
+    n_used: Array  # how many leading blocks hold rows (the rest is the static bound's slack)
     n_padded: int
-    block: int
 
     def pad(self, rows: Array) -> Array:
         return jnp.zeros((self.n_padded, rows.shape[-1]), rows.dtype).at[self.dest].set(rows)
 
     def unpad(self, padded: Array) -> Array:
         return padded[self.dest]
-
-    def dot(self, padded: Array, weight: Array) -> Array:
-        """[padded rows, i] x [E, i, o]: every block by its expert's weight."""
-        blocks = padded.reshape(-1, self.block, padded.shape[-1])
-        out = jnp.einsum("nbi,nio->nbo", blocks, weight[self.block_expert])
-        return out.reshape(self.n_padded, -1)
 
 
 def _blocked_groups(group_sizes: Array, n_rows: int, block: int) -> _BlockedGroups:
@@ -194,7 +189,68 @@ def _blocked_groups(group_sizes: Array, n_rows: int, block: int) -> _BlockedGrou
     n_padded = -(-n_rows // block) * block + n_experts * block  # a static bound on sum(padded_sizes)
     starts = jnp.arange(0, n_padded, block)
     block_expert = jnp.minimum(jnp.searchsorted(padded_ends, starts, side="right"), n_experts - 1)
-    return _BlockedGroups(dest, block_expert, n_padded, block)
+    return _BlockedGroups(dest, block_expert, padded_ends[-1] // block, n_padded)
+
+
+def _row_block(a: Array, i: Array, block: int) -> Array:
+    return jax.lax.dynamic_slice_in_dim(a, i * block, block)
+
+
+def _add_at(acc: Array, e: Array, delta: Array) -> Array:
+    """acc[e] += delta, written as an in-place update of the loop's accumulator."""
+    current = jax.lax.dynamic_index_in_dim(acc, e, keepdims=False)
+    return jax.lax.dynamic_update_index_in_dim(acc, current + delta, e, 0)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def blocked_swiglu(padded: Array, block_expert: Array, n_used: Array, gate: Array, up: Array,
+                   down: Array, block: int) -> Array:
+    """SwiGLU experts over rows laid out in blocks of one expert each: [n_padded, d] -> [n_padded, d].
+
+    A loop over the `n_used` blocks in use, each block through its own expert's weights indexed in
+    place: neither a copy of the weights per block nor the blocks of padding that the static bound
+    allows are ever made. The backward pass (below) loops the same way, adding each block's weight
+    gradients into its expert's fp32 accumulator.
+    """
+
+    def body(i, out):
+        e, rows = block_expert[i], _row_block(padded, i, block)
+        y = _swiglu(rows @ gate[e], rows @ up[e]) @ down[e]
+        return jax.lax.dynamic_update_slice_in_dim(out, y, i * block, 0)
+
+    return jax.lax.fori_loop(0, n_used, body, jnp.zeros_like(padded))
+
+
+def _blocked_swiglu_fwd(padded, block_expert, n_used, gate, up, down, block):
+    out = blocked_swiglu(padded, block_expert, n_used, gate, up, down, block)
+    return out, (padded, block_expert, n_used, gate, up, down)
+
+
+def _blocked_swiglu_bwd(block, residuals, d_out):
+    padded, block_expert, n_used, gate, up, down = residuals
+    f32 = jnp.float32
+
+    def body(i, carry):
+        d_rows, d_gate, d_up, d_down = carry
+        e, rows, dy = block_expert[i], _row_block(padded, i, block), _row_block(d_out, i, block)
+        g, u = (rows @ gate[e]).astype(f32), (rows @ up[e]).astype(f32)  # recomputed, not stored
+        silu_g = nn.silu(g)
+        d_down = _add_at(d_down, e, jnp.dot((silu_g * u).astype(dy.dtype).T, dy, preferred_element_type=f32))
+        dh = jnp.dot(dy, down[e].T, preferred_element_type=f32)
+        sigmoid_g = jax.nn.sigmoid(g)
+        dg = (dh * u * sigmoid_g * (1 + g * (1 - sigmoid_g))).astype(rows.dtype)  # silu'(g)
+        du = (dh * silu_g).astype(rows.dtype)
+        d_gate = _add_at(d_gate, e, jnp.dot(rows.T, dg, preferred_element_type=f32))
+        d_up = _add_at(d_up, e, jnp.dot(rows.T, du, preferred_element_type=f32))
+        dx = (dg @ gate[e].T + du @ up[e].T).astype(d_rows.dtype)
+        return jax.lax.dynamic_update_slice_in_dim(d_rows, dx, i * block, 0), d_gate, d_up, d_down
+
+    zeros = (jnp.zeros_like(padded), *(jnp.zeros(w.shape, f32) for w in (gate, up, down)))
+    d_rows, d_gate, d_up, d_down = jax.lax.fori_loop(0, n_used, body, zeros)
+    return d_rows, None, None, d_gate.astype(gate.dtype), d_up.astype(up.dtype), d_down.astype(down.dtype)
+
+
+blocked_swiglu.defvjp(_blocked_swiglu_fwd, _blocked_swiglu_bwd)
 
 
 def dropless_block(n_rows: int, n_experts: int, backend: str | None = None) -> int:
