@@ -1,10 +1,19 @@
 """Eight fake CPU devices for every test, so sharded meshes are real meshes."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 # Must happen before jax initialises its backends.
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# One persistent compilation cache for the session, inherited by the trainers the tests start as
+# subprocesses: a program that several tests (or a test's restarts) compile is compiled once.
+# It starts empty, so CI times a cold cache.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="maxtext_rocm_test_xla_cache_")
+    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

@@ -317,6 +317,7 @@ def test_unanswered_coordinator_is_one_sentence_and_exit_2():
     assert time.perf_counter() - started < 30
 
 
+@pytest.mark.slow  # CI budget (~45 s); the checkpoint tests cover restores onto another mesh in one process
 def test_checkpoints_move_between_two_processes_and_one(tmp_path, devices):
     """One output_dir, three legs, each resuming the last one's checkpoint with resume=auto:
     2 processes train steps 1-2 and save; 1 process (here, on the 8 fake devices) restores them
