@@ -103,8 +103,8 @@ def init_compiler_options(n_values: int) -> dict | None:
     is one compile plus one pass of the RNG code over every parameter value: unoptimised (O0) that
     code runs ~4x slower but compiles 0.6-1.5 s faster. Measured on 2 cores: tiny_llama (1.4M
     values) starts fastest at O0, the reference comparison's dense model (20.6M: 2.5 s -> 0.6 s
-    to run) and MoE (42.6M) at O1: the crossover lies between ~6M and ~16M values. The random bits are the same
-    either way; a float can differ in its last bit (tiny presets: at most 3e-8)."""
+    to run) and MoE (42.6M) at O1; the crossover lies between ~6M and ~16M values. The random
+    bits are the same either way; a float can differ in its last bit (tiny presets: <= 3e-8)."""
     if jax.default_backend() != "cpu":
         return None
     return {"xla_backend_optimization_level": 0 if n_values < INIT_O0_MAX_VALUES else 1}

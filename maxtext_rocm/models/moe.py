@@ -323,9 +323,10 @@ def resolve_implementation(name: str, backend: str | None = None) -> str:
 
     GPUs: "dropless" (ragged_dot is a grouped GEMM, and nothing is dropped). On the CPU, measured
     at the reference comparison's size (d_model 256, 4 layers, 8 experts of mlp 1024, top 2, bf16,
-    4 x 256 tokens; scripts/compare_reference.py): "capacity" (1.25) 897 tokens/s, "dropless"
-    (blocked) 654, dropless through ragged_dot 254. So the CPU gets "capacity", which may drop
-    overflow tokens (moe_capacity_factor); ask for "dropless" where the exact model matters more.
+    4 x 256 tokens; scripts/compare_reference.py, one run): "capacity" (1.25) 765 tokens/s,
+    "dropless" (blocked loop) 566; through ragged_dot dropless ran at ~40% of the blocked speed.
+    So the CPU gets "capacity", which may drop overflow tokens (moe_capacity_factor); ask for
+    "dropless" where the exact model matters more.
     """
     if name != "auto":
         return name
