@@ -68,8 +68,8 @@ def test_dropless_capacity_and_dense_agree_in_outputs_and_gradients():
 @pytest.mark.parametrize("block, skewed", [(0, False), (1, True), (8, True), (64, False)])
 def test_blocked_dropless_equals_dense(block, skewed):
     """The CPU's blocked layout (block > 0) and ragged_dot (block 0) against every expert on every
-    token, outputs and gradients (inputs and weights); `skewed` routes everything to experts 1 and 5, so the other
-    experts get no rows and two get many blocks."""
+    token, outputs and gradients (inputs and weights); `skewed` routes everything to experts 1 and
+    5, so the other experts get no rows and two get many blocks."""
     keys = jax.random.split(jax.random.key(3), 6)
     b, s, d, f, n_experts, k = 2, 24, 16, 24, 8, 2
     x = jax.random.normal(keys[0], (b, s, d))
