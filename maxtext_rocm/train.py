@@ -98,6 +98,10 @@ def release_freed_host_memory() -> None:
         trim(0)
 
 
+# Parameter values below which the CPU compiles the init program unoptimised (init_compiler_options).
+INIT_O0_MAX_VALUES = 8_000_000
+
+
 def init_compiler_options(n_values: int) -> dict | None:
     """XLA options for the program that initialises the state. It runs once, so on the CPU its cost
     is one compile plus one pass of the RNG code over every parameter value: unoptimised (O0) that
@@ -108,9 +112,6 @@ def init_compiler_options(n_values: int) -> dict | None:
     if jax.default_backend() != "cpu":
         return None
     return {"xla_backend_optimization_level": 0 if n_values < INIT_O0_MAX_VALUES else 1}
-
-
-INIT_O0_MAX_VALUES = 8_000_000
 
 
 class Trainer:
