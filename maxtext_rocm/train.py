@@ -252,14 +252,19 @@ class Trainer:
     def device_batch(self, step: int) -> dict[str, jax.Array]:
         return self._to_device(self.data.batch(step))
 
+    @property
+    def compiled_step(self) -> jax.stages.Compiled:
+        """The compiled train step; waits for a background compilation the first time."""
+        if isinstance(self._compiled_step, Future):
+            self._compiled_step = self._compiled_step.result()
+            release_freed_host_memory()
+        return self._compiled_step
+
     def step(self):
         """One optimizer step. Returns the step's metrics as device arrays (no host sync)."""
         self.profiler.before_step(self.step_count)
         batch = self.device_batch(self.step_count)
-        if isinstance(self._compiled_step, Future):
-            self._compiled_step = self._compiled_step.result()  # waits for the compilation, once
-            release_freed_host_memory()
-        self.state, step_metrics = self._compiled_step(self.state, batch)
+        self.state, step_metrics = self.compiled_step(self.state, batch)
         self.step_count += 1
         self.profiler.after_step(self.step_count, step_metrics)
         return step_metrics

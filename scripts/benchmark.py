@@ -4,12 +4,16 @@
     python scripts/benchmark.py configs/tiny_llama.py --steps 30 [--config.KEY=VALUE ...] [--json out.json]
     python scripts/benchmark.py configs/tiny_mixtral.py --config.model.moe_impl=capacity
     python scripts/benchmark.py --suite seed [--out DIR]   # the published MI355X comparison's rows
+    python scripts/benchmark.py --suite one_gpu [--out DIR] # the 8B-shaped seed rows, 8 layers, one GPU
     python scripts/benchmark.py --suite cpu [--out DIR]    # the tiny presets on this CPU
 
 A suite runs each row in its own process (this script's single-config mode) and writes
 DIR/results.json plus DIR/results.md, a table of tokens/s/GPU, TFLOP/s/GPU and MFU. The seed
 suite needs a node of 8 GPUs; without one, each row is AOT-checked for mi355x:8 by
 `python -m maxtext_rocm.compile` (memory fit, per-device batch, remat) and skipped with the reason.
+The one_gpu suite runs the seed's 8B-shaped rows with 8 of their 32 layers, so that parameters,
+AdamW state and activations fit one GPU of 80 GB or more; on CUDA its rows use cuDNN's fused
+attention. Without a GPU its rows are skipped with the reason.
 
 Steps are timed as a block (one device sync at the end), the way a real run pipelines them; the
 first step (compilation) and `--warmup` more are excluded. The last line has the same shape as
@@ -20,7 +24,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import collections
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -31,6 +37,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # (row name, CONFIG[:VARIANT], extra overrides). The seed rows: one node of 8 GPUs, each row's
 # per-device batch and remat chosen by the fit check (the preset's batch, with the least
 # recomputation that fits it; the largest batch that fits otherwise).
+ONE_GPU_ROW = ["--config.model.n_layers=8", "--config.model.remat=none"]
 SUITES = {
     "seed": [
         ("Llama3 8B fp8", "llama3_8b:fp8", []),
@@ -41,12 +48,22 @@ SUITES = {
         ("Llama3.1 70B fp8", "llama3_1_70b:fp8", []),
         ("Mixtral 8x7B bf16", "mixtral_8x7b:bf16", []),
     ],
+    # 8 of 32 layers: 2.8B parameters, ~67 GiB per GPU at batch 2 x 8192 without remat (the fit
+    # check's analytic estimate for h200:1); per token the work is still an 8B layer's.
+    "one_gpu": [
+        ("Llama3 8B-shaped bf16, 8 layers", "llama3_8b:bf16", ONE_GPU_ROW),
+        ("Llama3 8B-shaped fp8, 8 layers", "llama3_8b:fp8", ONE_GPU_ROW),
+        ("Llama3.1 8B-shaped fp8, 8 layers", "llama3_1_8b:fp8", ONE_GPU_ROW),
+        ("Llama3 8B-shaped bf16, 8 layers, batch 4", "llama3_8b:bf16",
+         [*ONE_GPU_ROW, "--config.train.per_device_batch_size=4"]),
+    ],
     "cpu": [
         ("tiny_llama", "tiny_llama", []),
         ("tiny_mixtral", "tiny_mixtral", []),
     ],
 }
 SEED_TARGET = "mi355x:8"
+GPU_BACKENDS = ("gpu", "cuda", "rocm")
 
 
 def seconds_since_launch() -> float | None:
@@ -61,10 +78,21 @@ def seconds_since_launch() -> float | None:
         return None
 
 
+def library_calls(compiled_text: str) -> dict[str, int]:
+    """How often each library kernel appears in a compiled program's text: custom-call targets
+    (cuBLAS/hipBLASLt GEMMs, fp8 GEMMs, cuDNN attention) and the kinds of custom fusions (Triton
+    GEMMs). A scanned layer's body appears once, so these count call sites, not calls per step.
+    The fp8 rows' proof that XLA rewrote the quantize-dot-dequantize pattern into fp8 GEMMs."""
+    targets = re.findall(r'custom_call_target="([^"]+)"', compiled_text)
+    kinds = re.findall(r'"kind":"(__[^"]+)"', compiled_text)
+    return dict(sorted(collections.Counter(targets + kinds).items()))
+
+
 def _probe_devices() -> dict:
     """The backend, device count and kind, asked in a child process (so this one never holds a GPU)."""
     code = ("import jax, json; d = jax.devices(); "
-            "print(json.dumps({'backend': jax.default_backend(), 'count': len(d), 'kind': d[0].device_kind}))")
+            "print(json.dumps({'backend': jax.default_backend(), 'count': len(d), 'kind': d[0].device_kind, "
+            "'platform_version': d[0].client.platform_version}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     try:
         return json.loads(out.stdout.strip().splitlines()[-1])
@@ -113,28 +141,71 @@ def _markdown(rows: list[dict], suite: str, devices: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def run_suite(suite: str, out_dir: str, steps: int, warmup: int, extra: list[str], only: str | None = None) -> int:
+def run_row(spec: str, run_dir: str, steps: int, warmup: int, overrides: list[str], timeout: float) -> dict:
+    """One row in its own process (this script's single-config mode); its output goes to RUN_DIR.log."""
+    os.makedirs(os.path.dirname(run_dir), exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "row.json")
+        # A fresh run directory and no checkpoints: a benchmark must never resume one.
+        command = [sys.executable, os.path.abspath(__file__), spec, f"--steps={steps}", f"--warmup={warmup}",
+                   f"--json={out}", f"--config.output_dir={run_dir}", "--config.checkpoint.enabled=false", *overrides]
+        with open(f"{run_dir}.log", "w") as log:
+            try:
+                proc = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, timeout=timeout)
+            except subprocess.TimeoutExpired:
+                return {"status": "failed", "note": f"no result within {timeout:.0f} s (--row-timeout)"}
+        if proc.returncode or not os.path.exists(out):
+            with open(f"{run_dir}.log") as log:
+                return {"status": "failed", "note": ([*log.read().strip().splitlines(), "?"])[-1][:200]}
+        with open(out) as f:
+            result = json.load(f)
+    row = {k: result[k] for k in (
+        "devices", "device_kind", "policy", "global_batch", "seq_len", "step_time_s", "tokens_per_s_per_device",
+        "tflops_per_s_per_device", "mfu", "launch_to_first_step_s", "peak_rss_mib", "device_peak_mib",
+        "final_loss", "attention", "library_calls", "xla_flags")}
+    row.update(status="ran", per_device_batch_size=result["global_batch"] // result["devices"],
+               remat=result.get("remat"))
+    return row
+
+
+def write_results(rows: list[dict], suite: str, devices: dict, out_dir: str) -> str:
+    """OUT_DIR/results.json and results.md; returns the markdown table."""
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "results.json"), "w") as f:
+        json.dump({"suite": suite, "devices": devices, "rows": rows}, f, indent=2)
+    table = _markdown(rows, suite, devices)
+    with open(os.path.join(out_dir, "results.md"), "w") as f:
+        f.write(table)
+    return table
+
+
+def run_suite(suite: str, out_dir: str, steps: int, warmup: int, extra: list[str], only: str | None = None,
+              row_timeout: float = 3600) -> int:
     devices = _probe_devices()
-    on_gpus = devices["backend"] in ("gpu", "cuda", "rocm") and devices["count"] >= 8
+    on_gpus = devices["backend"] in GPU_BACKENDS and devices["count"] >= 8
+    # JAX names both GPU backends "gpu"; ROCm's platform version says "rocm".
+    on_cuda = devices["backend"] in GPU_BACKENDS and "rocm" not in devices.get("platform_version", "").lower()
     rows = []
     for name, spec, overrides in SUITES[suite]:
         if only and only.lower() not in name.lower():
             continue
         overrides = [*overrides, *extra]
         row = {"row": name, "config": spec, "overrides": overrides, "status": "skipped", "note": ""}
+
+        def skip(note):
+            row["note"] = note
+            rows.append(row)
+            print(f"{name}: {note}", flush=True)
+
         if suite == "seed":
             fit = _fit_check(spec, overrides, SEED_TARGET)
             if "error" in fit:
-                row["note"] = f"fit check failed: {fit['error']}"
-                rows.append(row)
-                print(f"{name}: {row['note']}", flush=True)
+                skip(f"fit check failed: {fit['error']}")
                 continue
             row["fit"] = {k: fit.get(k) for k in ("target", "analytic_total_bytes", "xla_total_bytes",
                                                    "target_memory_bytes", "fits", "compile_s", "search")}
             if not fit["chosen"]:
-                row["note"] = f"does not fit {SEED_TARGET} under any remat policy or batch"
-                rows.append(row)
-                print(f"{name}: {row['note']}", flush=True)
+                skip(f"does not fit {SEED_TARGET} under any remat policy or batch")
                 continue
             chosen = dict(fit["chosen"])
             total_gib = chosen.pop("analytic_total_bytes", fit["analytic_total_bytes"]) / 2 ** 30
@@ -143,40 +214,23 @@ def run_suite(suite: str, out_dir: str, steps: int, warmup: int, extra: list[str
             overrides = [*overrides, f"--config.model.remat={row['remat']}",
                          f"--config.train.per_device_batch_size={row['per_device_batch_size']}"]
             if not on_gpus:
-                row["note"] = (f"skipped: no 8-GPU node here ({devices['count']} x {devices['kind']}); "
-                               f"AOT check for {SEED_TARGET}: fits at batch {row['per_device_batch_size']}, "
-                               f"remat {row['remat']} (~{total_gib:.0f} GiB/GPU analytic; as configured: "
-                               f"{'fits' if fit['fits'] else 'does not fit'})")
-                rows.append(row)
-                print(f"{name}: {row['note']}", flush=True)
+                skip(f"skipped: no 8-GPU node here ({devices['count']} x {devices['kind']}); "
+                     f"AOT check for {SEED_TARGET}: fits at batch {row['per_device_batch_size']}, "
+                     f"remat {row['remat']} (~{total_gib:.0f} GiB/GPU analytic; as configured: "
+                     f"{'fits' if fit['fits'] else 'does not fit'})")
                 continue
-        with tempfile.TemporaryDirectory() as tmp:
-            out = os.path.join(tmp, "row.json")
-            run_dir = os.path.abspath(os.path.join(out_dir, "".join(ch if ch.isalnum() else "_" for ch in name)))
-            # A fresh run directory and no checkpoints: a benchmark must never resume one.
-            proc = subprocess.run([sys.executable, os.path.abspath(__file__), spec, f"--steps={steps}",
-                                   f"--warmup={warmup}", f"--json={out}", f"--config.output_dir={run_dir}",
-                                   "--config.checkpoint.enabled=false", *overrides],
-                                  capture_output=True, text=True, cwd=REPO)
-            if proc.returncode or not os.path.exists(out):
-                row.update(status="failed", note=(proc.stderr.strip().splitlines() or ["?"])[-1][:200])
-            else:
-                with open(out) as f:
-                    result = json.load(f)
-                row.update(status="ran", **{k: result[k] for k in (
-                    "devices", "device_kind", "policy", "global_batch", "seq_len", "step_time_s",
-                    "tokens_per_s_per_device", "tflops_per_s_per_device", "mfu", "launch_to_first_step_s",
-                    "peak_rss_mib", "final_loss")})
-                row["per_device_batch_size"] = result["global_batch"] // result["devices"]
-                row["remat"] = row.get("remat") or result.get("remat")
+        if suite == "one_gpu":
+            if devices["backend"] not in GPU_BACKENDS:
+                skip(f"skipped: needs a GPU ({devices['count']} x {devices['kind']} here)")
+                continue
+            if on_cuda:  # the xla attention would hold [heads, 8192, 8192] scores per layer
+                overrides = [*overrides, "--config.model.attention=cudnn"]
+        run_dir = os.path.abspath(os.path.join(out_dir, "".join(ch if ch.isalnum() else "_" for ch in name)))
+        row.update(run_row(spec, run_dir, steps, warmup, overrides, row_timeout))
         rows.append(row)
         print(f"{name}: {row['status']} {row.get('tokens_per_s_per_device') or ''} {row['note']}", flush=True)
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "results.json"), "w") as f:
-        json.dump({"suite": suite, "devices": devices, "rows": rows}, f, indent=2)
-    table = _markdown(rows, suite, devices)
-    with open(os.path.join(out_dir, "results.md"), "w") as f:
-        f.write(table)
+        write_results(rows, suite, devices, out_dir)  # after every row, so a killed suite keeps its rows
+    table = write_results(rows, suite, devices, out_dir)
     print(table)
     print(f"wrote {out_dir}/results.json and {out_dir}/results.md")
     return 1 if any(r["status"] == "failed" for r in rows) else 0
@@ -190,6 +244,8 @@ def main() -> int:
     parser.add_argument("--out", help="the suite's output folder (default runs/benchmark/SUITE)")
     parser.add_argument("--steps", type=int, default=30, help="timed steps")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps after the first")
+    parser.add_argument("--row-timeout", type=float, default=3600,
+                        help="seconds a suite's row may take before it is stopped and marked failed")
     parser.add_argument("--json", help="also write the results to this file")
     parser.add_argument("--checkpoint-every", type=int, default=0,
                         help="save an (async) checkpoint every N timed steps, waiting for the last one "
@@ -197,7 +253,7 @@ def main() -> int:
     args, overrides = parser.parse_known_args()
     if args.suite:
         return run_suite(args.suite, args.out or f"runs/benchmark/{args.suite}", args.steps, args.warmup,
-                         overrides, args.rows)
+                         overrides, args.rows, args.row_timeout)
     if not args.config:
         parser.error("give a CONFIG or --suite")
 
@@ -238,6 +294,7 @@ def main() -> int:
     if args.checkpoint_every:
         shutil.rmtree(cfg.output_dir, ignore_errors=True)
 
+    calls = library_calls(trainer.compiled_step.as_text())
     tokens_per_step = trainer.global_batch * cfg.train.seq_len
     tokens_per_s_per_device = tokens_per_step / step_s / trainer.n_devices
     tflops = trainer.flops_per_token * tokens_per_s_per_device / 1e12
@@ -253,6 +310,7 @@ def main() -> int:
         "launch_to_first_step_s": first_step_s, "first_step_done_unix": first_step_unix,
         "flops_per_token": trainer.flops_per_token, "peak_rss_mib": metrics_lib.peak_rss_mib(),
         "device_peak_mib": metrics_lib.device_peak_memory_mib(jax.devices()[0]), "final_loss": loss,
+        "attention": cfg.model.attention, "xla_flags": os.environ.get("XLA_FLAGS", ""), "library_calls": calls,
     }
     for key, value in result.items():
         print(f"{key:>26}: {value:,.4g}" if isinstance(value, float) else f"{key:>26}: {value}")

@@ -1,0 +1,123 @@
+#!/usr/bin/env python
+"""Correctness checks that need a GPU (CI has none): run them on a GPU node before trusting its
+benchmark figures.
+
+    python scripts/gpu_check.py [--json OUT]
+
+1. The device's matrix rate: a bf16 8192^3 product through XLA, the measured ceiling beside the
+   datasheet peak that MFU uses.
+2. cuDNN's fused attention (model.attention="cudnn", CUDA only) against the "xla" attention
+   computed from the same bf16 inputs in fp32: output and the gradients of q, k and v, causal
+   with GQA, and with document masks (segment ids).
+3. The trainer on the GPU against the same trainer on the CPU: tiny_llama in fp32, the losses of
+   the first steps from the same initialisation and data.
+
+Each check prints one line (PASS/FAIL and its figures); the exit status is 1 if any failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def relative_error(x, reference) -> float:
+    x, reference = np.asarray(x, np.float64), np.asarray(reference, np.float64)
+    return float(np.linalg.norm(x - reference) / max(np.linalg.norm(reference), 1e-30))
+
+
+def matmul_rate(n: int = 8192, repeats: int = 10) -> dict:
+    """TFLOP/s of an n^3 bf16 product on random data (median of `repeats` timed runs)."""
+    a, b = (jax.random.normal(k, (n, n), jnp.bfloat16) for k in jax.random.split(jax.random.key(0)))
+    product = jax.jit(lambda x, y: x @ y)
+    product(a, b).block_until_ready()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        product(a, b).block_until_ready()
+        times.append(time.perf_counter() - start)
+    return {"n": n, "tflops": 2 * n ** 3 / float(np.median(times)) / 1e12}
+
+
+def attention_check(batch=2, seq=2048, heads=32, kv_heads=8, head_dim=128, documents=False) -> dict:
+    from maxtext_rocm.models.attention import dot_product_attention
+
+    keys = jax.random.split(jax.random.key(1), 4)
+    q = jax.random.normal(keys[0], (batch, seq, heads, head_dim), jnp.bfloat16)
+    k = jax.random.normal(keys[1], (batch, seq, kv_heads, head_dim), jnp.bfloat16)
+    v = jax.random.normal(keys[2], (batch, seq, kv_heads, head_dim), jnp.bfloat16)
+    cotangent = jax.random.normal(keys[3], q.shape, jnp.float32)
+    # Three documents per row at uneven boundaries, so the mask is neither causal alone nor uniform.
+    segments = (jnp.searchsorted(jnp.array([seq // 3, seq // 2 + 7]), jnp.arange(seq), side="right")
+                .astype(jnp.int32)[None].repeat(batch, 0)) if documents else None
+
+    def loss(q, k, v, implementation):
+        out = dot_product_attention(q, k, v, segment_ids=segments, implementation=implementation)
+        return jnp.sum(out.astype(jnp.float32) * cotangent), out
+
+    def run(implementation, dtype):
+        grad = jax.jit(jax.grad(lambda *a: loss(*a, implementation), argnums=(0, 1, 2), has_aux=True))
+        (dq, dk, dv), out = grad(q.astype(dtype), k.astype(dtype), v.astype(dtype))
+        return [np.asarray(x, np.float32) for x in (out, dq, dk, dv)]
+
+    fused, reference = run("cudnn", jnp.bfloat16), run("xla", jnp.float32)
+    errors = {name: relative_error(a, b) for name, a, b in zip(("out", "dq", "dk", "dv"), fused, reference)}
+    # bf16 operands and bf16 probabilities: ~4e-3 relative per element, norms land near 1e-2.
+    return {"errors": errors, "passed": all(e < 2e-2 for e in errors.values())}
+
+
+def trainer_parity(steps: int = 5) -> dict:
+    import maxtext_rocm as mr
+
+    def losses(devices):
+        cfg = mr.load_config("tiny_llama:fp32", ["--config.data.source=synthetic", "--config.log.tensorboard=false",
+                                                  "--config.checkpoint.enabled=false",
+                                                  f"--config.output_dir=/tmp/gpu_check_{devices[0].platform}",
+                                                  "--config.train.per_device_batch_size=8"])
+        trainer = mr.Trainer(cfg, devices=devices, log=lambda *_: None)
+        return [float(trainer.step()["loss"]) for _ in range(steps)]
+
+    gpu, cpu = losses(jax.devices()[:1]), losses(jax.devices("cpu")[:1])
+    worst = max(abs(g - c) / abs(c) for g, c in zip(gpu, cpu))
+    # The GPU may run fp32 matmuls as TF32 (XLA's default precision there): ~1e-3 relative.
+    return {"gpu": gpu, "cpu": cpu, "max_relative_difference": worst, "passed": worst < 5e-3}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", help="also write the results to this file")
+    args = parser.parse_args()
+    device = jax.devices()[0]
+    results = {"device": device.device_kind, "platform_version": device.client.platform_version,
+               "jax": jax.__version__}
+    print(f"device: {device.device_kind} ({device.client.platform_version}), jax {jax.__version__}", flush=True)
+    # JAX names both GPU backends "gpu"; ROCm's platform version says "rocm".
+    on_cuda = device.platform == "gpu" and "rocm" not in device.client.platform_version.lower()
+    checks = {"matmul_rate": matmul_rate, "trainer_parity": trainer_parity}
+    if on_cuda:
+        checks["attention_causal"] = attention_check
+        checks["attention_documents"] = lambda: attention_check(documents=True)
+    failed = False
+    for name, check in checks.items():
+        try:
+            result = check()
+        except Exception as error:  # one broken check must not hide the others' figures
+            result = {"passed": False, "error": f"{type(error).__name__}: {error}"[:500]}
+        results[name] = result
+        failed |= result.get("passed") is False
+        status = {True: "PASS", False: "FAIL", None: "INFO"}[result.get("passed")]
+        print(f"{status} {name}: {json.dumps({k: v for k, v in result.items() if k != 'passed'})}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
