@@ -11,6 +11,9 @@ benchmark figures.
    with GQA, and with document masks (segment ids).
 3. The trainer on the GPU against the same trainer on the CPU: tiny_llama in fp32, the losses of
    the first steps from the same initialisation and data.
+4. The fp8 dot (maxtext_rocm/fp8.py) at an 8B MLP's shape: output and gradients against fp32 dots
+   of the same quantized operands, which library kernels its compiled program calls, and its
+   forward+backward time against the bf16 dot's.
 
 Each check prints one line (PASS/FAIL and its figures); the exit status is 1 if any failed.
 """
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -72,6 +76,58 @@ def attention_check(batch=2, seq=2048, heads=32, kv_heads=8, head_dim=128, docum
     return {"errors": errors, "passed": all(e < 2e-2 for e in errors.values())}
 
 
+def timed(fn, *args, repeats: int = 10) -> float:
+    """Median seconds of fn(*args) after one warm-up call."""
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
+def fp8_dot_check(tokens=8192, d_model=4096, mlp=14336) -> dict:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from benchmark import library_calls
+    from maxtext_rocm import fp8
+
+    e4m3, e5m2 = fp8.FORMATS[fp8.resolve_format("auto", jax.devices()[0])]
+    fmt = "fnuz" if e4m3 == jnp.float8_e4m3fnuz else "ocp"
+    keys = jax.random.split(jax.random.key(2), 3)
+    x = jax.random.normal(keys[0], (tokens, d_model), jnp.bfloat16)
+    w = (jax.random.normal(keys[1], (d_model, mlp), jnp.float32) * 0.02).astype(jnp.bfloat16)
+    g = (jax.random.normal(keys[2], (tokens, mlp), jnp.float32) * 1e-3).astype(jnp.bfloat16)
+    dims = (((1,), (0,)), ((), ()))
+    scales = [fp8.scale_from_amax(fp8.amax(t), q, jnp.float32(1)) for t, q in ((x, e4m3), (w, e4m3), (g, e5m2))]
+    history = jnp.zeros((16,), jnp.float32).at[0].set(fp8.amax(g))  # gives the gradient scales[2]
+
+    def fp8_grads(x, w, g):
+        y, vjp = jax.vjp(lambda a, b: fp8.fp8_dot(a, b, scales[0], scales[1], jnp.float32(1), history, dims,
+                                                  fmt, True), x, w)
+        return (y, *vjp(g))
+
+    def bf16_grads(x, w, g):
+        y, vjp = jax.vjp(lambda a, b: jax.lax.dot_general(a, b, dims), x, w)
+        return (y, *vjp(g))
+
+    def reference(x, w, g):  # the same quantized operands, fp32 dots
+        xq, wq = (fp8.quantize_dequantize(t.astype(jnp.float32), e4m3, s) for t, s in ((x, scales[0]), (w, scales[1])))
+        gq = fp8.quantize_dequantize(g.astype(jnp.float32), e5m2, scales[2])
+        y, vjp = jax.vjp(lambda a, b: jax.lax.dot_general(a, b, dims, precision="highest"), xq, wq)
+        return (y, *vjp(gq))
+
+    fp8_fn, bf16_fn = jax.jit(fp8_grads), jax.jit(bf16_grads)
+    got, want = fp8_fn(x, w, g), jax.jit(reference)(x, w, g)
+    errors = {name: relative_error(a, b) for name, a, b in zip(("y", "dx", "dw"), got, want)}
+    calls = library_calls(fp8_fn.lower(x, w, g).compile().as_text())
+    fp8_s, bf16_s = timed(fp8_fn, x, w, g), timed(bf16_fn, x, w, g)
+    tflop = 3 * 2 * tokens * d_model * mlp / 1e12
+    return {"format": fmt, "errors": errors, "library_calls": calls, "fp8_ms": 1e3 * fp8_s, "bf16_ms": 1e3 * bf16_s,
+            "fp8_tflops": tflop / fp8_s, "bf16_tflops": tflop / bf16_s,
+            "passed": all(e < 1e-2 for e in errors.values())}
+
+
 def trainer_parity(steps: int = 5) -> dict:
     import maxtext_rocm as mr
 
@@ -92,6 +148,7 @@ def trainer_parity(steps: int = 5) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", help="also write the results to this file")
+    parser.add_argument("--checks", help="only these checks, comma-separated (default: all)")
     args = parser.parse_args()
     device = jax.devices()[0]
     results = {"device": device.device_kind, "platform_version": device.client.platform_version,
@@ -99,10 +156,12 @@ def main() -> int:
     print(f"device: {device.device_kind} ({device.client.platform_version}), jax {jax.__version__}", flush=True)
     # JAX names both GPU backends "gpu"; ROCm's platform version says "rocm".
     on_cuda = device.platform == "gpu" and "rocm" not in device.client.platform_version.lower()
-    checks = {"matmul_rate": matmul_rate, "trainer_parity": trainer_parity}
+    checks = {"matmul_rate": matmul_rate, "trainer_parity": trainer_parity, "fp8_dot": fp8_dot_check}
     if on_cuda:
         checks["attention_causal"] = attention_check
         checks["attention_documents"] = lambda: attention_check(documents=True)
+    if args.checks:
+        checks = {name: check for name, check in checks.items() if name in args.checks.split(",")}
     failed = False
     for name, check in checks.items():
         try:

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One pass over a GPU node, inside a time budget: the device and package versions, the GPU
-# correctness checks (scripts/gpu_check.py), the one_gpu benchmark suite, then XLA flag variants
-# of its first row. Everything lands in OUT_DIR (at most 8 files, so a short lease can fetch them).
+# correctness checks (scripts/gpu_check.py; GPU_CHECKS=a,b runs only those), the one_gpu benchmark
+# suite, then variants of its rows (XLA flags, batch, loss chunks). Everything lands in OUT_DIR
+# (at most 8 files, so a short lease can fetch them).
 #
 #   bash scripts/gpu_node_check.sh OUT_DIR [BUDGET_SECONDS=540]
 #
@@ -30,7 +31,7 @@ optax.__version__, 'orbax', ocp.__version__); print(jax.devices())"
 cat "$out/node.txt"
 
 echo "== gpu_check ($(seconds_left) s left)"
-timeout "$(stage_timeout 200 300)" $python scripts/gpu_check.py --json "$out/gpu_check.json" 2>&1 \
+timeout "$(stage_timeout 200 300)" $python scripts/gpu_check.py --json "$out/gpu_check.json" ${GPU_CHECKS:+--checks $GPU_CHECKS} 2>&1 \
   | tee "$out/gpu_check.log" | grep -E "^(PASS|FAIL|INFO|device)|Error"
 
 echo "== one_gpu suite ($(seconds_left) s left)"
@@ -42,24 +43,32 @@ cp "$rows"/results.json "$rows"/results.md "$out"/ 2>/dev/null
 grep -h -E "Error|error:" "$rows"/*.log | tail -5
 cat "$out/results.md" 2>/dev/null
 
-# XLA flag variants of the suite's first row (same overrides; its default-flags result is above).
-echo "== XLA flag variants ($(seconds_left) s left)"
-for flags in "--xla_gpu_enable_triton_gemm=false" "--xla_gpu_enable_command_buffer="; do
-  (( $(seconds_left) > 90 )) || { echo "no time left for $flags"; break; }
-  name=$(echo "$flags" | tr -c 'a-z0-9\n' '_' | sed 's/^_*//')
-  XLA_FLAGS="$flags" timeout "$(stage_timeout 150 10)" $python scripts/benchmark.py configs/llama3_8b.py:bf16 \
-    --steps 10 --warmup 2 --json "$rows/flags_$name.json" --config.model.n_layers=8 --config.model.remat=none \
-    --config.model.attention=cudnn --config.checkpoint.enabled=false --config.output_dir="$rows/flags_$name" \
-    >"$rows/flags_$name.log" 2>&1
-  tail -1 "$rows/flags_$name.log"
-done
-$python - "$rows" "$out/flags.json" <<'EOF'
+# Variants of the suite's rows: XLA flags, larger batches, loss chunks (one line each: a name,
+# XLA_FLAGS or "-", CONFIG[:VARIANT], overrides). The suite's rows above are the baselines.
+echo "== variants ($(seconds_left) s left)"
+base="--config.model.n_layers=8 --config.model.remat=none --config.model.attention=cudnn"
+while read -r name flags spec overrides; do
+  (( $(seconds_left) > 60 )) || { echo "no time left for $name"; break; }
+  [[ $flags == - ]] && flags=""
+  XLA_FLAGS="$flags" timeout "$(stage_timeout 150 10)" $python scripts/benchmark.py "configs/${spec%%:*}.py:${spec#*:}" \
+    --steps 10 --warmup 2 --json "$rows/variant_$name.json" $base $overrides --config.checkpoint.enabled=false \
+    --config.output_dir="$rows/variant_$name" >"$rows/variant_$name.log" 2>&1 </dev/null
+  echo "$name: $(tail -1 "$rows/variant_$name.log")"
+done <<'VARIANTS'
+fp8_no_triton_gemm --xla_gpu_enable_triton_gemm=false llama3_8b:fp8
+fp8_batch4 - llama3_8b:fp8 --config.train.per_device_batch_size=4
+bf16_loss_chunk4096 - llama3_8b:bf16 --config.model.loss_chunk_len=4096
+bf16_batch4_no_command_buffer --xla_gpu_enable_command_buffer= llama3_8b:bf16 --config.train.per_device_batch_size=4
+bf16_no_triton_gemm --xla_gpu_enable_triton_gemm=false llama3_8b:bf16
+VARIANTS
+$python - "$rows" "$out/variants.json" <<'EOF'
 import glob, json, os, sys
 rows, out = sys.argv[1], sys.argv[2]
-found = {os.path.basename(p)[6:-5]: json.load(open(p)) for p in sorted(glob.glob(f"{rows}/flags_*.json"))}
+found = {os.path.basename(p)[8:-5]: json.load(open(p)) for p in sorted(glob.glob(f"{rows}/variant_*.json"))}
 json.dump(found, open(out, "w"), indent=2)
 for name, r in found.items():
-    print(f"{r['xla_flags']}: {r['tokens_per_s_per_device']:,.0f} tokens/s, MFU {100 * (r['mfu'] or 0):.1f}%")
+    print(f"{name}: {r['tokens_per_s_per_device']:,.0f} tokens/s/GPU, MFU {100 * (r['mfu'] or 0):.1f}%, "
+          f"device peak {r['device_peak_mib'] or 0:,.0f} MiB, {r['library_calls']}")
 EOF
 cat "$rows"/*.log > "$out/rows.log" 2>/dev/null
 echo "done in ${SECONDS} s"

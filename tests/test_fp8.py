@@ -85,9 +85,65 @@ def test_fp8_gemm_forward_and_backward_snr(fmt, scaling):
         assert snr_db(want, got) >= 20
 
 
-@pytest.mark.parametrize("fmt, flax_op", [("ocp", fp8_ops.Fp8DirectDotGeneralOp),
-                                          ("fnuz", fp8_ops.NANOOFp8DotGeneralOp)])
-def test_parity_with_flax_delayed_scaling(fmt, flax_op):
+# (lhs shape, rhs shape, dimension numbers): a Dense layer, the attention output projection
+# (two contracting axes), an expert dot with a batch axis (moe.py's capacity path), and contracting
+# axes out of order with a batch axis that is not leading.
+DOT_LAYOUTS = [
+    ((2, 5, 16), (16, 24), (((2,), (0,)), ((), ()))),
+    ((2, 5, 4, 8), (4, 8, 16), (((2, 3), (0, 1)), ((), ()))),
+    ((3, 4, 5, 16), (4, 16, 8), (((3,), (1,)), ((1,), (0,)))),
+    ((6, 3, 4, 5), (5, 2, 3, 4), (((3, 1), (0, 2)), ((2,), (3,)))),
+]
+
+
+@pytest.mark.parametrize("lhs_shape, rhs_shape, dims", DOT_LAYOUTS)
+def test_fp8_dot_equals_plain_dots_of_the_quantized_operands(lhs_shape, rhs_shape, dims):
+    """The fp8 dot's output and both gradients against jax's own dot_general and its autodiff,
+    run in fp32 on the dequantized fp8 values: the same numbers, other code."""
+    e4m3, e5m2 = fp8.FORMATS["ocp"]
+    keys = jax.random.split(jax.random.key(3), 3)
+    x = jax.random.normal(keys[0], lhs_shape, jnp.float32)
+    w = jax.random.normal(keys[1], rhs_shape, jnp.float32) * 0.1
+    x_scale, w_scale, grad_scale = jnp.float32(0.01), jnp.float32(0.002), jnp.float32(0.5)
+    history = jnp.zeros((4,), jnp.float32).at[1].set(1e-3)  # the gradient's scale: 1e-3 / 57344
+
+    def ours(x, w, grad_scale, history):
+        return fp8.fp8_dot(x, w, x_scale, w_scale, grad_scale, history, dims, "ocp", True)
+
+    y, vjp = jax.vjp(ours, x, w, grad_scale, history)
+    x_q, w_q = fp8.quantize_dequantize(x, e4m3, x_scale), fp8.quantize_dequantize(w, e4m3, w_scale)
+    want_y, want_vjp = jax.vjp(lambda a, b: jax.lax.dot_general(a, b, dims, precision="highest"), x_q, w_q)
+    np.testing.assert_allclose(y, want_y, rtol=1e-5, atol=1e-6)
+
+    g = jax.random.normal(keys[2], y.shape, jnp.float32) * 1e-4
+    dx, dw, new_grad_scale, new_history = vjp(g)
+    g_scale = jnp.float32(1e-3 / fp8.fp8_max(e5m2))  # from the history, not from this g
+    assert float(new_grad_scale) == pytest.approx(float(g_scale), rel=1e-6)
+    assert float(new_history[0]) == pytest.approx(float(jnp.max(jnp.abs(g))), rel=1e-6)
+    want_dx, want_dw = want_vjp(fp8.quantize_dequantize(g, e5m2, g_scale))
+    np.testing.assert_allclose(dx, want_dx, rtol=1e-5, atol=1e-9)
+    np.testing.assert_allclose(dw, want_dw, rtol=1e-5, atol=1e-9)
+
+
+@pytest.mark.parametrize("lhs_shape, rhs_shape, dims", DOT_LAYOUTS)
+def test_transposed_dots_match_autodiff(lhs_shape, rhs_shape, dims):
+    keys = jax.random.split(jax.random.key(4), 3)
+    x, w = jax.random.normal(keys[0], lhs_shape), jax.random.normal(keys[1], rhs_shape)
+    y, vjp = jax.vjp(lambda a, b: jax.lax.dot_general(a, b, dims, precision="highest"), x, w)
+    g = jax.random.normal(keys[2], y.shape)
+    want_dx, want_dw = vjp(g)
+    with jax.default_matmul_precision("highest"):
+        np.testing.assert_allclose(fp8.transpose_dot_lhs(g, x.ndim, w, dims, jnp.float32), want_dx, rtol=1e-5,
+                                   atol=1e-5)
+        np.testing.assert_allclose(fp8.transpose_dot_rhs(g, x, w.ndim, dims, jnp.float32), want_dw, rtol=1e-5,
+                                   atol=1e-5)
+
+
+# Flax's direct op also feeds fp8 arrays to the dot and rescales its output: the same arithmetic.
+# Its fnuz op dequantizes the operands first, so the rescaling rounds elsewhere (~4e-6 relative).
+@pytest.mark.parametrize("fmt, flax_op, rtol", [("ocp", fp8_ops.Fp8DirectDotGeneralOp, 1e-6),
+                                                ("fnuz", fp8_ops.NANOOFp8DotGeneralOp, 2e-5)])
+def test_parity_with_flax_delayed_scaling(fmt, flax_op, rtol):
     rng = np.random.default_rng(1)
     ours, theirs = fp8.Fp8DotGeneral(fmt=fmt, amax_history_len=16), flax_op(amax_history_length=16)
     k = jnp.asarray(rng.standard_normal((64, 32)) * 0.1, jnp.float32)
@@ -98,7 +154,7 @@ def test_parity_with_flax_delayed_scaling(fmt, flax_op):
         x = jnp.asarray(rng.standard_normal((16, 64)) * (step + 1), jnp.float32)
         c = jnp.asarray(rng.standard_normal((16, 32)), jnp.float32)
         np.testing.assert_allclose(ours.apply(ours_state, x, k, DIMS), theirs.apply(theirs_state, x, k, DIMS),
-                                   rtol=1e-6, atol=1e-6)
+                                   rtol=rtol, atol=rtol)
         # Both hand the updated state back as the state's gradient.
         ours_state = jax.grad(lambda v: jnp.sum(ours.apply(v, x, k, DIMS) * c))(ours_state)
         theirs_state = jax.grad(lambda v: jnp.sum(theirs.apply(v, x, k, DIMS) * c))(theirs_state)
