@@ -7,9 +7,8 @@ over steps, fetching metrics from the device only every `log.every` steps.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import functools
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 import signal
 import sys
 import time
@@ -20,6 +19,7 @@ import ml_collections
 import numpy as np
 from flax import linen as nn
 
+from maxtext_rocm import compilation
 from maxtext_rocm import config as config_lib
 from maxtext_rocm import fp8
 from maxtext_rocm import distributed
@@ -67,51 +67,7 @@ def jit_train_step(cfg, model, tx, schedule, mesh, state_sharding, batch_shardin
                           train_cfg=ml_collections.FrozenConfigDict(cfg.train)),
         in_shardings=(state_sharding, batch_sharding),
         out_shardings=(state_sharding, sharding.replicated(mesh)),
-        donate_argnums=0)
-
-
-def in_thread(fn, *args, **kwargs) -> Future:
-    """fn(*args, **kwargs) in a new thread (XLA compiles without holding the GIL)."""
-    executor = ThreadPoolExecutor(1, thread_name_prefix=getattr(fn, "__name__", "task"))
-    try:
-        return executor.submit(fn, *args, **kwargs)
-    finally:
-        executor.shutdown(wait=False)  # the thread ends when fn does
-
-
-def compile_overlaps_init() -> bool:
-    """Whether the train step compiles in the background while the state is initialised or
-    restored. On an accelerator XLA compiles on host cores that this leaves idle (restoring a large
-    checkpoint takes as long as compiling its step). On the CPU both compete for the same cores and
-    memory: tiny_llama on 2 cores started 0.5 s later with 140 MiB more peak RSS, so there the step
-    compiles once the state exists."""
-    return jax.default_backend() != "cpu"
-
-
-def release_freed_host_memory() -> None:
-    """Returns the heap that XLA's compiler and the init program have freed to the OS. glibc keeps
-    freed small blocks (LLVM's IR, scattered over per-thread arenas) mapped, so the first step's
-    buffers came on top of them: the reference comparison's MoE model peaked at 1,545 MiB instead
-    of 1,239, the dense one at 988 instead of 811. A no-op where the C library has no malloc_trim."""
-    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
-    if trim is not None:
-        trim(0)
-
-
-# Parameter values below which the CPU compiles the init program unoptimised (init_compiler_options).
-INIT_O0_MAX_VALUES = 8_000_000
-
-
-def init_compiler_options(n_values: int) -> dict | None:
-    """XLA options for the program that initialises the state. It runs once, so on the CPU its cost
-    is one compile plus one pass of the RNG code over every parameter value: unoptimised (O0) that
-    code runs ~4x slower but compiles 0.6-1.5 s faster. Measured on 2 cores: tiny_llama (1.4M
-    values) starts fastest at O0, the reference comparison's dense model (20.6M: 2.5 s -> 0.6 s
-    to run) and MoE (42.6M) at O1; the crossover lies between ~6M and ~16M values. The random
-    bits are the same either way; a float can differ in its last bit (tiny presets: <= 3e-8)."""
-    if jax.default_backend() != "cpu":
-        return None
-    return {"xla_backend_optimization_level": 0 if n_values < INIT_O0_MAX_VALUES else 1}
+        donate_argnums=0, compiler_options=compilation.step_compiler_options(cfg.precision.policy))
 
 
 class Trainer:
@@ -149,12 +105,12 @@ class Trainer:
         self._train_step = jit_train_step(cfg, self.model, self.tx, self.schedule, self.mesh,
                                           self.state_sharding, self.batch_sharding)
         # Off the CPU the step compiles in a thread while the state is made or restored.
-        overlap = compile_overlaps_init()
-        self._compiled_step = in_thread(self._lower_step(abstract).compile) if overlap else None
+        overlap = compilation.compile_overlaps_init()
+        self._compiled_step = compilation.in_thread(self._lower_step(abstract).compile) if overlap else None
         self.state, self.step_count, resumed_data_state = self._init_state(init, key, abstract)
         if not overlap:
             self._compiled_step = self._lower_step(abstract).compile()
-            release_freed_host_memory()
+            compilation.release_freed_host_memory()
         self.data = build_source(
             cfg.data, vocab_size=cfg.model.vocab_size, global_batch=self.global_batch,
             seq_len=cfg.train.seq_len, process_index=jax.process_index(),
@@ -215,7 +171,7 @@ class Trainer:
 
         init_jit = jax.jit(lambda k: nn.meta.unbox(init(k)), out_shardings=self.state_sharding)
         n_values = sum(x.size for x in jax.tree_util.tree_leaves(abstract.params))
-        state = init_jit.lower(key).compile(compiler_options=init_compiler_options(n_values))(key)
+        state = init_jit.lower(key).compile(compiler_options=compilation.init_compiler_options(n_values))(key)
         if self.cfg.checkpoint.load_params_from:
             from maxtext_rocm.checkpoint import restore_params
 
@@ -257,7 +213,7 @@ class Trainer:
         """The compiled train step; waits for a background compilation the first time."""
         if isinstance(self._compiled_step, Future):
             self._compiled_step = self._compiled_step.result()
-            release_freed_host_memory()
+            compilation.release_freed_host_memory()
         return self._compiled_step
 
     def step(self):

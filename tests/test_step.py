@@ -97,11 +97,11 @@ def test_tiny_llama_loss_falls_on_embedded_corpus(devices, tmp_path):
 def test_step_compiled_in_the_background_trains_identically(devices, tmp_path, monkeypatch):
     """Off the CPU the Trainer compiles the step in a thread while the state initialises; forcing
     that path here, the run must match the synchronous one exactly."""
-    from maxtext_rocm import train
+    from maxtext_rocm import compilation
 
     losses = {}
     for background in (False, True):
-        monkeypatch.setattr(train, "compile_overlaps_init", lambda b=background: b)
+        monkeypatch.setattr(compilation, "compile_overlaps_init", lambda b=background: b)
         cfg = small_config(**{"mesh.ici.fsdp": 8, "output_dir": str(tmp_path / str(background))})
         trainer = Trainer(cfg, devices=devices, log=lambda *_: None)
         assert (type(trainer._compiled_step).__name__ == "Future") == background
@@ -111,3 +111,17 @@ def test_step_compiled_in_the_background_trains_identically(devices, tmp_path, m
             reference_params = params
     assert losses[True] == losses[False]
     assert_trees_close(params, reference_params, atol=0)
+
+
+def test_fp8_steps_compile_without_triton_gemms_on_gpus(monkeypatch):
+    """fp8 on a GPU: cuBLASLt/hipBLASLt fp8 GEMMs, not Triton's (whose autotuning outlasted a
+    150 s compile on an H200); other policies and the CPU keep XLA's defaults; XLA_FLAGS wins."""
+    from maxtext_rocm import compilation
+
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    assert compilation.step_compiler_options("fp8") is None  # the CPU
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert compilation.step_compiler_options("fp8") == {"xla_gpu_enable_triton_gemm": False}
+    assert compilation.step_compiler_options("bf16") is None
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_triton_gemm=true")
+    assert compilation.step_compiler_options("fp8") is None
