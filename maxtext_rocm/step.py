@@ -133,7 +133,7 @@ def train_step(state: TrainState, batch: Batch, *, model: nn.Module,
 
     def update(operands):
         params, opt_state, grads, fp8_update, _ = operands
-        updates, opt_state = tx.update(grads, opt_state, params)
+        updates, opt_state = tx.update(grads, opt_state, params, grad_norm=grad_norm)
         return optax.apply_updates(params, updates), opt_state, fp8_update
 
     def keep(operands):

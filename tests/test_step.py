@@ -3,7 +3,9 @@
 import json
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from maxtext_rocm import config as config_lib
@@ -78,6 +80,28 @@ def test_schedule_warms_up_then_decays_to_floor():
     opt.schedule = "constant"
     _, constant = build_optimizer(opt, total_steps=110)
     assert float(constant(100)) == pytest.approx(1e-3)
+
+
+@pytest.mark.parametrize("clip_norm", [0.0, 0.5, 100.0])
+def test_optimizer_with_the_given_norm_equals_optax_clipping(clip_norm):
+    """The update that reads the step's grad_norm equals optax's own clip_by_global_norm + AdamW,
+    and keeps the same state layout (checkpoints written before the change still restore)."""
+    opt = config_lib.defaults().optimizer
+    opt.update(clip_norm=clip_norm, weight_decay=0.1)
+    tx, schedule = build_optimizer(opt, total_steps=100)
+    adamw = optax.adamw(schedule, b1=opt.b1, b2=opt.b2, eps=opt.eps, weight_decay=opt.weight_decay,
+                        mask=decay_mask)
+    reference = optax.chain(optax.clip_by_global_norm(clip_norm), adamw) if clip_norm else adamw
+    keys = jax.random.split(jax.random.key(5), 4)
+    params = {"w": {"kernel": jax.random.normal(keys[0], (8, 4))}, "norm": {"scale": jnp.ones((4,))}}
+    grads = {"w": {"kernel": jax.random.normal(keys[1], (8, 4))}, "norm": {"scale": jax.random.normal(keys[2], (4,))}}
+    state, want_state = tx.init(params), reference.init(params)
+    assert jax.tree_util.tree_structure(state) == jax.tree_util.tree_structure(want_state)
+    for _ in range(3):  # past the first step, so the schedule's learning rate is not zero
+        updates, state = tx.update(grads, state, params, grad_norm=optax.tree.norm(grads))
+        want, want_state = reference.update(grads, want_state, params)
+        for got, expected in zip(jax.tree_util.tree_leaves(updates), jax.tree_util.tree_leaves(want)):
+            np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-9)
 
 
 def test_tiny_llama_loss_falls_on_embedded_corpus(devices, tmp_path):
