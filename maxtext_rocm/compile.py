@@ -22,8 +22,8 @@ Analytic activation estimate per device, bytes (c = compute dtype bytes: 4 fp32,
 T = tokens per device per micro-batch; b = sequences per device; s = seq_len; t = tensor shards;
 L = layers; d = d_model; q = n_heads*head_dim/t; kv = 2*n_kv_heads*head_dim/t; f = mlp_dim/t for a
 dense model, experts_per_token * capacity_factor * mlp_dim/t for MoE; S = b*(n_heads/t)*s^2, the
-attention scores of the "xla" implementation; a fused flash attention ("cudnn") keeps only
-b*(n_heads/t)*s fp32 softmax statistics instead):
+attention scores of the "xla" implementation; a flash attention ("cudnn", fused; "blockwise", XLA
+ops over key blocks) keeps only b*(n_heads/t)*s fp32 softmax statistics instead):
 
     layer_all   = T*c*(4d + 2q + kv + 3f) + S*(4 + c)      every tensor of one layer's forward
     saved/layer = full:      T*d*c                          (the block input only)
@@ -58,6 +58,7 @@ TARGETS = {
     "h100": 80, "h200": 141, "b200": 180,
 }
 FNUZ_TARGETS = ("mi300x", "mi325x")  # gfx942: fp8 "auto" resolves to FNUZ there
+NVIDIA_PREFIXES = ("h100", "h200", "b200")
 GIB = 2 ** 30
 USAGE = ("usage: python -m maxtext_rocm.compile CONFIG.py[:VARIANT] --target=KIND:N "
          f"[--search] [--max-compiles=K] [--usable=0.92] [--json OUT] [--config.KEY=VALUE ...]; "
@@ -173,7 +174,8 @@ def analyse(cfg, kind: str, n_devices: int, usable: float = 0.92, compile_it: bo
     sizes = config_lib.axis_sizes(config_lib.mesh_shape(cfg.mesh, n_devices, 1))
     policy = policy_from_config(cfg.precision, devices[0])
     cpu_model_cfg = copy.deepcopy(cfg.model)
-    cpu_model_cfg.attention = "xla"  # same parameters; the CPU cannot trace cuDNN's fused attention
+    if cpu_model_cfg.attention == "cudnn":  # same parameters; the CPU cannot trace cuDNN's attention
+        cpu_model_cfg.attention = "xla"
     model = build_model(cpu_model_cfg, policy)
     tx, schedule = build_optimizer(cfg.optimizer, cfg.train.steps)
     _, _, abstract, state_sharding = abstract_state(cfg, model, tx, mesh)
@@ -216,7 +218,7 @@ def analyse(cfg, kind: str, n_devices: int, usable: float = 0.92, compile_it: bo
     if not compile_it:
         return report
 
-    if cfg.model.attention != "xla":  # the CPU cannot lower cuDNN's fused attention
+    if cfg.model.attention == "cudnn":  # the CPU cannot lower cuDNN's fused attention
         report["xla_note"] = f"XLA (CPU) compiled model.attention='xla' in place of {cfg.model.attention!r}"
     batch = {name: jax.ShapeDtypeStruct((global_batch, cfg.train.seq_len), dtype, sharding=batch_sharding)
              for name, dtype in (("inputs", jnp.int32), ("targets", jnp.int32), ("weights", jnp.float32))}
@@ -235,6 +237,12 @@ def analyse(cfg, kind: str, n_devices: int, usable: float = 0.92, compile_it: bo
                       xla_activations_bytes=max(temp - grads, 0))
         report["xla_fits"] = report["xla_total_bytes"] <= usable * capacity
     return report
+
+
+def flash_attention_for(kind: str) -> str:
+    """The attention that keeps no [seq, seq] scores on a target: cuDNN's fused kernel on NVIDIA
+    GPUs, the blockwise XLA attention elsewhere (ROCm)."""
+    return "cudnn" if kind.startswith(NVIDIA_PREFIXES) else "blockwise"
 
 
 def search(cfg, kind: str, n_devices: int, usable: float, max_compiles: int, log=print) -> dict:
@@ -278,7 +286,8 @@ def search(cfg, kind: str, n_devices: int, usable: float, max_compiles: int, log
                           "xla_total_bytes": r.get("xla_total_bytes"), "fits": r["fits"]})
     result["confirmed"] = confirmed
     if result["largest_batch"] is None and cfg.model.attention == "xla":
-        result["largest_batch_by_remat_flash"] = largest_by_remat("cudnn")
+        result["flash_attention"] = flash_attention_for(kind)
+        result["largest_batch_by_remat_flash"] = largest_by_remat(result["flash_attention"])
     return result
 
 
@@ -352,8 +361,8 @@ def format_report(r: dict) -> str:
                 if any(flash.values()):
                     remat = next(k for k in REMAT_ORDER if flash[k])
                     by_flash = ", ".join(f"{k}: {v or 'none'}" for k, v in flash.items())
-                    lines.append(f"with fused flash attention (model.attention='cudnn'; CUDA only in this "
-                                 f"project) it would fit by the estimate: batch {flash[remat]} with remat={remat} "
+                    lines.append(f"with flash attention (model.attention='{s['flash_attention']}') it would fit "
+                                 f"by the estimate: batch {flash[remat]} with remat={remat} "
                                  f"(largest by remat: {by_flash})")
             else:
                 lines.append(f"no batch fits under any remat policy: parameters, optimizer state and gradients "

@@ -21,7 +21,7 @@ import ml_collections
 
 MESH_AXES = ("data", "fsdp", "expert", "sequence", "tensor")
 REMAT_POLICIES = ("none", "full", "minimal", "save_dots")
-ATTENTION_IMPLEMENTATIONS = ("xla", "cudnn")
+ATTENTION_IMPLEMENTATIONS = ("xla", "cudnn", "blockwise")
 PRECISION_POLICIES = ("fp32", "bf16", "fp8")
 FP8_FORMATS = ("auto", "ocp", "fnuz")
 FP8_SCALINGS = ("delayed", "current")

@@ -1,7 +1,9 @@
 """Grouped-query attention: one entry point, several implementations.
 
-- "xla":   plain einsums and a softmax in fp32; runs on every backend and is the reference.
-- "cudnn": cuDNN's fused flash attention through `jax.nn.dot_product_attention` (CUDA GPUs).
+- "xla":       plain einsums and a softmax in fp32; runs on every backend and is the reference.
+- "cudnn":     cuDNN's fused flash attention through `jax.nn.dot_product_attention` (CUDA GPUs).
+- "blockwise": FlashAttention's algorithm in XLA ops (blockwise_attention.py): no [seq, seq]
+               scores held, every backend; the memory-bounded choice on ROCm.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
+from maxtext_rocm.models.blockwise_attention import blockwise_attention
 from maxtext_rocm.models.layers import Dense, apply_rope, rope_inv_frequencies
 from maxtext_rocm.precision import Policy
 
@@ -39,15 +42,14 @@ def dot_product_attention(q: Array, k: Array, v: Array, *, segment_ids: Array | 
 
     Each group of heads/kv_heads query heads shares one key/value head.
     """
-    batch, seq, heads, head_dim = q.shape
-    kv_heads = k.shape[2]
-    mask = attention_mask(seq, segment_ids, sliding_window)
+    if implementation == "blockwise":
+        return blockwise_attention(q, k, v, segment_ids=segment_ids, sliding_window=sliding_window)
+    mask = attention_mask(q.shape[1], segment_ids, sliding_window)
     if implementation == "cudnn":
         return jax.nn.dot_product_attention(
             q, k, v, mask=None if segment_ids is None else mask,
             is_causal=segment_ids is None, implementation="cudnn",
             local_window_size=(sliding_window - 1, 0) if sliding_window else None)
-
     return masked_attention(q, k, v, mask)
 
 
