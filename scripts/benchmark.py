@@ -12,8 +12,9 @@ DIR/results.json plus DIR/results.md, a table of tokens/s/GPU, TFLOP/s/GPU and M
 suite needs a node of 8 GPUs; without one, each row is AOT-checked for mi355x:8 by
 `python -m maxtext_rocm.compile` (memory fit, per-device batch, remat) and skipped with the reason.
 The one_gpu suite runs the seed's 8B-shaped rows with 8 of their 32 layers, so that parameters,
-AdamW state and activations fit one GPU of 80 GB or more; on CUDA its rows use cuDNN's fused
-attention. Without a GPU its rows are skipped with the reason.
+AdamW state and activations fit one GPU of 80 GB or more. The rows of both GPU suites use cuDNN's
+fused attention on CUDA and the blockwise attention elsewhere. Without a GPU the one_gpu rows are
+skipped with the reason.
 
 Steps are timed as a block (one device sync at the end), the way a real run pipelines them; the
 first step (compilation) and `--warmup` more are excluded. The last line has the same shape as
@@ -185,11 +186,15 @@ def run_suite(suite: str, out_dir: str, steps: int, warmup: int, extra: list[str
     on_gpus = devices["backend"] in GPU_BACKENDS and devices["count"] >= 8
     # JAX names both GPU backends "gpu"; ROCm's platform version says "rocm".
     on_cuda = devices["backend"] in GPU_BACKENDS and "rocm" not in devices.get("platform_version", "").lower()
+    # The GPU rows' attention: no [heads, 8192, 8192] scores per layer. cuDNN's fused kernel on
+    # CUDA, the blockwise one elsewhere (the seed rows' AOT check targets AMD GPUs). A
+    # --config.model.attention given on the command line still wins.
+    attention = [f"--config.model.attention={'cudnn' if on_cuda else 'blockwise'}"]
     rows = []
     for name, spec, overrides in SUITES[suite]:
         if only and only.lower() not in name.lower():
             continue
-        overrides = [*overrides, *extra]
+        overrides = [*overrides, *(attention if suite in ("seed", "one_gpu") else []), *extra]
         row = {"row": name, "config": spec, "overrides": overrides, "status": "skipped", "note": ""}
 
         def skip(note):
@@ -223,8 +228,6 @@ def run_suite(suite: str, out_dir: str, steps: int, warmup: int, extra: list[str
             if devices["backend"] not in GPU_BACKENDS:
                 skip(f"skipped: needs a GPU ({devices['count']} x {devices['kind']} here)")
                 continue
-            if on_cuda:  # the xla attention would hold [heads, 8192, 8192] scores per layer
-                overrides = [*overrides, "--config.model.attention=cudnn"]
         run_dir = os.path.abspath(os.path.join(out_dir, "".join(ch if ch.isalnum() else "_" for ch in name)))
         row.update(run_row(spec, run_dir, steps, warmup, overrides, row_timeout))
         rows.append(row)

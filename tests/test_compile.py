@@ -77,6 +77,24 @@ def test_analytic_activations_shrink_with_remat(devices):
                            compile_it=False)["analytic_activations_bytes"]
 
 
+def test_70b_fits_mi300x_only_with_a_flash_attention(devices, tmp_path):
+    """The [seq, seq] scores of the "xla" attention keep Llama 3 70B off 8 MI300X; the blockwise
+    attention (the flash attention the tool names for AMD targets) fits, by the estimate and by
+    XLA's buffer assignment of the compiled blockwise program."""
+    from maxtext_rocm import config as config_lib
+    from maxtext_rocm.compile import analyse, flash_attention_for
+
+    assert flash_attention_for("mi300x") == "blockwise" and flash_attention_for("h100") == "cudnn"
+    fits = {attention: analyse(config_lib.load("llama3_70b:bf16", {"model.attention": attention}), "mi300x", 8,
+                               compile_it=False)["fits"] for attention in ("xla", "blockwise")}
+    assert fits == {"xla": False, "blockwise": True}
+    out = tmp_path / "fit.json"
+    result = fit_check("llama3_70b:bf16", "--target=mi300x:8", "--config.model.attention=blockwise", f"--json={out}")
+    assert result.returncode == 0, result.stderr
+    assert "verdict: FITS" in result.stdout
+    assert json.loads(out.read_text())["xla_fits"]
+
+
 def bench(*args, timeout=900):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     return subprocess.run([sys.executable, "scripts/benchmark.py", *args], cwd=REPO, env=env,
