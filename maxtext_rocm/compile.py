@@ -168,6 +168,8 @@ def analyse(cfg, kind: str, n_devices: int, usable: float = 0.92, compile_it: bo
 
     if cfg.precision.policy == "fp8" and cfg.precision.fp8_format == "auto":
         cfg.precision.fp8_format = "fnuz" if kind in FNUZ_TARGETS else "ocp"
+    if cfg.model.attention == "auto":  # the target's, as the Trainer would resolve it there
+        cfg.model.attention = flash_attention_for(kind)
     devices = jax.devices()[:n_devices]
     config_lib.validate(cfg, n_devices, 1)
     mesh = sharding.make_mesh(cfg.mesh, devices)

@@ -27,6 +27,7 @@ from maxtext_rocm import metrics as metrics_lib
 from maxtext_rocm import sharding
 from maxtext_rocm.data import batch_spec, build_source
 from maxtext_rocm.models import build_model
+from maxtext_rocm.models.attention import resolve_implementation as resolve_attention
 from maxtext_rocm.optim import build_optimizer
 from maxtext_rocm.precision import policy_from_config
 from maxtext_rocm.preemption import PreemptionGuard
@@ -90,6 +91,7 @@ class Trainer:
         self.policy = policy_from_config(cfg.precision, devices[0])
         if self.policy.fp8_format:
             cfg.precision.fp8_format = self.policy.fp8_format  # "auto" resolved, for config.json
+        cfg.model.attention = resolve_attention(cfg.model.attention, devices[0])  # likewise
         self.model = build_model(cfg.model, self.policy)
         self.tx, self.schedule = build_optimizer(cfg.optimizer, cfg.train.steps)
         self.global_batch = config_lib.global_batch_size(cfg, self.n_devices)
@@ -323,7 +325,8 @@ class Trainer:
                if cfg.model.n_experts > 1 else "")
         return "\n".join([
             f"run {cfg.name}: {count_params(cfg) / 1e6:,.1f}M parameters{moe}, {cfg.model.n_layers} layers, "
-            f"policy {self.policy.name}{self._fp8_description()}, remat {cfg.model.remat}",
+            f"policy {self.policy.name}{self._fp8_description()}, remat {cfg.model.remat}, "
+            f"attention {cfg.model.attention}",
             f"devices: {self.n_devices} x {jax.devices()[0].device_kind} ({jax.default_backend()}), "
             f"mesh {sharding.describe(self.mesh)}",
             f"batch: {self.global_batch} x {cfg.train.seq_len} tokens"

@@ -12,9 +12,9 @@ DIR/results.json plus DIR/results.md, a table of tokens/s/GPU, TFLOP/s/GPU and M
 suite needs a node of 8 GPUs; without one, each row is AOT-checked for mi355x:8 by
 `python -m maxtext_rocm.compile` (memory fit, per-device batch, remat) and skipped with the reason.
 The one_gpu suite runs the seed's 8B-shaped rows with 8 of their 32 layers, so that parameters,
-AdamW state and activations fit one GPU of 80 GB or more. The rows of both GPU suites use cuDNN's
-fused attention on CUDA and the blockwise attention elsewhere. Without a GPU the one_gpu rows are
-skipped with the reason.
+AdamW state and activations fit one GPU of 80 GB or more; without a GPU they are skipped with the
+reason. Attention is the presets' "auto": cuDNN's fused kernel on CUDA, the blockwise one on ROCm
+(and in the seed rows' AOT check for AMD GPUs).
 
 Steps are timed as a block (one device sync at the end), the way a real run pipelines them; the
 first step (compilation) and `--warmup` more are excluded. The last line has the same shape as
@@ -184,17 +184,11 @@ def run_suite(suite: str, out_dir: str, steps: int, warmup: int, extra: list[str
               row_timeout: float = 3600) -> int:
     devices = _probe_devices()
     on_gpus = devices["backend"] in GPU_BACKENDS and devices["count"] >= 8
-    # JAX names both GPU backends "gpu"; ROCm's platform version says "rocm".
-    on_cuda = devices["backend"] in GPU_BACKENDS and "rocm" not in devices.get("platform_version", "").lower()
-    # The GPU rows' attention: no [heads, 8192, 8192] scores per layer. cuDNN's fused kernel on
-    # CUDA, the blockwise one elsewhere (the seed rows' AOT check targets AMD GPUs). A
-    # --config.model.attention given on the command line still wins.
-    attention = [f"--config.model.attention={'cudnn' if on_cuda else 'blockwise'}"]
     rows = []
     for name, spec, overrides in SUITES[suite]:
         if only and only.lower() not in name.lower():
             continue
-        overrides = [*overrides, *(attention if suite in ("seed", "one_gpu") else []), *extra]
+        overrides = [*overrides, *extra]
         row = {"row": name, "config": spec, "overrides": overrides, "status": "skipped", "note": ""}
 
         def skip(note):

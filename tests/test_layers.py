@@ -173,6 +173,21 @@ def test_model_with_blockwise_attention_equals_xla(devices, tmp_path, monkeypatc
     assert_trees_close(results["blockwise"][1], results["xla"][1], atol=1e-5)
 
 
+def test_auto_attention_follows_the_device():
+    from types import SimpleNamespace
+
+    from maxtext_rocm.models.attention import resolve_implementation
+
+    def device(platform, version):
+        return SimpleNamespace(platform=platform, client=SimpleNamespace(platform_version=version))
+
+    assert resolve_implementation("auto", device("gpu", "cuda 13000")) == "cudnn"
+    assert resolve_implementation("auto", device("gpu", "PJRT C API\nrocm 6.4.1")) == "blockwise"
+    assert resolve_implementation("auto", device("cpu", "cpu")) == "xla"
+    assert resolve_implementation("auto") == "xla"  # this machine
+    assert resolve_implementation("blockwise", device("gpu", "cuda 13000")) == "blockwise"
+
+
 def test_blockwise_block_size_rule():
     assert block_size(8192) == 512 and block_size(256) == 256 and block_size(96) == 32
     assert block_size(100) == 100  # no power-of-two block of 16 or more divides it: one block
