@@ -182,6 +182,7 @@ def test_auto_attention_follows_the_device():
         return SimpleNamespace(platform=platform, client=SimpleNamespace(platform_version=version))
 
     assert resolve_implementation("auto", device("gpu", "cuda 13000")) == "cudnn"
+    assert resolve_implementation("auto", device("gpu", "cuda 13000"), jnp.float32) == "blockwise"  # no fp32 cuDNN
     assert resolve_implementation("auto", device("gpu", "PJRT C API\nrocm 6.4.1")) == "blockwise"
     assert resolve_implementation("auto", device("cpu", "cpu")) == "xla"
     assert resolve_implementation("auto") == "xla"  # this machine

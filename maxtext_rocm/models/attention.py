@@ -4,7 +4,8 @@
 - "cudnn":     cuDNN's fused flash attention through `jax.nn.dot_product_attention` (CUDA GPUs).
 - "blockwise": FlashAttention's algorithm in XLA ops (blockwise_attention.py): no [seq, seq]
                scores held, every backend; the memory-bounded choice on ROCm.
-- "auto":      "cudnn" on CUDA GPUs, "blockwise" on ROCm, "xla" on the CPU (resolve_implementation).
+- "auto":      "cudnn" on CUDA GPUs (bf16/fp16), "blockwise" on ROCm, "xla" on the CPU
+               (resolve_implementation).
 """
 
 from __future__ import annotations
@@ -37,18 +38,21 @@ def attention_mask(seq_len: int, segment_ids: Array | None, sliding_window: int 
     return causal & same_doc
 
 
-def resolve_implementation(name: str, device=None) -> str:
+def resolve_implementation(name: str, device=None, dtype=None) -> str:
     """`model.attention`, with "auto" replaced by the device's memory-bounded attention: cuDNN's
-    fused kernel on CUDA GPUs (checked on an H200 against "xla"), the blockwise one on ROCm, whose
-    "xla" scores keep Llama 3 70B off 8 MI300X. The CPU keeps "xla": at the sequence lengths
-    trained there the scores are small, and one einsum beats a loop of blocks."""
+    fused kernel on CUDA GPUs in bf16/fp16 (checked on an H200 against "xla"; it has no fp32
+    form), the blockwise one on ROCm and for fp32 on CUDA, "xla" on the CPU, where at the
+    sequence lengths trained there one einsum beats a loop of blocks. `dtype`: the compute dtype
+    (default bf16)."""
     if name != "auto":
         return name
     device = device or jax.devices()[0]
     if device.platform == "cpu":
         return "xla"
     # JAX names both GPU platforms "gpu"; ROCm's platform version says "rocm".
-    return "blockwise" if "rocm" in device.client.platform_version.lower() else "cudnn"
+    on_cuda = "rocm" not in device.client.platform_version.lower()
+    half = jnp.dtype(dtype or jnp.bfloat16) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    return "cudnn" if on_cuda and half else "blockwise"
 
 
 def dot_product_attention(q: Array, k: Array, v: Array, *, segment_ids: Array | None = None,
@@ -57,7 +61,7 @@ def dot_product_attention(q: Array, k: Array, v: Array, *, segment_ids: Array | 
 
     Each group of heads/kv_heads query heads shares one key/value head.
     """
-    implementation = resolve_implementation(implementation)
+    implementation = resolve_implementation(implementation, dtype=q.dtype)
     if implementation == "blockwise":
         return blockwise_attention(q, k, v, segment_ids=segment_ids, sliding_window=sliding_window)
     mask = attention_mask(q.shape[1], segment_ids, sliding_window)
