@@ -46,7 +46,7 @@ cat "$out/results.md" 2>/dev/null
 # Variants of the suite's rows: XLA flags, larger batches, loss chunks (one line each: a name,
 # XLA_FLAGS or "-", CONFIG[:VARIANT], overrides). The suite's rows above are the baselines.
 echo "== variants ($(seconds_left) s left)"
-base="--config.model.n_layers=8 --config.model.remat=none --config.model.attention=cudnn"
+base="--config.model.n_layers=8 --config.model.remat=none"  # attention "auto": cuDNN on CUDA, blockwise on ROCm
 while read -r name flags spec overrides; do
   (( $(seconds_left) > 60 )) || { echo "no time left for $name"; break; }
   [[ $flags == - ]] && flags=""
