@@ -55,7 +55,7 @@ while read -r name flags spec overrides; do
     --config.output_dir="$rows/variant_$name" >"$rows/variant_$name.log" 2>&1 </dev/null
   echo "$name: $(tail -1 "$rows/variant_$name.log")"
 done <<'VARIANTS'
-fp8_no_triton_gemm --xla_gpu_enable_triton_gemm=false llama3_8b:fp8
+bf16_blockwise_attention - llama3_8b:bf16 --config.model.attention=blockwise
 fp8_batch4 - llama3_8b:fp8 --config.train.per_device_batch_size=4
 bf16_loss_chunk4096 - llama3_8b:bf16 --config.model.loss_chunk_len=4096
 bf16_batch4_no_command_buffer --xla_gpu_enable_command_buffer= llama3_8b:bf16 --config.train.per_device_batch_size=4
