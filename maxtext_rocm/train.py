@@ -91,7 +91,8 @@ class Trainer:
         self.policy = policy_from_config(cfg.precision, devices[0])
         if self.policy.fp8_format:
             cfg.precision.fp8_format = self.policy.fp8_format  # "auto" resolved, for config.json
-        cfg.model.attention = resolve_attention(cfg.model.attention, devices[0], self.policy.compute_dtype)
+        cfg.model.attention = resolve_attention(cfg.model.attention, devices[0], self.policy.compute_dtype,
+                                                cfg.train.seq_len)
         self.model = build_model(cfg.model, self.policy)
         self.tx, self.schedule = build_optimizer(cfg.optimizer, cfg.train.steps)
         self.global_batch = config_lib.global_batch_size(cfg, self.n_devices)

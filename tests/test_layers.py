@@ -184,8 +184,9 @@ def test_auto_attention_follows_the_device():
     assert resolve_implementation("auto", device("gpu", "cuda 13000")) == "cudnn"
     assert resolve_implementation("auto", device("gpu", "cuda 13000"), jnp.float32) == "blockwise"  # no fp32 cuDNN
     assert resolve_implementation("auto", device("gpu", "PJRT C API\nrocm 6.4.1")) == "blockwise"
-    assert resolve_implementation("auto", device("cpu", "cpu")) == "xla"
-    assert resolve_implementation("auto") == "xla"  # this machine
+    assert resolve_implementation("auto", device("cpu", "cpu"), seq_len=256) == "xla"
+    assert resolve_implementation("auto", device("cpu", "cpu"), seq_len=4096) == "blockwise"
+    assert resolve_implementation("auto") == "xla"  # this machine, no sequence length given
     assert resolve_implementation("blockwise", device("gpu", "cuda 13000")) == "blockwise"
 
 
