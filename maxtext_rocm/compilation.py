@@ -1,11 +1,14 @@
 """How the Trainer's programs are compiled: XLA options per program and backend, the step's
-compilation overlapped with the state's initialisation, and the host memory the compiler leaves.
+compilation overlapped with the state's initialisation, the host memory the compiler leaves, and
+which library kernels a compiled program calls.
 """
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import os
+import re
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import jax
@@ -55,14 +58,25 @@ def init_compiler_options(n_values: int) -> dict | None:
     return {"xla_backend_optimization_level": 0 if n_values < INIT_O0_MAX_VALUES else 1}
 
 
-def step_compiler_options(policy: str) -> dict | None:
+def step_compiler_options(policy: str, platform: str) -> dict | None:
     """XLA options for the train step. fp8 on a GPU compiles without Triton GEMMs: on one H200
     (jax 0.11.2) the 8B-shaped fp8 row (8 layers, batch 2 x 8192) had not finished compiling
     after 150 s with them, XLA autotuning Triton's configurations for every fp8 GEMM; without them
     it compiled in ~12 s to cuBLASLt fp8 GEMMs and ran 1.24x the bf16 row's tokens/s. bf16 keeps
-    them: without, the bf16 row ran 8% slower. XLA_FLAGS naming the option wins over this."""
-    if policy != "fp8" or jax.default_backend() != "gpu":
+    them: without, the bf16 row ran 8% slower. XLA_FLAGS naming the option wins over this.
+    `platform`: that of the devices the step runs on (a CPU mesh in a GPU process gets none)."""
+    if policy != "fp8" or platform != "gpu":
         return None
     if "xla_gpu_enable_triton_gemm" in os.environ.get("XLA_FLAGS", ""):
         return None
     return {"xla_gpu_enable_triton_gemm": False}
+
+
+def library_calls(compiled_text: str) -> dict[str, int]:
+    """How often each library kernel appears in a compiled program's text: custom-call targets
+    (cuBLAS/hipBLASLt GEMMs, fp8 GEMMs, cuDNN attention) and the kinds of custom fusions (Triton
+    GEMMs). A scanned layer's body appears once, so these count call sites, not calls per step.
+    An fp8 row's proof that its GEMMs run in fp8 (`__cublas$lt$matmul$f8` on CUDA)."""
+    targets = re.findall(r'custom_call_target="([^"]+)"', compiled_text)
+    kinds = re.findall(r'"kind":"(__[^"]+)"', compiled_text)
+    return dict(sorted(collections.Counter(targets + kinds).items()))

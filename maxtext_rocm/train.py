@@ -68,7 +68,8 @@ def jit_train_step(cfg, model, tx, schedule, mesh, state_sharding, batch_shardin
                           train_cfg=ml_collections.FrozenConfigDict(cfg.train)),
         in_shardings=(state_sharding, batch_sharding),
         out_shardings=(state_sharding, sharding.replicated(mesh)),
-        donate_argnums=0, compiler_options=compilation.step_compiler_options(cfg.precision.policy))
+        donate_argnums=0,
+        compiler_options=compilation.step_compiler_options(cfg.precision.policy, mesh.devices.flat[0].platform))
 
 
 class Trainer:

@@ -24,10 +24,8 @@ first step (compilation) and `--warmup` more are excluded. The last line has the
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -77,16 +75,6 @@ def seconds_since_launch() -> float | None:
         return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError):
         return None
-
-
-def library_calls(compiled_text: str) -> dict[str, int]:
-    """How often each library kernel appears in a compiled program's text: custom-call targets
-    (cuBLAS/hipBLASLt GEMMs, fp8 GEMMs, cuDNN attention) and the kinds of custom fusions (Triton
-    GEMMs). A scanned layer's body appears once, so these count call sites, not calls per step.
-    An fp8 row's proof that its GEMMs run in fp8 (`__cublas$lt$matmul$f8` on CUDA)."""
-    targets = re.findall(r'custom_call_target="([^"]+)"', compiled_text)
-    kinds = re.findall(r'"kind":"(__[^"]+)"', compiled_text)
-    return dict(sorted(collections.Counter(targets + kinds).items()))
 
 
 def _probe_devices() -> dict:
@@ -257,6 +245,7 @@ def main() -> int:
     import jax
 
     import maxtext_rocm as mr
+    from maxtext_rocm import compilation
     from maxtext_rocm import metrics as metrics_lib
     from maxtext_rocm.models import count_active_params
     from maxtext_rocm.models.moe import resolve_implementation
@@ -291,7 +280,7 @@ def main() -> int:
     if args.checkpoint_every:
         shutil.rmtree(cfg.output_dir, ignore_errors=True)
 
-    calls = library_calls(trainer.compiled_step.as_text())
+    calls = compilation.library_calls(trainer.compiled_step.as_text())
     tokens_per_step = trainer.global_batch * cfg.train.seq_len
     tokens_per_s_per_device = tokens_per_step / step_s / trainer.n_devices
     tflops = trainer.flops_per_token * tokens_per_s_per_device / 1e12

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 
@@ -36,17 +35,10 @@ def relative_error(x, reference) -> float:
     return float(np.linalg.norm(x - reference) / max(np.linalg.norm(reference), 1e-30))
 
 
-def matmul_rate(n: int = 8192, repeats: int = 10) -> dict:
-    """TFLOP/s of an n^3 bf16 product on random data (median of `repeats` timed runs)."""
+def matmul_rate(n: int = 8192) -> dict:
+    """TFLOP/s of an n^3 bf16 product on random data (`timed`'s median)."""
     a, b = (jax.random.normal(k, (n, n), jnp.bfloat16) for k in jax.random.split(jax.random.key(0)))
-    product = jax.jit(lambda x, y: x @ y)
-    product(a, b).block_until_ready()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        product(a, b).block_until_ready()
-        times.append(time.perf_counter() - start)
-    return {"n": n, "tflops": 2 * n ** 3 / float(np.median(times)) / 1e12}
+    return {"n": n, "tflops": 2 * n ** 3 / timed(jax.jit(lambda x, y: x @ y), a, b) / 1e12}
 
 
 def attention_check(batch=2, seq=2048, heads=32, kv_heads=8, head_dim=128, documents=False) -> dict:
@@ -88,9 +80,8 @@ def timed(fn, *args, repeats: int = 10) -> float:
 
 
 def fp8_dot_check(tokens=8192, d_model=4096, mlp=14336) -> dict:
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from benchmark import library_calls
     from maxtext_rocm import fp8
+    from maxtext_rocm.compilation import library_calls
 
     e4m3, e5m2 = fp8.FORMATS[fp8.resolve_format("auto", jax.devices()[0])]
     fmt = "fnuz" if e4m3 == jnp.float8_e4m3fnuz else "ocp"

@@ -143,9 +143,8 @@ def test_fp8_steps_compile_without_triton_gemms_on_gpus(monkeypatch):
     from maxtext_rocm import compilation
 
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-    assert compilation.step_compiler_options("fp8") is None  # the CPU
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    assert compilation.step_compiler_options("fp8") == {"xla_gpu_enable_triton_gemm": False}
-    assert compilation.step_compiler_options("bf16") is None
+    assert compilation.step_compiler_options("fp8", "cpu") is None
+    assert compilation.step_compiler_options("fp8", "gpu") == {"xla_gpu_enable_triton_gemm": False}
+    assert compilation.step_compiler_options("bf16", "gpu") is None
     monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_triton_gemm=true")
-    assert compilation.step_compiler_options("fp8") is None
+    assert compilation.step_compiler_options("fp8", "gpu") is None

@@ -55,10 +55,13 @@ def resolve_implementation(name: str, device=None, dtype=None, seq_len: int | No
     device = device or jax.devices()[0]
     if device.platform == "cpu":
         return "blockwise" if seq_len and seq_len >= CPU_BLOCKWISE_MIN_SEQ else "xla"
-    # JAX names both GPU platforms "gpu"; ROCm's platform version says "rocm".
-    on_cuda = "rocm" not in device.client.platform_version.lower()
     half = jnp.dtype(dtype or jnp.bfloat16) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-    return "cudnn" if on_cuda and half else "blockwise"
+    return "cudnn" if is_cuda_gpu(device) and half else "blockwise"
+
+
+def is_cuda_gpu(device) -> bool:
+    """JAX names both GPU platforms "gpu"; ROCm's platform version says "rocm"."""
+    return device.platform == "gpu" and "rocm" not in device.client.platform_version.lower()
 
 
 def dot_product_attention(q: Array, k: Array, v: Array, *, segment_ids: Array | None = None,
