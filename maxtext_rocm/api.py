@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import ml_collections
 from flax import linen as nn
 
+from maxtext_rocm import compilation
 from maxtext_rocm import config as config_lib
 from maxtext_rocm import sharding
 from maxtext_rocm.config import CheckpointError
@@ -57,9 +58,10 @@ def init_params(cfg, seed: int = 0):
     init = jax.jit(lambda k: nn.meta.unbox(model.init(k, jnp.zeros((1, 8), jnp.int32))["params"]),
                    out_shardings=shardings)
     key = jax.random.key(seed)
-    # As in Trainer: init runs once, and on the CPU LLVM's optimisation of it costs more than it saves.
-    options = {"xla_backend_optimization_level": 0} if jax.default_backend() == "cpu" else None
-    return init.lower(key).compile(compiler_options=options)(key)
+    with compilation.unrolled_threefry_on_cpu():  # as the Trainer's init program: the same bits
+        lowered = init.lower(key)
+    n_values = sum(x.size for x in jax.tree_util.tree_leaves(lowered.out_info))
+    return lowered.compile(compiler_options=compilation.init_compiler_options(n_values))(key)
 
 
 def run_config(path) -> ml_collections.ConfigDict:

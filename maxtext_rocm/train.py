@@ -108,12 +108,16 @@ class Trainer:
         self._batch_dtypes = batch_spec(cfg.data)
         self._train_step = jit_train_step(cfg, self.model, self.tx, self.schedule, self.mesh,
                                           self.state_sharding, self.batch_sharding)
-        # Off the CPU the step compiles in a thread while the state is made or restored.
-        overlap = compilation.compile_overlaps_init()
-        self._compiled_step = compilation.in_thread(self._lower_step(abstract).compile) if overlap else None
-        self.state, self.step_count, resumed_data_state = self._init_state(init, key, abstract)
-        if not overlap:
-            self._compiled_step = self._lower_step(abstract).compile()
+        # The state is made (or restored) in a thread while this one traces and lowers the step:
+        # XLA compiles and runs the init program without holding the GIL, and tracing is Python.
+        made = compilation.in_thread(self._init_state, init, key, abstract)
+        lowered = self._lower_step(abstract)
+        if compilation.compile_overlaps_init():
+            self._compiled_step = compilation.in_thread(lowered.compile)
+            self.state, self.step_count, resumed_data_state = made.result()
+        else:
+            self.state, self.step_count, resumed_data_state = made.result()
+            self._compiled_step = lowered.compile()
             compilation.release_freed_host_memory()
         self.data = build_source(
             cfg.data, vocab_size=cfg.model.vocab_size, global_batch=self.global_batch,
@@ -175,7 +179,9 @@ class Trainer:
 
         init_jit = jax.jit(lambda k: nn.meta.unbox(init(k)), out_shardings=self.state_sharding)
         n_values = sum(x.size for x in jax.tree_util.tree_leaves(abstract.params))
-        state = init_jit.lower(key).compile(compiler_options=compilation.init_compiler_options(n_values))(key)
+        with compilation.unrolled_threefry_on_cpu():
+            lowered = init_jit.lower(key)
+        state = lowered.compile(compiler_options=compilation.init_compiler_options(n_values))(key)
         if self.cfg.checkpoint.load_params_from:
             from maxtext_rocm.checkpoint import restore_params
 
