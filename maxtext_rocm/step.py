@@ -90,38 +90,59 @@ def split_micro_batches(batch: Batch, n: int) -> Batch:
     return jax.tree_util.tree_map(split, batch)
 
 
-def gradients(params, model: nn.Module, batch: Batch, grad_accum: int, z_loss_weight: float,
-              fp8_state=None):
-    """(token-mean gradients over the whole batch, the fp8 state's update, loss metrics),
-    accumulating micro-batches. The fp8 update arrives as the "gradient" of the fp8 state."""
+def summed_gradients(params, model: nn.Module, batch: Batch, grad_accum: int, z_loss_weight: float,
+                     fp8_state=None):
+    """(gradients of the objective summed over the batch's tokens, the fp8 state's update, the
+    sums), accumulating micro-batches. The fp8 update arrives as the "gradient" of the fp8 state."""
     fp8_state = fp8_state or {}
     grad_fn = jax.value_and_grad(summed_loss, argnums=(0, 4), has_aux=True)
     if grad_accum == 1:
         (_, sums), (grads, fp8_update) = grad_fn(params, model, batch, z_loss_weight, fp8_state)
-    else:
-        def accumulate(carry, micro):
-            grads_acc, fp8_acc, sums_acc = carry
-            (_, sums), (grads, fp8_update) = grad_fn(params, model, micro, z_loss_weight, fp8_state)
-            return (jax.tree_util.tree_map(jnp.add, grads_acc, grads), fp8.combine_updates(fp8_acc, fp8_update),
-                    jax.tree_util.tree_map(jnp.add, sums_acc, sums)), None
+        return grads, fp8_update, sums
 
-        zeros = jax.tree_util.tree_map(jnp.zeros_like, params)
-        fp8_start = fp8.merge_identity(fp8_state)
-        zero_sums = {k: jnp.zeros((), jnp.float32) for k in ("ce", "z_loss", "tokens", *moe.ROUTER_LOSS_WEIGHTS)}
-        (grads, fp8_update, sums), _ = jax.lax.scan(
-            accumulate, (zeros, fp8_start, zero_sums), split_micro_batches(batch, grad_accum))
-    tokens = jnp.maximum(sums["tokens"], 1.0)
-    grads = jax.tree_util.tree_map(lambda g: g / tokens, grads)
-    return grads, fp8_update, {
-        "loss": sums["ce"] / tokens, "z_loss": sums["z_loss"] / tokens, "tokens": sums["tokens"],
-        **{name: sums[name] / tokens for name in moe.ROUTER_LOSS_WEIGHTS}}
+    def accumulate(carry, micro):
+        grads_acc, fp8_acc, sums_acc = carry
+        (_, sums), (grads, fp8_update) = grad_fn(params, model, micro, z_loss_weight, fp8_state)
+        return (jax.tree_util.tree_map(jnp.add, grads_acc, grads), fp8.combine_updates(fp8_acc, fp8_update),
+                jax.tree_util.tree_map(jnp.add, sums_acc, sums)), None
+
+    zeros = jax.tree_util.tree_map(jnp.zeros_like, params)
+    fp8_start = fp8.merge_identity(fp8_state)
+    zero_sums = {k: jnp.zeros((), jnp.float32) for k in ("ce", "z_loss", "tokens", *moe.ROUTER_LOSS_WEIGHTS)}
+    (grads, fp8_update, sums), _ = jax.lax.scan(
+        accumulate, (zeros, fp8_start, zero_sums), split_micro_batches(batch, grad_accum))
+    return grads, fp8_update, sums
+
+
+def token_count(sums: dict) -> jax.Array:
+    return jnp.maximum(sums["tokens"], 1.0)
+
+
+def loss_metrics(sums: dict) -> dict:
+    """Token means of the summed losses."""
+    tokens = token_count(sums)
+    return {"loss": sums["ce"] / tokens, "z_loss": sums["z_loss"] / tokens, "tokens": sums["tokens"],
+            **{name: sums[name] / tokens for name in moe.ROUTER_LOSS_WEIGHTS}}
+
+
+def gradients(params, model: nn.Module, batch: Batch, grad_accum: int, z_loss_weight: float,
+              fp8_state=None):
+    """(token-mean gradients over the whole batch, the fp8 state's update, loss metrics)."""
+    grads, fp8_update, sums = summed_gradients(params, model, batch, grad_accum, z_loss_weight, fp8_state)
+    tokens = token_count(sums)
+    return jax.tree_util.tree_map(lambda g: g / tokens, grads), fp8_update, loss_metrics(sums)
 
 
 def train_step(state: TrainState, batch: Batch, *, model: nn.Module,
                tx: optax.GradientTransformation, schedule: optax.Schedule, train_cfg):
-    grads, fp8_update, metrics = gradients(state.params, model, batch, train_cfg.grad_accum,
-                                           train_cfg.z_loss_weight, state.fp8)
-    grad_norm = optax.tree.norm(grads)
+    summed, fp8_update, sums = summed_gradients(state.params, model, batch, train_cfg.grad_accum,
+                                                train_cfg.z_loss_weight, state.fp8)
+    metrics = loss_metrics(sums)
+    # The token mean is taken inside the update branch below, where its multiply fuses into the
+    # optimizer's kernels; before the branch it was one more pass over every gradient (and one
+    # more kernel per parameter for XLA to compile). The norm of the mean is the mean's norm.
+    inv_tokens = 1.0 / token_count(sums)
+    grad_norm = optax.tree.norm(summed) * inv_tokens
 
     # An inf/NaN step must not poison the state: keep the old one ("skip"), and under "stop"
     # freeze everything from the first bad step on, so the host can checkpoint the last good state.
@@ -132,7 +153,8 @@ def train_step(state: TrainState, batch: Batch, *, model: nn.Module,
     apply = finite & (state.nonfinite_steps == 0) if halting else finite
 
     def update(operands):
-        params, opt_state, grads, fp8_update, _ = operands
+        params, opt_state, summed, fp8_update, _ = operands
+        grads = jax.tree_util.tree_map(lambda g: g * inv_tokens.astype(g.dtype), summed)
         updates, opt_state = tx.update(grads, opt_state, params, grad_norm=grad_norm)
         return optax.apply_updates(params, updates), opt_state, fp8_update
 
@@ -141,7 +163,7 @@ def train_step(state: TrainState, batch: Batch, *, model: nn.Module,
         return params, opt_state, fp8_state
 
     params, opt_state, fp8_state = jax.lax.cond(
-        apply, update, keep, (state.params, state.opt_state, grads, fp8_update, state.fp8))
+        apply, update, keep, (state.params, state.opt_state, summed, fp8_update, state.fp8))
     new_state = state.replace(
         step=state.step + (apply.astype(jnp.int32) if halting else 1),
         params=params, opt_state=opt_state, fp8=fp8_state,

@@ -137,6 +137,25 @@ def test_step_compiled_in_the_background_trains_identically(devices, tmp_path, m
     assert_trees_close(params, reference_params, atol=0)
 
 
+def test_unrolled_threefry_draws_the_same_bits():
+    """The init program's Threefry, unrolled on the CPU, draws exactly the bits of JAX's own
+    (rolled) CPU rule, and JAX's rule is back once the context ends."""
+    from maxtext_rocm import compilation
+
+    def draws(k):
+        return jax.random.truncated_normal(k, -2.0, 2.0, (64, 48)), jax.random.bits(jax.random.fold_in(k, 3), (1000,))
+
+    key = jax.random.key(11)
+    rolled = jax.jit(lambda k: draws(k)).lower(key)
+    with compilation.unrolled_threefry_on_cpu():
+        unrolled = jax.jit(lambda k: draws(k)).lower(key)
+    after = jax.jit(lambda k: draws(k)).lower(key)
+    assert "stablehlo.while" in rolled.as_text() and "stablehlo.while" in after.as_text()
+    assert "stablehlo.while" not in unrolled.as_text()
+    for got, want in zip(unrolled.compile()(key), rolled.compile()(key)):
+        np.testing.assert_array_equal(got, want)
+
+
 def test_fp8_steps_compile_without_triton_gemms_on_gpus(monkeypatch):
     """fp8 on a GPU: cuBLASLt/hipBLASLt fp8 GEMMs, not Triton's (whose autotuning outlasted a
     150 s compile on an H200); other policies and the CPU keep XLA's defaults; XLA_FLAGS wins."""
