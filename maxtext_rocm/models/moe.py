@@ -151,7 +151,7 @@ def dropless_experts(x: Array, weights: Array, experts: Array, gate: Array, up: 
     group_sizes = jnp.bincount(flat, length=n_experts).astype(jnp.int32)
     rows = x.reshape(-1, d)[order // k]  # [T*k, d]
     if block:
-        grouped = _blocked_groups(group_sizes, rows.shape[0], block)
+        grouped = _blocked_groups(group_sizes, flat[order], block)
         out = grouped.unpad(blocked_swiglu(grouped.pad(rows), grouped.block_expert, grouped.n_used,
                                            gate, up, down, block))
     else:
@@ -177,18 +177,20 @@ class _BlockedGroups:
         return padded[self.dest]
 
 
-def _blocked_groups(group_sizes: Array, n_rows: int, block: int) -> _BlockedGroups:
-    """The padded layout of `n_rows` expert-sorted rows with these group sizes: at most block - 1
-    rows of padding per expert."""
-    n_experts = group_sizes.shape[0]
+def _blocked_groups(group_sizes: Array, row_expert: Array, block: int) -> _BlockedGroups:
+    """The padded layout of expert-sorted rows (`row_expert`: each one's expert) with these group
+    sizes: at most block - 1 rows of padding per expert."""
+    n_experts, n_rows = group_sizes.shape[0], row_expert.shape[0]
     padded_sizes = (group_sizes + block - 1) // block * block
     padded_ends = jnp.cumsum(padded_sizes)
-    row_expert = jnp.repeat(jnp.arange(n_experts), group_sizes, total_repeat_length=n_rows)
     rank = jnp.arange(n_rows) - (jnp.cumsum(group_sizes) - group_sizes)[row_expert]
     dest = (padded_ends - padded_sizes)[row_expert] + rank
     n_padded = -(-n_rows // block) * block + n_experts * block  # a static bound on sum(padded_sizes)
     starts = jnp.arange(0, n_padded, block)
-    block_expert = jnp.minimum(jnp.searchsorted(padded_ends, starts, side="right"), n_experts - 1)
+    # A few dozen blocks against a handful of experts: comparing all pairs is one small kernel,
+    # where the default binary search is a loop.
+    block_expert = jnp.minimum(jnp.searchsorted(padded_ends, starts, side="right", method="compare_all"),
+                               n_experts - 1)
     return _BlockedGroups(dest, block_expert, padded_ends[-1] // block, n_padded)
 
 
