@@ -54,14 +54,11 @@ def _abstract_params(cfg):
 def init_params(cfg, seed: int = 0):
     """Fresh parameters of `cfg`'s model, each array created directly in its sharding over the
     current devices (the mesh of cfg.mesh). The same values as a Trainer with train.seed=seed."""
-    model, _, shardings = _abstract_params(cfg)
+    model, boxed, shardings = _abstract_params(cfg)
     init = jax.jit(lambda k: nn.meta.unbox(model.init(k, jnp.zeros((1, 8), jnp.int32))["params"]),
                    out_shardings=shardings)
-    key = jax.random.key(seed)
-    with compilation.unrolled_threefry_on_cpu():  # as the Trainer's init program: the same bits
-        lowered = init.lower(key)
-    n_values = sum(x.size for x in jax.tree_util.tree_leaves(lowered.out_info))
-    return lowered.compile(compiler_options=compilation.init_compiler_options(n_values))(key)
+    n_values = sum(x.size for x in jax.tree_util.tree_leaves(nn.meta.unbox(boxed)))
+    return compilation.run_init(init, jax.random.key(seed), n_values)
 
 
 def run_config(path) -> ml_collections.ConfigDict:

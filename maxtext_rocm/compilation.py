@@ -88,6 +88,14 @@ def unrolled_threefry_on_cpu():
         cpu_rules[primitive] = previous
 
 
+def run_init(init_jit, key, n_param_values: int):
+    """Lowers, compiles and runs an init program (the Trainer's state, `api.init_params`'s
+    parameters) the one way both use: Threefry unrolled on the CPU, XLA options by size."""
+    with unrolled_threefry_on_cpu():
+        lowered = init_jit.lower(key)
+    return lowered.compile(compiler_options=init_compiler_options(n_param_values))(key)
+
+
 def step_compiler_options(policy: str, platform: str) -> dict | None:
     """XLA options for the train step. fp8 on a GPU compiles without Triton GEMMs: on one H200
     (jax 0.11.2) the 8B-shaped fp8 row (8 layers, batch 2 x 8192) had not finished compiling

@@ -125,12 +125,16 @@ def loss_metrics(sums: dict) -> dict:
             **{name: sums[name] / tokens for name in moe.ROUTER_LOSS_WEIGHTS}}
 
 
+def scaled(tree, factor: jax.Array):
+    """Every array of `tree` times the scalar `factor` (a multiply, which XLA fuses into consumers)."""
+    return jax.tree_util.tree_map(lambda x: x * factor.astype(x.dtype), tree)
+
+
 def gradients(params, model: nn.Module, batch: Batch, grad_accum: int, z_loss_weight: float,
               fp8_state=None):
     """(token-mean gradients over the whole batch, the fp8 state's update, loss metrics)."""
     grads, fp8_update, sums = summed_gradients(params, model, batch, grad_accum, z_loss_weight, fp8_state)
-    tokens = token_count(sums)
-    return jax.tree_util.tree_map(lambda g: g / tokens, grads), fp8_update, loss_metrics(sums)
+    return scaled(grads, 1.0 / token_count(sums)), fp8_update, loss_metrics(sums)
 
 
 def train_step(state: TrainState, batch: Batch, *, model: nn.Module,
@@ -154,8 +158,7 @@ def train_step(state: TrainState, batch: Batch, *, model: nn.Module,
 
     def update(operands):
         params, opt_state, summed, fp8_update, _ = operands
-        grads = jax.tree_util.tree_map(lambda g: g * inv_tokens.astype(g.dtype), summed)
-        updates, opt_state = tx.update(grads, opt_state, params, grad_norm=grad_norm)
+        updates, opt_state = tx.update(scaled(summed, inv_tokens), opt_state, params, grad_norm=grad_norm)
         return optax.apply_updates(params, updates), opt_state, fp8_update
 
     def keep(operands):

@@ -179,9 +179,7 @@ class Trainer:
 
         init_jit = jax.jit(lambda k: nn.meta.unbox(init(k)), out_shardings=self.state_sharding)
         n_values = sum(x.size for x in jax.tree_util.tree_leaves(abstract.params))
-        with compilation.unrolled_threefry_on_cpu():
-            lowered = init_jit.lower(key)
-        state = lowered.compile(compiler_options=compilation.init_compiler_options(n_values))(key)
+        state = compilation.run_init(init_jit, key, n_values)
         if self.cfg.checkpoint.load_params_from:
             from maxtext_rocm.checkpoint import restore_params
 
