@@ -131,6 +131,10 @@ def defaults() -> ml_collections.ConfigDict:
         on_nonfinite="skip",
         eval_every=0,  # steps between evaluations on the eval split (data.eval_paths for files); 0: off
         eval_steps=10,  # batches per evaluation
+        # JAX's persistent compilation cache, so a restarted run (preemption, resume) loads its
+        # compiled programs instead of compiling them again (maxtext_rocm/compilation.py):
+        # "auto": $JAX_COMPILATION_CACHE_DIR if set, else output_dir/compilation_cache; "off"; or a directory.
+        compilation_cache="auto",
     )
     cfg.checkpoint = dict(
         enabled=True,

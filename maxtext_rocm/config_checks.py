@@ -74,6 +74,8 @@ def validate(cfg: ml_collections.ConfigDict, device_count: int | None = None,
     _require(t.z_loss_weight >= 0, f"train.z_loss_weight must be >= 0, got {t.z_loss_weight}")
 
     _one_of("train.on_nonfinite", t.on_nonfinite, NONFINITE_ACTIONS)
+    _require(isinstance(t.compilation_cache, str) and t.compilation_cache.strip() != "",
+             f"train.compilation_cache must be 'auto', 'off' or a directory, got {t.compilation_cache!r}")
 
     c = cfg.checkpoint
     _require(c.every >= 0, f"checkpoint.every must be >= 0, got {c.every}")

@@ -89,6 +89,8 @@ class Trainer:
         self.is_logger = jax.process_index() == 0
         if not self.is_logger:
             self.log = lambda *_: None  # process 0 speaks for every process
+        self.compilation_cache = compilation.use_persistent_cache(cfg.train.compilation_cache, cfg.output_dir)
+        self._cache_hits_before = compilation.cache_hits()
         self.policy = policy_from_config(cfg.precision, devices[0])
         if self.policy.fp8_format:
             cfg.precision.fp8_format = self.policy.fp8_format  # "auto" resolved, for config.json
@@ -248,8 +250,11 @@ class Trainer:
                     # Time from the end of this call's first step (the Trainer's first includes compilation).
                     jax.block_until_ready(step_metrics)
                     if self._started is not None:
+                        loaded = compilation.cache_hits() - self._cache_hits_before
+                        how = (f"{loaded} compiled program{'s' * (loaded > 1)} loaded from {self.compilation_cache}"
+                               if loaded else "includes compilation")
                         self.log(f"first step done {time.perf_counter() - self._started:.1f}s after the "
-                                 "trainer started (includes compilation)")
+                                 f"trainer started ({how})")
                         self._started = None
                     mark_time, mark_step = time.perf_counter(), self.step_count
                 stopping = preemption.requested(self.step_count)
@@ -340,7 +345,7 @@ class Trainer:
             f"data: {self.data.describe()}",
             f"FLOPs: {self.flops_per_token / 1e9:.3f} GFLOP/token; {metrics_lib.FLOPS_CONVENTION}",
             f"MFU peak: {f'{self.peak_tflops} TFLOP/s/device' if self.peak_tflops else 'unknown for this device (set log.peak_tflops)'}",
-            f"output: {cfg.output_dir}",
+            f"output: {cfg.output_dir}; compilation cache: {self.compilation_cache or 'off'}",
         ])
 
 

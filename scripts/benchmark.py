@@ -17,7 +17,9 @@ reason. Attention is the presets' "auto": cuDNN's fused kernel on CUDA, the bloc
 (and in the seed rows' AOT check for AMD GPUs).
 
 Steps are timed as a block (one device sync at the end), the way a real run pipelines them; the
-first step (compilation) and `--warmup` more are excluded. The last line has the same shape as
+first step (compilation) and `--warmup` more are excluded. Launch is measured cold: the persistent
+compilation cache is off unless an override turns it on (`--config.train.compilation_cache=auto`
+times a restart that finds its programs compiled). The last line has the same shape as
 ../shared/bench/maxtext_cpu.sh's, for side-by-side runs.
 """
 
@@ -257,7 +259,7 @@ def main() -> int:
             checkpoints = [f"--config.checkpoint.every={args.checkpoint_every}", "--config.checkpoint.resume=never",
                            f"--config.output_dir={tempfile.mkdtemp(prefix='benchmark_checkpoints_')}"]
         cfg = mr.load_config(args.config, [f"--config.train.steps={total}", "--config.log.tensorboard=false",
-                                           *overrides, *checkpoints])
+                                           "--config.train.compilation_cache=off", *overrides, *checkpoints])
         trainer = mr.Trainer(cfg, log=lambda *_: None)
     except mr.UserError as error:
         print(f"error: {error}", file=sys.stderr)
