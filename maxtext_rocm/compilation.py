@@ -70,7 +70,7 @@ def use_persistent_cache(setting: str, output_dir: str) -> str | None:
     by any later process that compiles the same program for the same devices with the same
     options: a run restarted after preemption, or resumed in its output_dir, skips compiling its
     step and init programs (the reference comparison's MoE model on 2 CPU cores: launch to first
-    step 11 s cold, 4.5 s from the cache). JAX writes only programs that took >= 1 s to compile
+    step 12.6 s cold, 5.3 s from the cache). JAX writes only programs that took >= 1 s to compile
     (jax_persistent_cache_min_compile_time_secs) and, on GPUs, also keeps XLA's autotuning
     results there. The setting is process-wide, as JAX's is: the newest Trainer's applies."""
     from jax.experimental.compilation_cache import compilation_cache
