@@ -4,13 +4,15 @@ machine: the same model dimensions, precision, remat and layer scan, run in alte
 (A B A B ...) so both see the same machine load, plus this CPU's own matmul rate measured in the
 same run.
 
-    python scripts/compare_reference.py [--rounds 2] [--rows dense] [--out runs/compare]
+    python scripts/compare_reference.py [--rounds 2] [--rows dense] [--out runs/compare] [--warm]
 
 Per row and round: tokens/s (the reference: median step after 3 warm-up steps; ours: a block of
 steps timed end to end after 2 warm-up steps), launch-to-first-step (both from the moment this
 script starts the process to the end of the first training step), peak resident memory (the
 process's maxrss), and the FLOP rate that tokens/s means (FLOPs/token of FLOPS_CONVENTION,
-identical for both since the model is) as a fraction of the matmul rate. Writes
+identical for both since the model is) as a fraction of the matmul rate. Both launch cold (no
+persistent compilation cache). `--warm` also times a restart: each round's cold runs write a
+fresh compilation cache (JAX's, which both trainers use), and one more launch per side reads it. Writes
 OUT/compare.json and OUT/compare.md; the ratios are per round, the summary takes the median.
 """
 
@@ -83,8 +85,9 @@ def _run(cmd: list[str], env: dict | None = None) -> tuple[float, int, str, floa
     return start, proc.returncode, output, usage.ru_maxrss / 1024
 
 
-def run_reference(script: str, env: dict, steps: int) -> dict:
+def run_reference(script: str, env: dict, steps: int, cache: str = "") -> dict:
     start, rc, output, _ = _run(["bash", script], {"PYENV_VERSION": "3.12.1", "STEPS": str(steps),
+                                                       "JAX_CACHE_DIR": cache,
                                                        **{k: str(v) for k, v in {**DIMS, **env}.items()}})
     line = next((l for l in output.splitlines() if "steps_parsed=" in l), None)
     if rc or line is None:
@@ -96,12 +99,13 @@ def run_reference(script: str, env: dict, steps: int) -> dict:
             "peak_rss_mib": float(fields["peak_rss_MiB"])}
 
 
-def run_ours(preset: str, overrides: list[str], steps: int) -> dict:
+def run_ours(preset: str, overrides: list[str], steps: int, cache: str = "") -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "ours.json")
         start, rc, output, rss = _run([sys.executable, os.path.join(REPO, "scripts", "benchmark.py"),
                                        f"configs/{preset}.py", f"--steps={steps}", "--warmup=2", f"--json={out}",
-                                       f"--config.output_dir={tmp}/run", *OURS_DIMS, *overrides])
+                                       f"--config.output_dir={tmp}/run", *OURS_DIMS, *overrides,
+                                       f"--config.train.compilation_cache={cache or 'off'}"])
         if rc or not os.path.exists(out):
             return {"error": output.strip().splitlines()[-1] if output.strip() else f"exit {rc}"}
         with open(out) as f:
@@ -129,6 +133,8 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=15, help="our timed steps (after the first and 2 warm-up)")
     parser.add_argument("--out", default="runs/compare")
     parser.add_argument("--reference", default=REFERENCE, help="the reference's run script")
+    parser.add_argument("--warm", action="store_true",
+                        help="also time each side's launch from a compilation cache its cold run filled")
     args = parser.parse_args()
     if not os.path.exists(args.reference):
         print(f"error: the reference script {args.reference} does not exist; give its path with --reference",
@@ -141,8 +147,15 @@ def main() -> int:
     for name, ref_env, preset, overrides in rows:
         rounds = []
         for i in range(args.rounds):
-            ref = run_reference(args.reference, ref_env, args.ref_steps)
-            ours = run_ours(preset, overrides, args.steps)
+            with tempfile.TemporaryDirectory() as caches:
+                cache = {side: os.path.join(caches, side) if args.warm else "" for side in ("reference", "ours")}
+                ref = run_reference(args.reference, ref_env, args.ref_steps, cache["reference"])
+                ours = run_ours(preset, overrides, args.steps, cache["ours"])
+                if args.warm:
+                    ref["warm_launch_to_first_step_s"] = run_reference(
+                        args.reference, ref_env, args.ref_steps, cache["reference"]).get("launch_to_first_step_s")
+                    ours["warm_launch_to_first_step_s"] = run_ours(
+                        preset, overrides, args.steps, cache["ours"]).get("launch_to_first_step_s")
             rounds.append({"reference": ref, "ours": ours})
             print(f"{name} round {i + 1}: reference {ref}\n    ours {ours}", flush=True)
         rates.append(matmul_rate())
@@ -150,11 +163,14 @@ def main() -> int:
                         "rounds": rounds})
     rate = {k: max(r[k] for r in rates) for k in rates[0]}
 
+    warm = " warm launch ref s | warm launch ours s | ours/ref |" if args.warm else ""
     lines = [f"Matmul rate of this CPU (best of {len(rates)} probes, fp32 accumulate): "
              f"fp32 {rate['fp32'] / 1e9:.0f} GFLOP/s, bf16 {rate['bf16'] / 1e9:.0f} GFLOP/s", "",
              "| row | tokens/s ref | tokens/s ours | ours/ref | launch ref s | launch ours s | ours/ref | "
-             "peak RSS ref MiB | peak RSS ours MiB | ours/ref | matmul-rate fraction ref / ours |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             f"peak RSS ref MiB | peak RSS ours MiB | ours/ref | matmul-rate fraction ref / ours |{warm}",
+             "|---" * (11 + 3 * args.warm) + "|"]
+    metrics = ("tokens_per_s", "launch_to_first_step_s", "peak_rss_mib") + (
+        ("warm_launch_to_first_step_s",) if args.warm else ())
     for row in results:
         ok = [r for r in row["rounds"] if "error" not in r["reference"] and "error" not in r["ours"]]
         if not ok:
@@ -162,9 +178,9 @@ def main() -> int:
             continue
         peak = rate["fp32" if "fp32" in row["row"] else "bf16"]
         flops = ok[0]["ours"]["flops_per_token"]
-        med = {side: {k: _median([r[side][k] for r in ok]) for k in
-                      ("tokens_per_s", "launch_to_first_step_s", "peak_rss_mib")} for side in ("reference", "ours")}
-        ratio = {k: _median([r["ours"][k] / r["reference"][k] for r in ok]) for k in med["ours"]}
+        med = {side: {k: _median([r[side].get(k) for r in ok]) for k in metrics} for side in ("reference", "ours")}
+        ratio = {k: _median([r["ours"][k] / r["reference"][k] for r in ok if r["ours"].get(k) and r["reference"].get(k)])
+                 for k in metrics}
         row["summary"] = {"median": med, "median_ratio_ours_over_reference": ratio,
                           "matmul_fraction": {s: med[s]["tokens_per_s"] * flops / peak for s in med}}
         frac = row["summary"]["matmul_fraction"]
@@ -173,9 +189,14 @@ def main() -> int:
             f"{ratio['tokens_per_s']:.2f}x | {med['reference']['launch_to_first_step_s']:.1f} | "
             f"{med['ours']['launch_to_first_step_s']:.1f} | {ratio['launch_to_first_step_s']:.2f} | "
             f"{med['reference']['peak_rss_mib']:,.0f} | {med['ours']['peak_rss_mib']:,.0f} | "
-            f"{ratio['peak_rss_mib']:.2f} | {100 * frac['reference']:.1f}% / {100 * frac['ours']:.1f}% |")
+            f"{ratio['peak_rss_mib']:.2f} | {100 * frac['reference']:.1f}% / {100 * frac['ours']:.1f}% |"
+            + (" " + " | ".join(f"{v:.{d}f}" if v is not None else "failed" for v, d in (
+                (med["reference"]["warm_launch_to_first_step_s"], 1), (med["ours"]["warm_launch_to_first_step_s"], 1),
+                (ratio["warm_launch_to_first_step_s"], 2))) + " |" if args.warm else ""))
     lines += ["", f"{args.rounds} rounds per row, alternating reference and ours; medians over rounds, "
-              "ratios taken per round. FLOPs/token as maxtext_rocm reports it (no recomputation counted)."]
+              "ratios taken per round. FLOPs/token as maxtext_rocm reports it (no recomputation counted)."
+              + (" Warm launch: the same launch from the compilation cache the round's cold run wrote."
+                 if args.warm else "")]
     table = "\n".join(lines) + "\n"
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "compare.json"), "w") as f:
