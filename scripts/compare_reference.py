@@ -12,8 +12,9 @@ script starts the process to the end of the first training step), peak resident 
 process's maxrss), and the FLOP rate that tokens/s means (FLOPs/token of FLOPS_CONVENTION,
 identical for both since the model is) as a fraction of the matmul rate. Both launch cold (no
 persistent compilation cache). `--warm` also times a restart: each round's cold runs write a
-fresh compilation cache (JAX's, which both trainers use), and one more launch per side reads it. Writes
-OUT/compare.json and OUT/compare.md; the ratios are per round, the summary takes the median.
+fresh compilation cache (JAX's, which both trainers use), and one more launch per side reads
+it. Writes OUT/compare.json and OUT/compare.md; the ratios are per round, the summary takes the
+median.
 """
 
 from __future__ import annotations
@@ -184,15 +185,18 @@ def main() -> int:
         row["summary"] = {"median": med, "median_ratio_ours_over_reference": ratio,
                           "matmul_fraction": {s: med[s]["tokens_per_s"] * flops / peak for s in med}}
         frac = row["summary"]["matmul_fraction"]
+        warm_cells = ""
+        if args.warm:
+            key = "warm_launch_to_first_step_s"
+            cells = [(med["reference"][key], 1), (med["ours"][key], 1), (ratio[key], 2)]
+            warm_cells = " " + " | ".join("failed" if v is None else f"{v:.{digits}f}" for v, digits in cells) + " |"
         lines.append(
             f"| {row['row']} | {med['reference']['tokens_per_s']:,.0f} | {med['ours']['tokens_per_s']:,.0f} | "
             f"{ratio['tokens_per_s']:.2f}x | {med['reference']['launch_to_first_step_s']:.1f} | "
             f"{med['ours']['launch_to_first_step_s']:.1f} | {ratio['launch_to_first_step_s']:.2f} | "
             f"{med['reference']['peak_rss_mib']:,.0f} | {med['ours']['peak_rss_mib']:,.0f} | "
             f"{ratio['peak_rss_mib']:.2f} | {100 * frac['reference']:.1f}% / {100 * frac['ours']:.1f}% |"
-            + (" " + " | ".join(f"{v:.{d}f}" if v is not None else "failed" for v, d in (
-                (med["reference"]["warm_launch_to_first_step_s"], 1), (med["ours"]["warm_launch_to_first_step_s"], 1),
-                (ratio["warm_launch_to_first_step_s"], 2))) + " |" if args.warm else ""))
+            + warm_cells)
     lines += ["", f"{args.rounds} rounds per row, alternating reference and ours; medians over rounds, "
               "ratios taken per round. FLOPs/token as maxtext_rocm reports it (no recomputation counted)."
               + (" Warm launch: the same launch from the compilation cache the round's cold run wrote."
