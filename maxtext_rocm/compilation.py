@@ -15,6 +15,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import jax
 
+from maxtext_rocm.config import UserError
+
 
 def in_thread(fn, *args, **kwargs) -> Future:
     """fn(*args, **kwargs) in a new thread (XLA compiles without holding the GIL)."""
@@ -80,8 +82,6 @@ def use_persistent_cache(setting: str, output_dir: str) -> str | None:
         try:
             os.makedirs(path, exist_ok=True)
         except OSError as error:
-            from maxtext_rocm.config import UserError
-
             raise UserError(f"cannot create the compilation cache directory {path} ({error.strerror}); set "
                             "train.compilation_cache to a writable directory, or 'off'") from None
     if jax.config.jax_compilation_cache_dir != path:
