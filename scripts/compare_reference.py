@@ -106,7 +106,8 @@ def run_ours(preset: str, overrides: list[str], steps: int, cache: str = "") -> 
         start, rc, output, rss = _run([sys.executable, os.path.join(REPO, "scripts", "benchmark.py"),
                                        f"configs/{preset}.py", f"--steps={steps}", "--warmup=2", f"--json={out}",
                                        f"--config.output_dir={tmp}/run", *OURS_DIMS, *overrides,
-                                       f"--config.train.compilation_cache={cache or 'off'}"])
+                                       # benchmark.py launches cold unless given a cache
+                                       *([f"--config.train.compilation_cache={cache}"] if cache else [])])
         if rc or not os.path.exists(out):
             return {"error": output.strip().splitlines()[-1] if output.strip() else f"exit {rc}"}
         with open(out) as f:
