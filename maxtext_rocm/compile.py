@@ -162,9 +162,8 @@ def analyse(cfg, kind: str, n_devices: int, usable: float = 0.92, compile_it: bo
     from maxtext_rocm import config as config_lib
     from maxtext_rocm import metrics, sharding
     from maxtext_rocm.models import build_model
-    from maxtext_rocm.optim import build_optimizer
     from maxtext_rocm.precision import policy_from_config
-    from maxtext_rocm.train import abstract_state, jit_train_step
+    from maxtext_rocm.train import abstract_state, jit_train_step, optimizer_hyperparameters
 
     if cfg.precision.policy == "fp8" and cfg.precision.fp8_format == "auto":
         cfg.precision.fp8_format = "fnuz" if kind in FNUZ_TARGETS else "ocp"
@@ -179,8 +178,7 @@ def analyse(cfg, kind: str, n_devices: int, usable: float = 0.92, compile_it: bo
     if cpu_model_cfg.attention == "cudnn":  # same parameters; the CPU cannot trace cuDNN's attention
         cpu_model_cfg.attention = "xla"
     model = build_model(cpu_model_cfg, policy)
-    tx, schedule = build_optimizer(cfg.optimizer, cfg.train.steps)
-    _, _, abstract, state_sharding = abstract_state(cfg, model, tx, mesh)
+    _, _, abstract, state_sharding = abstract_state(cfg, model, mesh)
     batch_sharding = sharding.batch_sharding(mesh)
 
     state_bytes = {
@@ -224,10 +222,10 @@ def analyse(cfg, kind: str, n_devices: int, usable: float = 0.92, compile_it: bo
         report["xla_note"] = f"XLA (CPU) compiled model.attention='xla' in place of {cfg.model.attention!r}"
     batch = {name: jax.ShapeDtypeStruct((global_batch, cfg.train.seq_len), dtype, sharding=batch_sharding)
              for name, dtype in (("inputs", jnp.int32), ("targets", jnp.int32), ("weights", jnp.float32))}
-    step = jit_train_step(cfg, model, tx, schedule, mesh, state_sharding, batch_sharding)
+    step = jit_train_step(cfg, model, mesh, state_sharding, batch_sharding)
     started = time.perf_counter()
     with jax.set_mesh(mesh), nn.logical_axis_rules(sharding.LOGICAL_RULES):
-        lowered = step.lower(abstract, batch)
+        lowered = step.lower(abstract, batch, optimizer_hyperparameters(cfg, mesh, abstract=True))
         compiled = lowered.compile()
     report["compile_s"] = time.perf_counter() - started
     mem = compiled.memory_analysis()

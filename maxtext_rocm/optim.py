@@ -4,23 +4,48 @@ Weight decay applies to kernels and embeddings, never to norm scales. The train 
 gradients' global norm, which it computes anyway for its metrics and its inf/NaN check, as
 `tx.update(..., grad_norm=...)`: the clipping reads it instead of reducing over every gradient a
 second time (XLA cannot share the two reductions, since the update runs inside a `lax.cond`).
+
+The optimizer's numbers (learning rate and schedule, betas, eps, weight decay, clipping norm) reach
+the train step as an argument, `hyperparameters(...)`, not as constants compiled into it. So a run
+resumed with more `train.steps`, or a sweep over learning rates, runs the step that the first run
+compiled (from the persistent compilation cache) instead of compiling its own. Only whether
+clipping is on is fixed at compile time: it changes the optimizer state's layout, hence checkpoints.
 """
 
 from __future__ import annotations
 
+from typing import Mapping
+
 import jax
+import jax.numpy as jnp
+import numpy as np
 import optax
 
+HYPERPARAMETERS = ("lr", "warmup_steps", "decay_steps", "min_lr_ratio", "b1", "b2", "eps", "weight_decay",
+                   "clip_norm")
 
-def learning_rate_schedule(opt_cfg, total_steps: int) -> optax.Schedule:
+
+def hyperparameters(opt_cfg, total_steps: int) -> dict[str, np.ndarray]:
+    """The train step's optimizer argument: each number as an fp32 scalar. Warmup is cut to the
+    run's length; the cosine decays over the steps after it, and a constant schedule is a cosine
+    whose floor is the learning rate itself."""
     warmup = min(opt_cfg.warmup_steps, total_steps)
-    warmup_fn = optax.linear_schedule(0.0, opt_cfg.lr, max(warmup, 1))
-    if opt_cfg.schedule == "constant":
-        after = optax.constant_schedule(opt_cfg.lr)
-    else:
-        after = optax.cosine_decay_schedule(
-            opt_cfg.lr, max(total_steps - warmup, 1), alpha=opt_cfg.min_lr_ratio)
-    return optax.join_schedules([warmup_fn, after], [warmup])
+    values = dict(lr=opt_cfg.lr, warmup_steps=warmup, decay_steps=max(total_steps - warmup, 1),
+                  min_lr_ratio=1.0 if opt_cfg.schedule == "constant" else opt_cfg.min_lr_ratio,
+                  b1=opt_cfg.b1, b2=opt_cfg.b2, eps=opt_cfg.eps, weight_decay=opt_cfg.weight_decay,
+                  clip_norm=opt_cfg.clip_norm)
+    return {name: np.float32(values[name]) for name in HYPERPARAMETERS}
+
+
+def learning_rate(step, hp: Mapping) -> jax.Array:
+    """The learning rate of optimizer step `step`: linear from 0 to `lr` over `warmup_steps`, then
+    a cosine from `lr` down to `lr * min_lr_ratio` over `decay_steps`, flat after that."""
+    step = jnp.asarray(step, jnp.float32)
+    warmup, decay_steps, floor = hp["warmup_steps"], hp["decay_steps"], hp["min_lr_ratio"]
+    rising = hp["lr"] * step / jnp.maximum(warmup, 1.0)
+    progress = jnp.clip(step - warmup, 0.0, decay_steps) / decay_steps
+    falling = hp["lr"] * ((1.0 - floor) * 0.5 * (1.0 + jnp.cos(jnp.pi * progress)) + floor)
+    return jnp.where(step < warmup, rising, falling)
 
 
 def decay_mask(params):
@@ -32,7 +57,7 @@ def decay_mask(params):
     return jax.tree_util.tree_map_with_path(decays, params)
 
 
-def clip_by_given_global_norm(max_norm: float) -> optax.GradientTransformationExtraArgs:
+def clip_by_given_global_norm(max_norm) -> optax.GradientTransformationExtraArgs:
     """`optax.clip_by_global_norm` (the same empty state, so checkpoints are unchanged) with the
     norm given as the `grad_norm` extra argument rather than recomputed. Scaling is one multiply
     by max_norm / norm where optax divides each value: a divide is costly enough that XLA gave it
@@ -48,11 +73,12 @@ def clip_by_given_global_norm(max_norm: float) -> optax.GradientTransformationEx
     return optax.GradientTransformationExtraArgs(optax.init_empty_state, update)
 
 
-def build_optimizer(opt_cfg, total_steps: int) -> tuple[optax.GradientTransformationExtraArgs, optax.Schedule]:
-    """(tx, schedule); tx.update takes the gradients' global norm as `grad_norm=`."""
-    schedule = learning_rate_schedule(opt_cfg, total_steps)
-    adamw = optax.adamw(schedule, b1=opt_cfg.b1, b2=opt_cfg.b2, eps=opt_cfg.eps,
-                        weight_decay=opt_cfg.weight_decay, mask=decay_mask)
-    if opt_cfg.clip_norm > 0:
-        return optax.chain(clip_by_given_global_norm(opt_cfg.clip_norm), adamw), schedule
-    return optax.with_extra_args_support(adamw), schedule
+def build_optimizer(hp: Mapping, clip: bool) -> optax.GradientTransformationExtraArgs:
+    """AdamW reading its numbers from `hp` (`hyperparameters(...)`, or inside the train step the
+    traced arrays they became), after clipping to `hp["clip_norm"]` when `clip`. tx.update takes
+    the gradients' global norm as `grad_norm=`. The state's layout depends on `clip` alone."""
+    adamw = optax.adamw(lambda count: learning_rate(count, hp), b1=hp["b1"], b2=hp["b2"], eps=hp["eps"],
+                        weight_decay=hp["weight_decay"], mask=decay_mask)
+    if clip:
+        return optax.chain(clip_by_given_global_norm(hp["clip_norm"]), adamw)
+    return optax.with_extra_args_support(adamw)

@@ -20,6 +20,7 @@ from maxtext_rocm import cross_entropy, fp8
 from maxtext_rocm.fp8 import FP8_COLLECTION
 from maxtext_rocm.models import moe
 from maxtext_rocm.models.llama import lm_head_weight
+from maxtext_rocm.optim import build_optimizer, learning_rate
 
 Array = jax.Array
 Batch = dict[str, Array]
@@ -137,8 +138,12 @@ def gradients(params, model: nn.Module, batch: Batch, grad_accum: int, z_loss_we
     return scaled(grads, 1.0 / token_count(sums)), fp8_update, loss_metrics(sums)
 
 
-def train_step(state: TrainState, batch: Batch, *, model: nn.Module,
-               tx: optax.GradientTransformation, schedule: optax.Schedule, train_cfg):
+def train_step(state: TrainState, batch: Batch, hyperparameters: dict[str, Array], *, model: nn.Module,
+               clip: bool, train_cfg):
+    """One optimizer step. `hyperparameters` (optim.hyperparameters) are arrays, not constants of
+    the compiled program, so runs that differ only in them share it; `clip`: whether the optimizer
+    clips (its state's layout depends on it)."""
+    tx = build_optimizer(hyperparameters, clip)
     summed, fp8_update, sums = summed_gradients(state.params, model, batch, train_cfg.grad_accum,
                                                 train_cfg.z_loss_weight, state.fp8)
     metrics = loss_metrics(sums)
@@ -171,7 +176,8 @@ def train_step(state: TrainState, batch: Batch, *, model: nn.Module,
         step=state.step + (apply.astype(jnp.int32) if halting else 1),
         params=params, opt_state=opt_state, fp8=fp8_state,
         nonfinite_steps=state.nonfinite_steps + (~finite).astype(jnp.int32))
-    metrics.update(grad_norm=grad_norm, lr=schedule(state.step), nonfinite_steps=new_state.nonfinite_steps)
+    metrics.update(grad_norm=grad_norm, lr=learning_rate(state.step, hyperparameters),
+                   nonfinite_steps=new_state.nonfinite_steps)
     return new_state, metrics
 
 

@@ -24,11 +24,11 @@ from maxtext_rocm import config as config_lib
 from maxtext_rocm import fp8
 from maxtext_rocm import distributed
 from maxtext_rocm import metrics as metrics_lib
+from maxtext_rocm import optim
 from maxtext_rocm import sharding
 from maxtext_rocm.data import batch_spec, build_source
 from maxtext_rocm.models import build_model
 from maxtext_rocm.models.attention import resolve_implementation as resolve_attention
-from maxtext_rocm.optim import build_optimizer
 from maxtext_rocm.precision import policy_from_config
 from maxtext_rocm.preemption import PreemptionGuard
 from maxtext_rocm.profiling import Profiler
@@ -42,9 +42,12 @@ class TrainingDiverged(RuntimeError):
     """The loss or gradients became inf/NaN under train.on_nonfinite='stop'."""
 
 
-def abstract_state(cfg, model, tx, mesh):
+def abstract_state(cfg, model, mesh):
     """(init fn, its key, the state as ShapeDtypeStructs carrying their shardings, the shardings):
     the state's layout without allocating it (the Trainer and the AOT fit check share it)."""
+    # The optimizer state's layout depends on whether it clips, not on the numbers (optim.py).
+    tx = optim.build_optimizer(optim.hyperparameters(cfg.optimizer, cfg.train.steps),
+                               clip=cfg.optimizer.clip_norm > 0)
     create = functools.partial(create_state, model=model, tx=tx, batch_shape=(1, min(cfg.train.seq_len, 8)))
     key = jax.random.key(cfg.train.seed)
     # Flax traces the model's init once, here; `init` replays the recorded program (re-tracing the
@@ -61,15 +64,27 @@ def abstract_state(cfg, model, tx, mesh):
     return init, key, abstract, state_sharding
 
 
-def jit_train_step(cfg, model, tx, schedule, mesh, state_sharding, batch_sharding):
-    """The jitted train step, state donated (maxtext_rocm/compile.py lowers this same function)."""
+def jit_train_step(cfg, model, mesh, state_sharding, batch_sharding):
+    """The jitted train step, state donated (maxtext_rocm/compile.py lowers this same function).
+    Called as step(state, batch, hyperparameters): see `optimizer_hyperparameters`."""
     return jax.jit(
-        functools.partial(train_step, model=model, tx=tx, schedule=schedule,
+        functools.partial(train_step, model=model, clip=cfg.optimizer.clip_norm > 0,
                           train_cfg=ml_collections.FrozenConfigDict(cfg.train)),
-        in_shardings=(state_sharding, batch_sharding),
+        in_shardings=(state_sharding, batch_sharding, sharding.replicated(mesh)),
         out_shardings=(state_sharding, sharding.replicated(mesh)),
         donate_argnums=0,
         compiler_options=compilation.step_compiler_options(cfg.precision.policy, mesh.devices.flat[0].platform))
+
+
+def optimizer_hyperparameters(cfg, mesh, abstract: bool = False) -> dict:
+    """The train step's third argument, optim.hyperparameters of the run: fp32 scalars replicated
+    over the mesh, made once (every process holds the same values); `abstract`: their shapes only."""
+    replicated = sharding.replicated(mesh)
+    values = optim.hyperparameters(cfg.optimizer, cfg.train.steps)
+    if abstract:
+        return {name: jax.ShapeDtypeStruct((), np.float32, sharding=replicated) for name in values}
+    return {name: jax.make_array_from_callback((), replicated, lambda _, v=value: v)
+            for name, value in values.items()}
 
 
 class Trainer:
@@ -97,7 +112,7 @@ class Trainer:
         cfg.model.attention = resolve_attention(cfg.model.attention, devices[0], self.policy.compute_dtype,
                                                 cfg.train.seq_len)
         self.model = build_model(cfg.model, self.policy)
-        self.tx, self.schedule = build_optimizer(cfg.optimizer, cfg.train.steps)
+        self.hyperparameters = optimizer_hyperparameters(cfg, self.mesh)
         self.global_batch = config_lib.global_batch_size(cfg, self.n_devices)
 
         self.checkpointer = None
@@ -105,11 +120,10 @@ class Trainer:
             from maxtext_rocm.checkpoint import Checkpointer
 
             self.checkpointer = Checkpointer(cfg.checkpoint, cfg.output_dir)
-        init, key, abstract, self.state_sharding = abstract_state(cfg, self.model, self.tx, self.mesh)
+        init, key, abstract, self.state_sharding = abstract_state(cfg, self.model, self.mesh)
         self.batch_sharding = sharding.batch_sharding(self.mesh)
         self._batch_dtypes = batch_spec(cfg.data)
-        self._train_step = jit_train_step(cfg, self.model, self.tx, self.schedule, self.mesh,
-                                          self.state_sharding, self.batch_sharding)
+        self._train_step = jit_train_step(cfg, self.model, self.mesh, self.state_sharding, self.batch_sharding)
         # The state is made (or restored) in a thread while this one traces and lowers the step:
         # XLA compiles and runs the init program without holding the GIL, and tracing is Python.
         made = compilation.in_thread(self._init_state, init, key, abstract)
@@ -167,7 +181,8 @@ class Trainer:
         batch = {k: jax.ShapeDtypeStruct(shape, dtype, sharding=self.batch_sharding)
                  for k, dtype in self._batch_dtypes.items()}
         with self.context():
-            return self._train_step.lower(abstract, batch)
+            return self._train_step.lower(abstract, batch,
+                                          optimizer_hyperparameters(self.cfg, self.mesh, abstract=True))
 
     def _init_state(self, init, key, abstract):
         """(state, its step, the data position saved with it or None): resumed from a checkpoint,
@@ -230,7 +245,7 @@ class Trainer:
         """One optimizer step. Returns the step's metrics as device arrays (no host sync)."""
         self.profiler.before_step(self.step_count)
         batch = self.device_batch(self.step_count)
-        self.state, step_metrics = self.compiled_step(self.state, batch)
+        self.state, step_metrics = self.compiled_step(self.state, batch, self.hyperparameters)
         self.step_count += 1
         self.profiler.after_step(self.step_count, step_metrics)
         return step_metrics

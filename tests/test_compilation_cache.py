@@ -63,6 +63,36 @@ def test_restarted_run_loads_its_step_from_the_cache_and_trains_identically(tmp_
         np.testing.assert_array_equal(got, want)
 
 
+def test_a_run_resumed_with_more_steps_and_another_rate_reuses_the_compiled_step(
+        tmp_path, devices, restore_jax_cache_settings):
+    """The optimizer's numbers are an argument of the step, not part of the program: extending a
+    run (more train.steps, so another cosine) with another learning rate loads the step the first
+    run compiled, and trains under the new schedule."""
+    cache = tmp_path / "xla_cache"
+
+    def config(**overrides):
+        return small_config(**{"output_dir": str(tmp_path / "run"), "train.compilation_cache": str(cache),
+                               "checkpoint.async_save": False, **overrides})
+
+    def compiled_steps():
+        return {name for name in os.listdir(cache) if name.startswith("jit_train_step") and "atime" not in name}
+
+    first = Trainer(config(), devices=devices[:1], log=lambda *_: None)
+    first.run(2)
+    first.save_checkpoint()
+    first.checkpointer.wait()
+    written = compiled_steps()
+    assert len(written) == 1, written
+    hits = compilation.cache_hits()
+    extended = config(**{"train.steps": 40, "optimizer.lr": 1e-3, "optimizer.warmup_steps": 4})
+    resumed = Trainer(extended, devices=devices[:1], log=lambda *_: None)
+    assert resumed.step_count == 2
+    assert compilation.cache_hits() > hits and compiled_steps() == written, "the resumed run compiled its step"
+    # Step 2 of the new 4-step warmup to 1e-3 (the first run's schedule gives another rate there).
+    assert float(first.step()["lr"]) != pytest.approx(0.5e-3)
+    np.testing.assert_allclose(float(resumed.step()["lr"]), 0.5e-3, rtol=1e-6)
+
+
 def test_off_compiles_without_a_cache(tmp_path, devices, restore_jax_cache_settings):
     cfg = small_config(**{"output_dir": str(tmp_path / "run"), "train.compilation_cache": "off"})
     trainer = Trainer(cfg, devices=devices[:1], log=lambda *_: None)

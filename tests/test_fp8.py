@@ -220,7 +220,7 @@ def test_train_step_hlo_has_the_fp8_types(fmt, types_, devices, tmp_path):
     trainer = Trainer(fp8_config(tmp_path, **{"precision.fp8_format": fmt}), devices=devices[:1],
                       log=lambda *_: None)
     with trainer.context():
-        hlo = trainer._train_step.lower(trainer.state, trainer.device_batch(0)).as_text()
+        hlo = trainer._train_step.lower(trainer.state, trainer.device_batch(0), trainer.hyperparameters).as_text()
     for name in types_:
         assert name.lower() in hlo.lower(), name
     if fmt == "fnuz":

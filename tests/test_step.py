@@ -9,7 +9,7 @@ import optax
 import pytest
 
 from maxtext_rocm import config as config_lib
-from maxtext_rocm.optim import build_optimizer, decay_mask
+from maxtext_rocm.optim import build_optimizer, decay_mask, hyperparameters, learning_rate
 from maxtext_rocm.train import Trainer
 
 from conftest import small_config
@@ -68,37 +68,63 @@ def test_weight_decay_skips_norm_scales(devices, tmp_path):
     assert mask["embed"]["embedding"] is True
 
 
+def optax_schedule(opt, total_steps):
+    """The schedule as optax composes it, the reference for optim.learning_rate."""
+    warmup = min(opt.warmup_steps, total_steps)
+    after = (optax.constant_schedule(opt.lr) if opt.schedule == "constant" else
+             optax.cosine_decay_schedule(opt.lr, max(total_steps - warmup, 1), alpha=opt.min_lr_ratio))
+    return optax.join_schedules([optax.linear_schedule(0.0, opt.lr, max(warmup, 1)), after], [warmup])
+
+
 def test_schedule_warms_up_then_decays_to_floor():
     opt = config_lib.defaults().optimizer
     opt.update(lr=1e-3, warmup_steps=10, min_lr_ratio=0.1)
-    _, schedule = build_optimizer(opt, total_steps=110)
-    assert float(schedule(0)) == 0.0
-    np.testing.assert_allclose(float(schedule(5)), 5e-4, rtol=1e-6)
-    np.testing.assert_allclose(float(schedule(10)), 1e-3, rtol=1e-6)
-    np.testing.assert_allclose(float(schedule(60)), 1e-3 * (0.1 + 0.9 * 0.5), rtol=1e-5)
-    np.testing.assert_allclose(float(schedule(110)), 1e-4, rtol=1e-5)
+    hp = hyperparameters(opt, total_steps=110)
+    assert float(learning_rate(0, hp)) == 0.0
+    np.testing.assert_allclose(float(learning_rate(5, hp)), 5e-4, rtol=1e-6)
+    np.testing.assert_allclose(float(learning_rate(10, hp)), 1e-3, rtol=1e-6)
+    np.testing.assert_allclose(float(learning_rate(60, hp)), 1e-3 * (0.1 + 0.9 * 0.5), rtol=1e-5)
+    np.testing.assert_allclose(float(learning_rate(110, hp)), 1e-4, rtol=1e-5)
     opt.schedule = "constant"
-    _, constant = build_optimizer(opt, total_steps=110)
-    assert float(constant(100)) == pytest.approx(1e-3)
+    assert float(learning_rate(100, hyperparameters(opt, total_steps=110))) == pytest.approx(1e-3)
+
+
+@pytest.mark.parametrize("schedule, warmup, total", [
+    ("cosine", 10, 110), ("cosine", 0, 50), ("cosine", 30, 20), ("cosine", 1, 2), ("constant", 7, 40),
+    ("constant", 0, 5)])
+def test_learning_rate_equals_optax_schedules(schedule, warmup, total):
+    """Every step's rate, and past the end, as optax's own warmup + cosine/constant schedules give it."""
+    opt = config_lib.defaults().optimizer
+    opt.update(lr=3e-4, warmup_steps=warmup, schedule=schedule, min_lr_ratio=0.05)
+    steps = np.arange(total + 5)
+    got = jax.jit(learning_rate)(steps, hyperparameters(opt, total))
+    want = [float(optax_schedule(opt, total)(s)) for s in steps]
+    np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-12)
 
 
 @pytest.mark.parametrize("clip_norm", [0.0, 0.5, 100.0])
 def test_optimizer_with_the_given_norm_equals_optax_clipping(clip_norm):
-    """The update that reads the step's grad_norm equals optax's own clip_by_global_norm + AdamW,
+    """The update, with its numbers traced arrays as in the train step and reading the step's
+    grad_norm, equals optax's own clip_by_global_norm + AdamW built from the config's numbers,
     and keeps the same state layout (checkpoints written before the change still restore)."""
     opt = config_lib.defaults().optimizer
     opt.update(clip_norm=clip_norm, weight_decay=0.1)
-    tx, schedule = build_optimizer(opt, total_steps=100)
-    adamw = optax.adamw(schedule, b1=opt.b1, b2=opt.b2, eps=opt.eps, weight_decay=opt.weight_decay,
-                        mask=decay_mask)
+    hp = hyperparameters(opt, total_steps=100)
+    adamw = optax.adamw(optax_schedule(opt, 100), b1=opt.b1, b2=opt.b2, eps=opt.eps,
+                        weight_decay=opt.weight_decay, mask=decay_mask)
     reference = optax.chain(optax.clip_by_global_norm(clip_norm), adamw) if clip_norm else adamw
     keys = jax.random.split(jax.random.key(5), 4)
     params = {"w": {"kernel": jax.random.normal(keys[0], (8, 4))}, "norm": {"scale": jnp.ones((4,))}}
     grads = {"w": {"kernel": jax.random.normal(keys[1], (8, 4))}, "norm": {"scale": jax.random.normal(keys[2], (4,))}}
-    state, want_state = tx.init(params), reference.init(params)
+
+    @jax.jit
+    def update(grads, state, params, hp):
+        return build_optimizer(hp, clip=clip_norm > 0).update(grads, state, params, grad_norm=optax.tree.norm(grads))
+
+    state, want_state = build_optimizer(hp, clip=clip_norm > 0).init(params), reference.init(params)
     assert jax.tree_util.tree_structure(state) == jax.tree_util.tree_structure(want_state)
     for _ in range(3):  # past the first step, so the schedule's learning rate is not zero
-        updates, state = tx.update(grads, state, params, grad_norm=optax.tree.norm(grads))
+        updates, state = update(grads, state, params, hp)
         want, want_state = reference.update(grads, want_state, params)
         for got, expected in zip(jax.tree_util.tree_leaves(updates), jax.tree_util.tree_leaves(want)):
             np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-9)
