@@ -173,7 +173,7 @@ def analyse(cfg, kind: str, n_devices: int, usable: float = 0.92, compile_it: bo
     config_lib.validate(cfg, n_devices, 1)
     mesh = sharding.make_mesh(cfg.mesh, devices)
     sizes = config_lib.axis_sizes(config_lib.mesh_shape(cfg.mesh, n_devices, 1))
-    policy = policy_from_config(cfg.precision, devices[0])
+    policy = policy_from_config(cfg.precision, devices[0], platform="gpu")  # every target is a GPU
     cpu_model_cfg = copy.deepcopy(cfg.model)
     if cpu_model_cfg.attention == "cudnn":  # same parameters; the CPU cannot trace cuDNN's attention
         cpu_model_cfg.attention = "xla"

@@ -65,10 +65,12 @@ def is_cuda_gpu(device) -> bool:
 
 
 def dot_product_attention(q: Array, k: Array, v: Array, *, segment_ids: Array | None = None,
-                          implementation: str = "xla", sliding_window: int | None = None) -> Array:
+                          implementation: str = "xla", sliding_window: int | None = None,
+                          dot_general=jax.lax.dot_general) -> Array:
     """Causal attention. q: [batch, seq, heads, head_dim]; k, v: [batch, seq, kv_heads, head_dim].
 
-    Each group of heads/kv_heads query heads shares one key/value head.
+    Each group of heads/kv_heads query heads shares one key/value head. `dot_general`: the
+    precision policy's, for the "xla" implementation's two matmuls.
     """
     implementation = resolve_implementation(implementation, dtype=q.dtype, seq_len=q.shape[1])
     if implementation == "blockwise":
@@ -79,10 +81,10 @@ def dot_product_attention(q: Array, k: Array, v: Array, *, segment_ids: Array | 
             q, k, v, mask=None if segment_ids is None else mask,
             is_causal=segment_ids is None, implementation="cudnn",
             local_window_size=(sliding_window - 1, 0) if sliding_window else None)
-    return masked_attention(q, k, v, mask)
+    return masked_attention(q, k, v, mask, dot_general)
 
 
-def masked_attention(q: Array, k: Array, v: Array, mask: Array) -> Array:
+def masked_attention(q: Array, k: Array, v: Array, mask: Array, dot_general=jax.lax.dot_general) -> Array:
     """The "xla" attention under any mask [batch or 1, 1, q_len, kv_len] (True = attend).
 
     q: [batch, q_len, heads, head_dim]; k, v: [batch, kv_len, kv_heads, head_dim].
@@ -91,12 +93,13 @@ def masked_attention(q: Array, k: Array, v: Array, mask: Array) -> Array:
     kv_heads = k.shape[2]
     groups = heads // kv_heads
     q = q.reshape(batch, seq, kv_heads, groups, head_dim)
-    scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32)
-    scores = scores * (head_dim ** -0.5)
+    # [b, q, k, g, d] x [b, s, k, d] -> [b, k, q, g, s]: batch and kv head are batch axes.
+    scores = dot_general(q, k, (((4,), (3,)), ((0, 2), (0, 2))), preferred_element_type=jnp.float32)
+    scores = jnp.transpose(scores, (0, 1, 3, 2, 4)) * (head_dim ** -0.5)  # [b, k, g, q, s]
     scores = jnp.where(mask[:, :, None], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v)
-    return out.reshape(batch, seq, heads, head_dim)
+    out = dot_general(probs, v, (((4,), (1,)), ((0, 1), (0, 2))))  # [b, k, g, q, d]
+    return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(batch, seq, heads, head_dim)
 
 
 def position_mask(q_positions: Array, k_positions: Array, sliding_window: int | None = None) -> Array:
@@ -138,7 +141,7 @@ class Attention(nn.Module):
             if self.decode:  # `init` sizes the cache [batch, max_len, kv_heads, head_dim]
                 self.cache_variables(k, positions)
             out = dot_product_attention(q, k, v, segment_ids=segment_ids, implementation=m.attention,
-                                        sliding_window=m.sliding_window)
+                                        sliding_window=m.sliding_window, dot_general=self.policy.dot_general)
         out = nn.with_logical_constraint(out, ("activation_batch", "activation_length", "activation_heads", None))
         return Dense((m.n_heads, hd), (d,), ("heads", "head_dim", "embed"), self.policy, name="o")(out)
 
@@ -161,4 +164,4 @@ class Attention(nn.Module):
         pos.value = jax.lax.dynamic_update_slice(pos.value, positions.astype(jnp.int32), (0, start))
         index.value = start + k.shape[1]
         mask = position_mask(positions, pos.value, self.cfg.sliding_window)
-        return masked_attention(q, key.value, value.value, mask)
+        return masked_attention(q, key.value, value.value, mask, self.policy.dot_general)

@@ -43,7 +43,7 @@ class Dense(nn.Module):
             "kernel", nn.with_logical_partitioning(init, self.kernel_axes),
             self.in_shape + self.out_shape, self.policy.param_dtype)
         x, kernel = x.astype(self.policy.compute_dtype), kernel.astype(self.policy.compute_dtype)
-        dot = self.policy.dot_general_cls(name="dot") if self.policy.dot_general_cls else jax.lax.dot_general
+        dot = self.policy.dot_general_cls(name="dot") if self.policy.dot_general_cls else self.policy.dot_general
         contract = (tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in)))
         return dot(x, kernel, (contract, ((), ())))
 

@@ -14,16 +14,20 @@ from maxtext_rocm.models.attention import CACHE, Attention
 from maxtext_rocm.models.layers import Dense, Embed, RMSNorm
 from maxtext_rocm.models.moe import AUX_LOSSES
 from maxtext_rocm.fp8 import FP8_COLLECTION
-from maxtext_rocm.precision import Policy, without_fp8
+from maxtext_rocm.precision import DOT_WITH_BATCH_AXES, DOT_WITHOUT_BATCH_AXES, Policy, without_fp8
 
 Array = jax.Array
 
-# model.remat -> what the backward pass may keep from the forward pass of a block.
+# model.remat -> what the backward pass may keep from the forward pass of a block. The CPU's bf16
+# matmuls are custom-VJP calls (precision.f32_accumulating_dot_general), kept by their names.
+_policies = jax.checkpoint_policies
 REMAT_POLICIES = {
-    "full": jax.checkpoint_policies.nothing_saveable,  # keep only the block's input
+    "full": _policies.nothing_saveable,  # keep only the block's input
     # keep projection outputs (dots without batch dimensions), recompute attention scores
-    "minimal": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-    "save_dots": jax.checkpoint_policies.dots_saveable,  # keep every matmul output
+    "minimal": _policies.save_from_both_policies(
+        _policies.dots_with_no_batch_dims_saveable, _policies.save_only_these_names(DOT_WITHOUT_BATCH_AXES)),
+    "save_dots": _policies.save_from_both_policies(  # keep every matmul output
+        _policies.dots_saveable, _policies.save_only_these_names(DOT_WITHOUT_BATCH_AXES, DOT_WITH_BATCH_AXES)),
 }
 
 BLOCK_OUTPUT_AXES = ("activation_batch", "activation_length", "activation_embed")

@@ -114,7 +114,7 @@ def _swiglu(gate: Array, up: Array) -> Array:
 
 
 def _dots(dots: Mapping | None) -> dict:
-    """The dot_general of each expert weight: the policy's (fp8 keeps a scale per weight) or XLA's."""
+    """The dot_general of each expert weight: the given ones (the policy's) or XLA's."""
     return {name: (dots or {}).get(name, jax.lax.dot_general) for name in ("gate", "up", "down")}
 
 
@@ -198,6 +198,12 @@ def _row_block(a: Array, i: Array, block: int) -> Array:
     return jax.lax.dynamic_slice_in_dim(a, i * block, block)
 
 
+def _dot_f32(a: Array, b: Array) -> Array:
+    """a @ b accumulated and returned in fp32. The blocked loop runs on the CPU only, whose bf16
+    dots are fast only with an fp32 result (see precision.f32_accumulating_dot_general)."""
+    return jnp.dot(a, b, preferred_element_type=jnp.float32)
+
+
 def _add_at(acc: Array, e: Array, delta: Array) -> Array:
     """acc[e] += delta, written as an in-place update of the loop's accumulator."""
     current = jax.lax.dynamic_index_in_dim(acc, e, keepdims=False)
@@ -217,8 +223,8 @@ def blocked_swiglu(padded: Array, block_expert: Array, n_used: Array, gate: Arra
 
     def body(i, out):
         e, rows = block_expert[i], _row_block(padded, i, block)
-        y = _swiglu(rows @ gate[e], rows @ up[e]) @ down[e]
-        return jax.lax.dynamic_update_slice_in_dim(out, y, i * block, 0)
+        hidden = _swiglu(_dot_f32(rows, gate[e]), _dot_f32(rows, up[e])).astype(rows.dtype)
+        return jax.lax.dynamic_update_slice_in_dim(out, _dot_f32(hidden, down[e]).astype(out.dtype), i * block, 0)
 
     return jax.lax.fori_loop(0, n_used, body, jnp.zeros_like(padded))
 
@@ -235,16 +241,16 @@ def _blocked_swiglu_bwd(block, residuals, d_out):
     def body(i, carry):
         d_rows, d_gate, d_up, d_down = carry
         e, rows, dy = block_expert[i], _row_block(padded, i, block), _row_block(d_out, i, block)
-        g, u = (rows @ gate[e]).astype(f32), (rows @ up[e]).astype(f32)  # recomputed, not stored
+        g, u = _dot_f32(rows, gate[e]), _dot_f32(rows, up[e])  # recomputed, not stored
         silu_g = nn.silu(g)
-        d_down = _add_at(d_down, e, jnp.dot((silu_g * u).astype(dy.dtype).T, dy, preferred_element_type=f32))
-        dh = jnp.dot(dy, down[e].T, preferred_element_type=f32)
+        d_down = _add_at(d_down, e, _dot_f32((silu_g * u).astype(dy.dtype).T, dy))
+        dh = _dot_f32(dy, down[e].T)
         sigmoid_g = jax.nn.sigmoid(g)
         dg = (dh * u * sigmoid_g * (1 + g * (1 - sigmoid_g))).astype(rows.dtype)  # silu'(g)
         du = (dh * silu_g).astype(rows.dtype)
-        d_gate = _add_at(d_gate, e, jnp.dot(rows.T, dg, preferred_element_type=f32))
-        d_up = _add_at(d_up, e, jnp.dot(rows.T, du, preferred_element_type=f32))
-        dx = (dg @ gate[e].T + du @ up[e].T).astype(d_rows.dtype)
+        d_gate = _add_at(d_gate, e, _dot_f32(rows.T, dg))
+        d_up = _add_at(d_up, e, _dot_f32(rows.T, du))
+        dx = (_dot_f32(dg, gate[e].T) + _dot_f32(du, up[e].T)).astype(d_rows.dtype)
         return jax.lax.dynamic_update_slice_in_dim(d_rows, dx, i * block, 0), d_gate, d_up, d_down
 
     zeros = (jnp.zeros_like(padded), *(jnp.zeros(w.shape, f32) for w in (gate, up, down)))
@@ -377,7 +383,7 @@ class MoE(nn.Module):
             return dropless_experts(x, weights, experts, gate, up, down, block)
         # The policy's dot (fp8 under the fp8 policy) for each expert weight, one scale per weight.
         dots = ({name: self.policy.dot_general_cls(name=f"{name}_dot") for name in ("gate", "up", "down")}
-                if self.policy.dot_general_cls else None)
+                if self.policy.dot_general_cls else dict.fromkeys(("gate", "up", "down"), self.policy.dot_general))
         if implementation == "dense":
             return dense_experts(x, weights, experts, gate, up, down, dots)
         capacity = expert_capacity(x.shape[1], n_experts, m.experts_per_token, m.moe_capacity_factor)
