@@ -82,7 +82,7 @@ class Embed(nn.Module):
 
     def attend(self, x: Array) -> Array:
         table = self.embedding.astype(self.policy.compute_dtype)
-        return jnp.einsum("bsd,vd->bsv", x.astype(self.policy.compute_dtype), table)
+        return self.policy.dot_general(x.astype(self.policy.compute_dtype), table, (((2,), (1,)), ((), ())))
 
 
 # ----------------------------------------------------------------------------------------------
