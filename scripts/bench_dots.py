@@ -6,23 +6,22 @@ result, rounded to bf16), the dot the bf16 policy uses on the CPU.
     python scripts/bench_dots.py [--repeats 20]
 
 Shapes are [tokens, in] x [in, out] as in a dense layer of the reference comparison's model
-(1,024 tokens, d_model 256, mlp 1,024) and one MoE block (128 rows). All variants of a shape are
-timed in one process, interleaved, and the ratios are what to read: the machine is shared.
+(1,024 tokens, d_model 256, mlp 1,024) and one MoE block (128 rows). All variants are timed in
+one process, one after another; read the ratios within a row: the machine is shared.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+from gpu_check import timed  # noqa: E402  (this directory)
 from maxtext_rocm.precision import f32_accumulating_dot_general  # noqa: E402
 
 SHAPES = [(1024, 256, 1024), (1024, 1024, 256), (1024, 256, 256), (128, 256, 1024)]
@@ -42,16 +41,6 @@ def _programs(dot):
     return forward, gradient
 
 
-def _seconds(fn, args, repeats: int) -> float:
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=20, help="timed calls per variant and shape")
@@ -66,8 +55,8 @@ def main() -> int:
             a, b = jnp.ones((m, k), dtype), jnp.ones((k, n), dtype)
             forward, gradient = _programs(dot)
             # forward: one product; with gradient: the product and its two transposes
-            rates = (flops / _seconds(forward, (a, b), args.repeats),
-                     3 * flops / _seconds(gradient, (a, b), args.repeats))
+            rates = (flops / timed(forward, a, b, repeats=args.repeats),
+                     3 * flops / timed(gradient, a, b, repeats=args.repeats))
             cells.append(" / ".join(f"{r / 1e9:,.0f}" for r in rates))
         print(f"| [{m}, {k}] x [{k}, {n}] | " + " | ".join(cells) + " |")
     print("GFLOP/s, medians of --repeats calls")
