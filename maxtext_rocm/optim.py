@@ -73,6 +73,11 @@ def clip_by_given_global_norm(max_norm) -> optax.GradientTransformationExtraArgs
     return optax.GradientTransformationExtraArgs(optax.init_empty_state, update)
 
 
+def clips(opt_cfg) -> bool:
+    """Whether the optimizer clips: the one setting compiled into the step and its state's layout."""
+    return opt_cfg.clip_norm > 0
+
+
 def build_optimizer(hp: Mapping, clip: bool) -> optax.GradientTransformationExtraArgs:
     """AdamW reading its numbers from `hp` (`hyperparameters(...)`, or inside the train step the
     traced arrays they became), after clipping to `hp["clip_norm"]` when `clip`. tx.update takes

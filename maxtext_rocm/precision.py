@@ -72,7 +72,7 @@ def _subscripts(lhs_ndim: int, rhs_ndim: int, dimension_numbers) -> tuple[str, s
     return "".join(lhs), "".join(rhs), "".join([lhs[i] for i in lhs_batch] + lhs_free + rhs_free)
 
 
-def _dot_f32(lhs_subscripts: str, rhs_subscripts: str, out_subscripts: str, lhs: Array, rhs: Array) -> Array:
+def _einsum_f32(lhs_subscripts: str, rhs_subscripts: str, out_subscripts: str, lhs: Array, rhs: Array) -> Array:
     return jnp.einsum(f"{lhs_subscripts},{rhs_subscripts}->{out_subscripts}", lhs, rhs,
                       preferred_element_type=jnp.float32)
 
@@ -105,7 +105,7 @@ def f32_accumulating_dot_general(lhs: Array, rhs: Array, dimension_numbers, prec
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
 def _f32_accumulating_dot(lhs: Array, rhs: Array, dimension_numbers, preferred_element_type) -> Array:
-    out = _dot_f32(*_subscripts(lhs.ndim, rhs.ndim, dimension_numbers), lhs, rhs)
+    out = _einsum_f32(*_subscripts(lhs.ndim, rhs.ndim, dimension_numbers), lhs, rhs)
     return out.astype(preferred_element_type or jnp.result_type(lhs, rhs))
 
 
@@ -118,8 +118,8 @@ def _f32_accumulating_backward(dimension_numbers, preferred_element_type, residu
     lhs, rhs = residuals
     lhs_subscripts, rhs_subscripts, out_subscripts = _subscripts(lhs.ndim, rhs.ndim, dimension_numbers)
     d_out = d_out.astype(lhs.dtype)
-    d_lhs = _dot_f32(out_subscripts, rhs_subscripts, lhs_subscripts, d_out, rhs).astype(lhs.dtype)
-    d_rhs = _dot_f32(lhs_subscripts, out_subscripts, rhs_subscripts, lhs, d_out).astype(rhs.dtype)
+    d_lhs = _einsum_f32(out_subscripts, rhs_subscripts, lhs_subscripts, d_out, rhs).astype(lhs.dtype)
+    d_rhs = _einsum_f32(lhs_subscripts, out_subscripts, rhs_subscripts, lhs, d_out).astype(rhs.dtype)
     return d_lhs, d_rhs
 
 

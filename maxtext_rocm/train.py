@@ -46,8 +46,7 @@ def abstract_state(cfg, model, mesh):
     """(init fn, its key, the state as ShapeDtypeStructs carrying their shardings, the shardings):
     the state's layout without allocating it (the Trainer and the AOT fit check share it)."""
     # The optimizer state's layout depends on whether it clips, not on the numbers (optim.py).
-    tx = optim.build_optimizer(optim.hyperparameters(cfg.optimizer, cfg.train.steps),
-                               clip=cfg.optimizer.clip_norm > 0)
+    tx = optim.build_optimizer(optim.hyperparameters(cfg.optimizer, cfg.train.steps), optim.clips(cfg.optimizer))
     create = functools.partial(create_state, model=model, tx=tx, batch_shape=(1, min(cfg.train.seq_len, 8)))
     key = jax.random.key(cfg.train.seed)
     # Flax traces the model's init once, here; `init` replays the recorded program (re-tracing the
@@ -68,7 +67,7 @@ def jit_train_step(cfg, model, mesh, state_sharding, batch_sharding):
     """The jitted train step, state donated (maxtext_rocm/compile.py lowers this same function).
     Called as step(state, batch, hyperparameters): see `optimizer_hyperparameters`."""
     return jax.jit(
-        functools.partial(train_step, model=model, clip=cfg.optimizer.clip_norm > 0,
+        functools.partial(train_step, model=model, clip=optim.clips(cfg.optimizer),
                           train_cfg=ml_collections.FrozenConfigDict(cfg.train)),
         in_shardings=(state_sharding, batch_sharding, sharding.replicated(mesh)),
         out_shardings=(state_sharding, sharding.replicated(mesh)),
