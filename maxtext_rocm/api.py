@@ -58,7 +58,8 @@ def init_params(cfg, seed: int = 0):
     init = jax.jit(lambda k: nn.meta.unbox(model.init(k, jnp.zeros((1, 8), jnp.int32))["params"]),
                    out_shardings=shardings)
     n_values = sum(x.size for x in jax.tree_util.tree_leaves(nn.meta.unbox(boxed)))
-    return compilation.run_init(init, jax.random.key(seed), n_values)
+    key = jax.random.key(seed)
+    return compilation.run_init(compilation.lower_init(init, key), key, n_values)
 
 
 def run_config(path) -> ml_collections.ConfigDict:

@@ -143,11 +143,16 @@ def unrolled_threefry_on_cpu():
         cpu_rules[primitive] = previous
 
 
-def run_init(init_jit, key, n_param_values: int):
-    """Lowers, compiles and runs an init program (the Trainer's state, `api.init_params`'s
-    parameters) the one way both use: Threefry unrolled on the CPU, XLA options by size."""
+def lower_init(init_jit, key) -> jax.stages.Lowered:
+    """An init program (the Trainer's state, `api.init_params`'s parameters) lowered the one way
+    both use: Threefry unrolled on the CPU. Lowering is Python (it holds the GIL); `run_init`'s
+    compilation and run are not."""
     with unrolled_threefry_on_cpu():
-        lowered = init_jit.lower(key)
+        return init_jit.lower(key)
+
+
+def run_init(lowered: jax.stages.Lowered, key, n_param_values: int):
+    """Compiles a `lower_init` program with the XLA options for its size and runs it."""
     return lowered.compile(compiler_options=init_compiler_options(n_param_values))(key)
 
 
