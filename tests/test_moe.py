@@ -101,6 +101,40 @@ def test_dropless_block_size():
     assert moe.dropless_block(8192, 8, "gpu") == 0  # ragged_dot, a grouped GEMM
 
 
+def test_take_rows_gradient_is_a_gather_equal_to_the_scatter_add():
+    """take_rows' gradient (a gather through `sources`) against JAX's transpose of the same
+    gather (a scatter-add): a row taken twice sums both cotangents, a row taken nowhere gets
+    zero, an out-of-range index gives a zero row; bf16 included (the pair's sum rounds once)."""
+    index = jnp.array([2, 0, 2, 5, 4])  # row 2 twice, rows 1 and 3 nowhere, 5 is out of range
+    sources = jnp.array([[1, 5], [5, 5], [0, 2], [5, 5], [4, 5]])  # 5: no second place
+    for dtype in (jnp.float32, jnp.bfloat16):
+        x = jax.random.normal(jax.random.key(0), (5, 3), dtype)
+        readout = jax.random.normal(jax.random.key(1), (5, 3), dtype)
+        taken, grad = jax.value_and_grad(lambda x: jnp.sum(moe.take_rows(x, index, sources) * readout)
+                                         .astype(jnp.float32))(x)
+        expected = jnp.take(x, index, axis=0, mode="fill", fill_value=0)
+        expected_grad = jax.grad(lambda x: jnp.sum(jnp.take(x, index, axis=0, mode="fill", fill_value=0)
+                                                   * readout).astype(jnp.float32))(x)
+        np.testing.assert_array_equal(moe.take_rows(x, index, sources), expected)
+        np.testing.assert_array_equal(grad, expected_grad)
+        np.testing.assert_array_equal(grad[1], 0.0)
+        assert "scatter" not in str(jax.make_jaxpr(jax.grad(
+            lambda x: jnp.sum(moe.take_rows(x, index, sources)).astype(jnp.float32)))(x))
+
+
+@pytest.mark.parametrize("block", [0, 8])
+def test_dropless_gradient_has_no_scatter(block):
+    """Every move of rows in the dropless layer's gradient is a gather: no scatter-add, whose
+    accumulation order GPUs do not fix (atomics)."""
+    keys = jax.random.split(jax.random.key(4), 5)
+    x = jax.random.normal(keys[0], (2, 16, 8))
+    _, weights, experts = moe.route(jax.random.normal(keys[1], (2, 16, 4)), 2)
+    w = [jax.random.normal(k, s) for k, s in zip(keys[2:], ((4, 8, 12), (4, 8, 12), (4, 12, 8)))]
+    jaxpr = jax.make_jaxpr(jax.grad(lambda x, *w: jnp.sum(moe.dropless_experts(x, weights, experts, *w, block=block)),
+                                    argnums=(0, 1, 2, 3)))(x, *w)
+    assert "scatter" not in str(jaxpr)
+
+
 def test_small_capacity_drops_exactly_the_later_choices():
     # One sequence of 6 tokens, 3 experts, top-2, with this routing (first choice, second choice):
     experts = jnp.array([[[0, 1], [0, 2], [1, 0], [0, 1], [2, 1], [1, 2]]])

@@ -143,13 +143,17 @@ def dropless_experts(x: Array, weights: Array, experts: Array, gate: Array, up: 
     """Each (token, choice) pair through its expert, rows sorted by expert. `block=0`: grouped
     GEMMs (`jax.lax.ragged_dot`). `block>0` (the CPU, where ragged_dot becomes a masked dense dot
     over every expert): each expert's rows padded to whole blocks of `block` rows, and a loop over
-    the blocks in use runs each through its expert (`blocked_swiglu`); exact all the same."""
+    the blocks in use runs each through its expert (`blocked_swiglu`); exact all the same.
+
+    Every move of rows between layouts is a gather, forward and backward (`take_rows`)."""
     batch, seq, d = x.shape
     k, n_experts = experts.shape[-1], gate.shape[0]
     flat = experts.reshape(-1)  # [T*k], token-major
-    order = jnp.argsort(flat, stable=True)  # rows grouped by expert
-    group_sizes = jnp.bincount(flat, length=n_experts).astype(jnp.int32)
-    rows = x.reshape(-1, d)[order // k]  # [T*k, d]
+    order = jnp.argsort(flat, stable=True)  # sorted row -> its (token, choice) pair
+    position = jnp.argsort(order)  # (token, choice) pair -> its sorted row
+    # Compare-and-sum rather than bincount, whose scatter-add is the one scatter left otherwise.
+    group_sizes = jnp.sum(flat[:, None] == jnp.arange(n_experts), axis=0, dtype=jnp.int32)
+    rows = take_rows(x.reshape(-1, d), order // k, position.reshape(-1, k))  # [T*k, d]
     if block:
         grouped = _blocked_groups(group_sizes, flat[order], block)
         out = grouped.unpad(blocked_swiglu(grouped.pad(rows), grouped.block_expert, grouped.n_used,
@@ -157,8 +161,36 @@ def dropless_experts(x: Array, weights: Array, experts: Array, gate: Array, up: 
     else:
         hidden = _swiglu(jax.lax.ragged_dot(rows, gate, group_sizes), jax.lax.ragged_dot(rows, up, group_sizes))
         out = jax.lax.ragged_dot(hidden, down, group_sizes)
-    out = jnp.zeros_like(out).at[order].set(out)  # back to token-major order
+    out = take_rows(out, position, order[:, None])  # back to token-major order
     return jnp.einsum("bskd,bsk->bsd", out.reshape(batch, seq, k, d), weights.astype(x.dtype))
+
+
+@jax.custom_vjp
+def take_rows(x: Array, index: Array, sources: Array) -> Array:
+    """x[index] over rows (an index out of range gives a row of zeros) where the inverse is known:
+    `sources[r]` lists the rows of the result that row r of x went to, out of range for none.
+    The gradient is then the same kind of gather the other way round, each row's cotangents
+    summed in fp32. JAX's own transpose of a gather is a scatter-add, whose accumulation order a
+    GPU leaves to atomics: not reproducible from run to run."""
+    return jnp.take(x, index, axis=0, mode="fill", fill_value=0)
+
+
+def _take_rows_fwd(x, index, sources):
+    return take_rows(x, index, sources), (index, sources)
+
+
+def _take_rows_bwd(residuals, d_out):
+    index, sources = residuals
+    d_x = jnp.take(d_out, sources.reshape(-1), axis=0, mode="fill", fill_value=0)
+    d_x = d_x.reshape(*sources.shape, *d_out.shape[1:])
+    if sources.shape[1] > 1:
+        d_x = jnp.sum(d_x, axis=1, dtype=jnp.float32).astype(d_out.dtype)
+    else:
+        d_x = d_x[:, 0]
+    return d_x, None, None
+
+
+take_rows.defvjp(_take_rows_fwd, _take_rows_bwd)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,15 +198,15 @@ class _BlockedGroups:
     """Expert-sorted rows laid out so that each `block` rows belong to one expert."""
 
     dest: Array  # [rows]: each sorted row's place in the padded layout
+    source: Array  # [n_padded]: the sorted row at each place, out of range (n rows) for padding
     block_expert: Array  # [padded rows / block]: the expert of each block
     n_used: Array  # how many leading blocks hold rows (the rest is the static bound's slack)
-    n_padded: int
 
     def pad(self, rows: Array) -> Array:
-        return jnp.zeros((self.n_padded, rows.shape[-1]), rows.dtype).at[self.dest].set(rows)
+        return take_rows(rows, self.source, self.dest[:, None])
 
     def unpad(self, padded: Array) -> Array:
-        return padded[self.dest]
+        return take_rows(padded, self.dest, self.source[:, None])
 
 
 def _blocked_groups(group_sizes: Array, row_expert: Array, block: int) -> _BlockedGroups:
@@ -183,15 +215,20 @@ def _blocked_groups(group_sizes: Array, row_expert: Array, block: int) -> _Block
     n_experts, n_rows = group_sizes.shape[0], row_expert.shape[0]
     padded_sizes = (group_sizes + block - 1) // block * block
     padded_ends = jnp.cumsum(padded_sizes)
-    rank = jnp.arange(n_rows) - (jnp.cumsum(group_sizes) - group_sizes)[row_expert]
-    dest = (padded_ends - padded_sizes)[row_expert] + rank
+    padded_starts, starts = padded_ends - padded_sizes, jnp.cumsum(group_sizes) - group_sizes
+    dest = padded_starts[row_expert] + jnp.arange(n_rows) - starts[row_expert]
     n_padded = -(-n_rows // block) * block + n_experts * block  # a static bound on sum(padded_sizes)
-    starts = jnp.arange(0, n_padded, block)
     # A few dozen blocks against a handful of experts: comparing all pairs is one small kernel,
     # where the default binary search is a loop.
-    block_expert = jnp.minimum(jnp.searchsorted(padded_ends, starts, side="right", method="compare_all"),
-                               n_experts - 1)
-    return _BlockedGroups(dest, block_expert, padded_ends[-1] // block, n_padded)
+    block_expert = jnp.minimum(jnp.searchsorted(padded_ends, jnp.arange(0, n_padded, block), side="right",
+                                                method="compare_all"), n_experts - 1)
+    # Each place's row, computed from the layout rather than scattered from `dest`: a place holds
+    # the rank-th row of its block's expert if that expert has that many rows (past the last
+    # expert's blocks the clamped expert has none that far).
+    place_expert = jnp.repeat(block_expert, block)
+    rank = jnp.arange(n_padded) - padded_starts[place_expert]
+    source = jnp.where(rank < group_sizes[place_expert], starts[place_expert] + rank, n_rows)
+    return _BlockedGroups(dest, source, block_expert, padded_ends[-1] // block)
 
 
 def _row_block(a: Array, i: Array, block: int) -> Array:
