@@ -176,11 +176,10 @@ def take_rows(x: Array, index: Array, sources: Array) -> Array:
 
 
 def _take_rows_fwd(x, index, sources):
-    return take_rows(x, index, sources), (index, sources)
+    return take_rows(x, index, sources), sources
 
 
-def _take_rows_bwd(residuals, d_out):
-    index, sources = residuals
+def _take_rows_bwd(sources, d_out):
     d_x = jnp.take(d_out, sources.reshape(-1), axis=0, mode="fill", fill_value=0)
     d_x = d_x.reshape(*sources.shape, *d_out.shape[1:])
     if sources.shape[1] > 1:
