@@ -153,7 +153,7 @@ def run_row(spec: str, run_dir: str, steps: int, warmup: int, overrides: list[st
     row = {k: result[k] for k in (
         "devices", "device_kind", "policy", "global_batch", "seq_len", "step_time_s", "tokens_per_s_per_device",
         "tflops_per_s_per_device", "mfu", "launch_to_first_step_s", "peak_rss_mib", "device_peak_mib",
-        "final_loss", "attention", "library_calls", "xla_flags")}
+        "final_loss", "attention", "library_calls", "xla_flags", "glibc_tunables")}
     row.update(status="ran", per_device_batch_size=result["global_batch"] // result["devices"],
                remat=result.get("remat"))
     return row
@@ -299,6 +299,9 @@ def main() -> int:
         "flops_per_token": trainer.flops_per_token, "peak_rss_mib": metrics_lib.peak_rss_mib(),
         "device_peak_mib": metrics_lib.device_peak_memory_mib(jax.devices()[0]), "final_loss": loss,
         "attention": cfg.model.attention, "xla_flags": os.environ.get("XLA_FLAGS", ""), "library_calls": calls,
+        # The host allocator's settings move CPU step times by up to ~17% (README, "Speed against
+        # the reference"), so a figure carries them.
+        "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""),
     }
     for key, value in result.items():
         print(f"{key:>26}: {value:,.4g}" if isinstance(value, float) else f"{key:>26}: {value}")

@@ -124,4 +124,5 @@ def test_cpu_suite_runs_the_tiny_presets(tmp_path):
     assert [r["row"] for r in rows] == ["tiny_llama", "tiny_mixtral"]
     assert all(r["status"] == "ran" and r["tokens_per_s_per_device"] > 0 for r in rows)
     assert all(r["mfu"] is None for r in rows)  # no peak is known for a CPU
+    assert all(r["glibc_tunables"] == os.environ.get("GLIBC_TUNABLES", "") for r in rows)
     assert "tiny_mixtral" in (tmp_path / "results.md").read_text()
