@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
 import sysconfig
@@ -79,6 +80,7 @@ def main() -> int:
         print(f"{src:9s} step time: median {med[src] * 1e3:.1f} ms over {args.rounds} blocks of {args.steps} "
               f"({', '.join(f'{t * 1e3:.1f}' for t in times[src])})")
     print(f"files / synthetic step time: {ratio:.3f} ({'within' if ratio <= 1.05 else 'OVER'} the 5% limit)")
+    shutil.rmtree(tmp, ignore_errors=True)
     return 0
 
 

@@ -10,12 +10,13 @@ NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 
 
 @pytest.mark.slow  # ~1 min (100 training steps in a kernel); CI budget
-def test_quickstart_runs_top_to_bottom():
+def test_quickstart_runs_top_to_bottom(tmp_path, monkeypatch):
     path = NOTEBOOKS / "quickstart.ipynb"
     notebook = nbformat.read(path, as_version=4)
     code = [cell for cell in notebook.cells if cell.cell_type == "code"]
     assert all(not cell.outputs and cell.execution_count is None for cell in code), \
         f"{path} has outputs; strip them before committing (jupyter nbconvert --clear-output --inplace)"
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # the notebook's run directory (mkdtemp) lands here, not in /tmp
     # A fresh kernel (not this process: XLA flags must be set before its jax starts), cwd notebooks/.
     NotebookClient(notebook, timeout=300, kernel_name="python3",
                    resources={"metadata": {"path": str(NOTEBOOKS)}}).execute()
