@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import sys
 import sysconfig
@@ -46,12 +45,15 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=20, help="steps per timed block")
     parser.add_argument("--rounds", type=int, default=3, help="timed blocks per source")
     args, overrides = parser.parse_known_args()
+    with tempfile.TemporaryDirectory(prefix="bench_data_") as tmp:  # corpus and run directories
+        return measure(args, overrides, tmp)
 
+
+def measure(args, overrides: list[str], tmp: str) -> int:
     import jax
 
     import maxtext_rocm as mr
 
-    tmp = tempfile.mkdtemp(prefix="bench_data_")
     corpus = os.path.join(tmp, "corpus.jsonl")
     docs = write_corpus(corpus)
     total = 2 + args.rounds * args.steps
@@ -80,7 +82,6 @@ def main() -> int:
         print(f"{src:9s} step time: median {med[src] * 1e3:.1f} ms over {args.rounds} blocks of {args.steps} "
               f"({', '.join(f'{t * 1e3:.1f}' for t in times[src])})")
     print(f"files / synthetic step time: {ratio:.3f} ({'within' if ratio <= 1.05 else 'OVER'} the 5% limit)")
-    shutil.rmtree(tmp, ignore_errors=True)
     return 0
 
 

@@ -16,7 +16,7 @@ def test_quickstart_runs_top_to_bottom(tmp_path, monkeypatch):
     code = [cell for cell in notebook.cells if cell.cell_type == "code"]
     assert all(not cell.outputs and cell.execution_count is None for cell in code), \
         f"{path} has outputs; strip them before committing (jupyter nbconvert --clear-output --inplace)"
-    monkeypatch.setenv("TMPDIR", str(tmp_path))  # the notebook's run directory (mkdtemp) lands here, not in /tmp
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # the notebook's mkdtemp run directory: here, not /tmp
     # A fresh kernel (not this process: XLA flags must be set before its jax starts), cwd notebooks/.
     NotebookClient(notebook, timeout=300, kernel_name="python3",
                    resources={"metadata": {"path": str(NOTEBOOKS)}}).execute()
