@@ -162,6 +162,7 @@ def analyse(cfg, kind: str, n_devices: int, usable: float = 0.92, compile_it: bo
     from maxtext_rocm import config as config_lib
     from maxtext_rocm import metrics, sharding
     from maxtext_rocm.models import build_model
+    from maxtext_rocm.parallel import experts
     from maxtext_rocm.precision import policy_from_config
     from maxtext_rocm.train import abstract_state, jit_train_step, optimizer_hyperparameters
 
@@ -177,7 +178,8 @@ def analyse(cfg, kind: str, n_devices: int, usable: float = 0.92, compile_it: bo
     cpu_model_cfg = copy.deepcopy(cfg.model)
     if cpu_model_cfg.attention == "cudnn":  # same parameters; the CPU cannot trace cuDNN's attention
         cpu_model_cfg.attention = "xla"
-    model = build_model(cpu_model_cfg, policy)
+    # The target's program: a GPU's MoE exchange and grouped GEMMs, not the CPU's stand-ins.
+    model = build_model(cpu_model_cfg, policy, expert_exchange=experts.expert_exchange(cfg.model, mesh, "gpu"))
     _, _, abstract, state_sharding = abstract_state(cfg, model, mesh)
     batch_sharding = sharding.batch_sharding(mesh)
 

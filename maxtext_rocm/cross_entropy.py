@@ -19,6 +19,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from maxtext_rocm import varying
+
 Array = jax.Array
 
 
@@ -46,12 +48,22 @@ _D_HIDDEN = {0: "bcv,vd->bcd", 1: "bcv,dv->bcd"}
 _D_WEIGHT = {0: "bcd,bcv->vd", 1: "bcd,bcv->dv"}
 
 
-def _chunk_statistics(h, w, targets, vocab_axis):
-    """fp32 logits of one chunk, their log-partition and the targets' logits."""
+def _chunk_statistics(h, w, targets, vocab_axis, vocab_start, tensor_axes):
+    """fp32 logits of one chunk, their log-partition and the targets' logits. Under
+    `tensor_axes` the head holds this device's slice of the vocabulary, from `vocab_start`: the
+    log-partition and the target logit are then reduced over the slices."""
     logits = jnp.einsum(_LOGITS[vocab_axis], h, w, preferred_element_type=jnp.float32)
-    log_z = jax.nn.logsumexp(logits, axis=-1)
-    target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-    return logits, log_z, target_logit
+    if not tensor_axes:
+        log_z = jax.nn.logsumexp(logits, axis=-1)
+        target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+        return logits, log_z, target_logit
+    # The max only steadies the exponentials; any value common to the slices gives the same result.
+    peak = jax.lax.pmax(jax.lax.stop_gradient(jnp.max(logits, axis=-1)), tensor_axes)
+    log_z = peak + jnp.log(jax.lax.psum(jnp.sum(jnp.exp(logits - peak[..., None]), axis=-1), tensor_axes))
+    local = targets - vocab_start
+    mine = (local >= 0) & (local < logits.shape[-1])
+    target_logit = jnp.take_along_axis(logits, jnp.clip(local, 0, logits.shape[-1] - 1)[..., None], axis=-1)[..., 0]
+    return logits, log_z, jax.lax.psum(jnp.where(mine, target_logit, 0.0), tensor_axes)
 
 
 def _chunked(hidden, targets, weights, chunk):
@@ -63,14 +75,14 @@ def _sums(log_z, target_logit, weights):
     return jnp.sum((log_z - target_logit) * weights), jnp.sum(jnp.square(log_z) * weights)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _fused(hidden, weight, targets, weights, z_loss_weight, chunk, vocab_axis):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _fused(hidden, weight, targets, weights, vocab_start, z_loss_weight, chunk, vocab_axis, tensor_axes):
     """Undifferentiated (evaluation): the chunked forward pass alone."""
     w = weight.astype(hidden.dtype)
 
     def body(carry, xs):
         h, t, wt = xs
-        _, log_z, target_logit = _chunk_statistics(h, w, t, vocab_axis)
+        _, log_z, target_logit = _chunk_statistics(h, w, t, vocab_axis, vocab_start, tensor_axes)
         ce, z = _sums(log_z, target_logit, wt)
         return (carry[0] + ce, carry[1] + z), None
 
@@ -79,42 +91,48 @@ def _fused(hidden, weight, targets, weights, z_loss_weight, chunk, vocab_axis):
     return ce + z_loss_weight * z, (ce, z)
 
 
-def _fused_forward(hidden, weight, targets, weights, z_loss_weight, chunk, vocab_axis):
+def _fused_forward(hidden, weight, targets, weights, vocab_start, z_loss_weight, chunk, vocab_axis, tensor_axes):
     """The forward pass plus the objective's gradients for a cotangent of 1."""
     w = weight.astype(hidden.dtype)
 
     def body(d_weight, xs):
         h, t, wt = xs
-        logits, log_z, target_logit = _chunk_statistics(h, w, t, vocab_axis)
+        logits, log_z, target_logit = _chunk_statistics(h, w, t, vocab_axis, vocab_start, tensor_axes)
         # d/dlogits of sum(wt * (log_z - logit[t])) + z * sum(wt * log_z^2):
         #   wt * (1 + 2 z log_z) * softmax - wt * onehot(t)
         probs = jnp.exp(logits - log_z[..., None])
         d_logits = probs * (wt * (1.0 + 2.0 * z_loss_weight * log_z))[..., None]
-        is_target = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 2) == t[..., None]
+        is_target = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 2) == (t - vocab_start)[..., None]
         d_logits = jnp.where(is_target, d_logits - wt[..., None], d_logits).astype(h.dtype)
         d_h = jnp.einsum(_D_HIDDEN[vocab_axis], d_logits, w, preferred_element_type=jnp.float32)
         d_weight = d_weight + jnp.einsum(_D_WEIGHT[vocab_axis], h, d_logits, preferred_element_type=jnp.float32)
         ce, z = _sums(log_z, target_logit, wt)
         return d_weight, (d_h.astype(h.dtype), ce, z)
 
-    d_weight = jnp.zeros(weight.shape, jnp.float32)
+    # The running sum stays on this device: under a mesh (parallel/loss.py) it is reduced once,
+    # after the last chunk, rather than once per chunk.
+    d_weight = varying.varying_like(jnp.zeros(weight.shape, jnp.float32), hidden, weight)
     d_weight, (d_hidden, ce, z) = jax.lax.scan(body, d_weight, _chunked(hidden, targets, weights, chunk))
     ce, z = jnp.sum(ce), jnp.sum(z)
-    return (ce + z_loss_weight * z, (ce, z)), (_unchunk(d_hidden), d_weight.astype(weight.dtype))
+    d_hidden = _unchunk(d_hidden)
+    if tensor_axes:  # each slice of the vocabulary contributed part of every token's gradient
+        d_hidden = jax.lax.psum(d_hidden, tensor_axes)
+    return (ce + z_loss_weight * z, (ce, z)), (d_hidden, d_weight.astype(weight.dtype))
 
 
-def _fused_backward(z_loss_weight, chunk, vocab_axis, residuals, cotangents):
-    del z_loss_weight, chunk, vocab_axis
+def _fused_backward(z_loss_weight, chunk, vocab_axis, tensor_axes, residuals, cotangents):
+    del z_loss_weight, chunk, vocab_axis, tensor_axes
     d_hidden, d_weight = residuals
     g = cotangents[0]  # the metric sums' cotangents are zero: head_loss stops their gradient
-    return (d_hidden * g.astype(d_hidden.dtype), d_weight * g.astype(d_weight.dtype), None, None)
+    return (d_hidden * g.astype(d_hidden.dtype), d_weight * g.astype(d_weight.dtype), None, None, None)
 
 
 _fused.defvjp(_fused_forward, _fused_backward)
 
 
 def head_loss(hidden: Array, weight: Array, targets: Array, weights: Array, *, vocab_axis: int,
-              z_loss_weight: float = 0.0, chunk: int) -> tuple[Array, dict[str, Array]]:
+              z_loss_weight: float = 0.0, chunk: int, vocab_start: Array | int = 0,
+              tensor_axes: tuple[str, ...] = ()) -> tuple[Array, dict[str, Array]]:
     """(objective, {"ce": ..., "z_loss": ...}) summed over tokens.
 
     hidden: [batch, seq, d_model] after the final norm, in the compute dtype; weight: the LM head,
@@ -122,9 +140,13 @@ def head_loss(hidden: Array, weight: Array, targets: Array, weights: Array, *, v
     targets: int [batch, seq]; weights: [batch, seq] per-token loss weights (0 masks a token).
     objective = sum(weights * ce) + z_loss_weight * sum(weights * log_z^2), the only output with
     a gradient. `chunk` (a divisor of seq, see chunk_length) bounds the logits in memory.
+    Under shard_map (maxtext_rocm/parallel/loss.py), `tensor_axes` name the mesh axes that split
+    the vocabulary and `vocab_start` this device's first entry; the sums are then this device's
+    tokens', and the weight's gradient this device's contribution, reduced by the caller.
     """
     if hidden.shape[1] % chunk:
         raise ValueError(f"chunk {chunk} does not divide the sequence length {hidden.shape[1]}")
     objective, (ce, z) = _fused(hidden, weight, targets, weights.astype(jnp.float32),
-                                float(z_loss_weight), int(chunk), int(vocab_axis))
+                                jnp.asarray(vocab_start, jnp.int32), float(z_loss_weight), int(chunk),
+                                int(vocab_axis), tuple(tensor_axes))
     return objective, {"ce": jax.lax.stop_gradient(ce), "z_loss": jax.lax.stop_gradient(z)}

@@ -29,6 +29,7 @@ from maxtext_rocm import sharding
 from maxtext_rocm.data import batch_spec, build_source
 from maxtext_rocm.models import build_model
 from maxtext_rocm.models.attention import resolve_implementation as resolve_attention
+from maxtext_rocm.parallel import experts
 from maxtext_rocm.precision import policy_from_config
 from maxtext_rocm.preemption import PreemptionGuard
 from maxtext_rocm.profiling import Profiler
@@ -110,7 +111,7 @@ class Trainer:
             cfg.precision.fp8_format = self.policy.fp8_format  # "auto" resolved, for config.json
         cfg.model.attention = resolve_attention(cfg.model.attention, devices[0], self.policy.compute_dtype,
                                                 cfg.train.seq_len)
-        self.model = build_model(cfg.model, self.policy)
+        self.model = build_model(cfg.model, self.policy, expert_exchange=experts.expert_exchange(cfg.model, self.mesh))
         self.hyperparameters = optimizer_hyperparameters(cfg, self.mesh)
         self.global_batch = config_lib.global_batch_size(cfg, self.n_devices)
 

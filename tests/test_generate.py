@@ -56,9 +56,9 @@ def test_cached_decode_matches_full_forward(family, llama):
         cfg, params = llama
         reference_cfg = cfg
     else:
-        # "auto" is "capacity" on the CPU, which drops tokens; generate switches to an exact
-        # implementation by itself, the reference asks for "dense".
-        cfg = mixtral_config(**{"model.moe_impl": "auto"})
+        # "capacity" may drop tokens; generate switches to an exact implementation by itself,
+        # the reference asks for "dense".
+        cfg = mixtral_config(**{"model.moe_impl": "capacity"})
         params = mr.init_params(cfg, seed=2)
         reference_cfg = mixtral_config(**{"model.moe_impl": "dense"})
     assert params["layers"]["attention"]["k"]["kernel"].shape[2] == cfg.model.n_kv_heads  # GQA: 2 kv, 4 q

@@ -222,7 +222,8 @@ def single_device_mixtral(tmp_path_factory):
     ({"expert": 8}, "capacity"),
     ({"expert": 4, "fsdp": 2}, "capacity"),
     ({"expert": 2, "tensor": 2, "fsdp": 2}, "capacity"),
-    ({"expert": 4, "fsdp": 2}, "dropless"),  # the GPU path: ragged_dot on expert-sharded weights
+    ({"expert": 4, "fsdp": 2}, "dropless"),  # rows exchanged between devices (parallel/experts.py)
+    ({"expert": 2, "tensor": 2, "fsdp": 2}, "dropless"),
 ])
 def test_expert_parallel_mesh_matches_single_device(mesh, impl, single_device_mixtral, devices, tmp_path):
     overrides = dict(SINGLE, **{f"mesh.ici.{a}": s for a, s in mesh.items()})
@@ -288,8 +289,8 @@ def test_flops_count_active_parameters():
     assert count_active_params(config_lib.load("tiny_llama")) == count_params(config_lib.load("tiny_llama"))
 
 
-def test_auto_picks_per_backend():
-    assert moe.resolve_implementation("auto", "cpu") == "capacity"
+def test_auto_never_drops_tokens():
+    assert moe.resolve_implementation("auto", "cpu") == "dropless"
     assert moe.resolve_implementation("auto", "gpu") == "dropless"
     assert moe.resolve_implementation("capacity", "gpu") == "capacity"
 

@@ -19,10 +19,12 @@ from maxtext_rocm.precision import Policy, policy_from_config
 BLOCKS = {"llama": LlamaBlock, "mixtral": MixtralBlock}
 
 
-def build_model(model_cfg, policy: Policy, decode: bool = False) -> Decoder:
-    """`decode=True`: the same parameters, with a KV cache for generation (maxtext_rocm/generate.py)."""
+def build_model(model_cfg, policy: Policy, decode: bool = False, expert_exchange=None) -> Decoder:
+    """`decode=True`: the same parameters, with a KV cache for generation (maxtext_rocm/generate.py).
+    `expert_exchange`: how a dropless MoE layer runs across devices, from
+    maxtext_rocm/parallel/experts.py (None: on one device, or a dense model)."""
     frozen = ml_collections.FrozenConfigDict(model_cfg)
-    return Decoder(frozen, policy, block=BLOCKS[frozen.family], decode=decode)
+    return Decoder(frozen, policy, block=BLOCKS[frozen.family], decode=decode, expert_exchange=expert_exchange)
 
 
 @functools.lru_cache(maxsize=8)
@@ -38,8 +40,8 @@ def forward(cfg, params, tokens) -> jax.Array:
     """Logits [batch, seq, vocab] of `tokens` [batch, seq] for `cfg`'s model under its precision
     policy (cfg.precision.policy; "fp32" for reference numbers). No mesh is needed: on one device
     the logical sharding constraints do nothing. `params` as `from_hf` or `restore_params` give them.
-    A mixture of experts runs `model.moe_impl` as training would ("auto" on the CPU is "capacity",
-    which may drop tokens; "dense" and "dropless" are exact)."""
+    A mixture of experts runs `model.moe_impl` as training would ("auto" is the exact "dropless";
+    only an explicit "capacity" drops tokens)."""
     params = nn.meta.unbox(params)
     if set(params) == {"params"}:  # a {"params": ...} variables dict
         params = params["params"]

@@ -6,6 +6,8 @@ knows nothing of the block inside it; Mixtral supplies a block whose MLP is a mi
 
 from __future__ import annotations
 
+from typing import Callable
+
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
@@ -55,6 +57,7 @@ class LlamaBlock(nn.Module):
     cfg: "ml_collections.FrozenConfigDict"  # noqa: F821 - cfg.model
     policy: Policy
     decode: bool = False  # attention keeps a KV cache (generate.py)
+    expert_exchange: Callable | None = None  # a Mixtral block's MoE across devices (models/moe.py)
 
     @nn.compact
     def __call__(self, x: Array, positions: Array, segment_ids: Array | None):
@@ -80,6 +83,7 @@ class Decoder(nn.Module):
     policy: Policy
     block: type[nn.Module] = LlamaBlock
     decode: bool = False  # KV-cache decoding (generate.py): no remat, a "cache" collection per layer
+    expert_exchange: Callable | None = None  # handed to the blocks (models/moe.py); None for dense
 
     @nn.compact
     def __call__(self, tokens: Array, positions: Array | None = None,
@@ -103,10 +107,11 @@ class Decoder(nn.Module):
                 split_rngs={"params": True},
                 in_axes=(nn.broadcast, nn.broadcast), length=m.n_layers,
                 metadata_params={nn.PARTITION_NAME: "layers"})
-            x, _ = stack(m, self.policy, self.decode, name="layers")(x, positions, segment_ids)
+            x, _ = stack(m, self.policy, self.decode, self.expert_exchange, name="layers")(x, positions, segment_ids)
         else:
             for i in range(m.n_layers):
-                x, _ = block(m, self.policy, self.decode, name=f"layers_{i}")(x, positions, segment_ids)
+                x, _ = block(m, self.policy, self.decode, self.expert_exchange, name=f"layers_{i}")(
+                    x, positions, segment_ids)
 
         x = RMSNorm(m.norm_eps, self.policy, name="final_norm")(x)
         if return_hidden:

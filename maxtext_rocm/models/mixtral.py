@@ -16,4 +16,4 @@ class MixtralBlock(LlamaBlock):
     """Pre-norm attention and a sparse mixture of SwiGLU experts, each added to the residual."""
 
     def feed_forward(self) -> nn.Module:
-        return MoE(self.cfg, self.policy, name="moe")
+        return MoE(self.cfg, self.policy, self.expert_exchange, name="moe")

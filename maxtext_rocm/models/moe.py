@@ -13,7 +13,10 @@ chosen experts' SwiGLU outputs. `model.moe_impl` chooses how that sum is compute
   XLA derives the expert-parallel all-to-all from the buffers' shardings.
 - "dense": every expert runs on every token and the unchosen ones get weight zero. Exact and
   simple; E/k times the expert FLOPs. The reference the tests compare the others to.
-- "auto": the fastest for the backend, see `resolve_implementation`.
+- "auto" (the default): "dropless" everywhere, so the default never drops a token.
+
+Under expert parallelism the dropless layer exchanges token rows between devices
+(maxtext_rocm/parallel/experts.py, handed to the layer as `expert_exchange`).
 
 The router's auxiliary losses (load balancing, z-loss) are sown into the `AUX_LOSSES` collection;
 `router_losses` averages them over layers for the objective in step.py. Models stay pure: the
@@ -25,13 +28,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Mapping
+from typing import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
 from maxtext_rocm.models.layers import Dense
+from maxtext_rocm import varying
 from maxtext_rocm.precision import Policy, without_fp8
 
 Array = jax.Array
@@ -138,31 +142,50 @@ def dense_experts(x: Array, weights: Array, experts: Array, gate: Array, up: Arr
     return dot["down"](hidden * combine[..., None], down, (((2, 3), (0, 1)), ((), ())))  # bsef,efd->bsd
 
 
-def dropless_experts(x: Array, weights: Array, experts: Array, gate: Array, up: Array, down: Array,
-                     block: int = 0) -> Array:
-    """Each (token, choice) pair through its expert, rows sorted by expert. `block=0`: grouped
-    GEMMs (`jax.lax.ragged_dot`). `block>0` (the CPU, where ragged_dot becomes a masked dense dot
-    over every expert): each expert's rows padded to whole blocks of `block` rows, and a loop over
-    the blocks in use runs each through its expert (`blocked_swiglu`); exact all the same.
-
-    Every move of rows between layouts is a gather, forward and backward (`take_rows`)."""
+def sort_by_expert(x: Array, experts: Array, n_experts: int):
+    """The (token, choice) rows of `x` [batch, seq, d] sorted by expert (stable, so token order
+    within an expert), with what it takes to undo it: (rows [T*k, d], group sizes [E], each
+    row's expert [T*k], `unsort` mapping rows in this order back to [batch, seq, k, d])."""
     batch, seq, d = x.shape
-    k, n_experts = experts.shape[-1], gate.shape[0]
+    k = experts.shape[-1]
     flat = experts.reshape(-1)  # [T*k], token-major
     order = jnp.argsort(flat, stable=True)  # sorted row -> its (token, choice) pair
     position = jnp.argsort(order)  # (token, choice) pair -> its sorted row
     # Compare-and-sum rather than bincount, whose scatter-add is the one scatter left otherwise.
     group_sizes = jnp.sum(flat[:, None] == jnp.arange(n_experts), axis=0, dtype=jnp.int32)
     rows = take_rows(x.reshape(-1, d), order // k, position.reshape(-1, k))  # [T*k, d]
-    if block:
-        grouped = _blocked_groups(group_sizes, flat[order], block)
-        out = grouped.unpad(blocked_swiglu(grouped.pad(rows), grouped.block_expert, grouped.n_used,
-                                           gate, up, down, block))
-    else:
+
+    def unsort(out: Array) -> Array:
+        return take_rows(out, position, order[:, None]).reshape(batch, seq, k, out.shape[-1])
+
+    return rows, group_sizes, flat[order], unsort
+
+
+def grouped_swiglu(rows: Array, group_sizes: Array, gate: Array, up: Array, down: Array,
+                   block: int = 0, row_expert: Array | None = None) -> Array:
+    """SwiGLU experts over rows grouped by expert (`group_sizes[e]` consecutive rows each, in
+    expert order; rows past their sum are ignored and come out as don't-care values).
+    `block=0`: grouped GEMMs (`jax.lax.ragged_dot`). `block>0` (the CPU, where ragged_dot becomes
+    a masked dense dot over every expert): each expert's rows padded to whole blocks of `block`
+    rows and a loop runs each block through its expert (`blocked_swiglu`); exact all the same.
+    `row_expert`: each row's expert where the caller has it already (the sort does)."""
+    if not block:
         hidden = _swiglu(jax.lax.ragged_dot(rows, gate, group_sizes), jax.lax.ragged_dot(rows, up, group_sizes))
-        out = jax.lax.ragged_dot(hidden, down, group_sizes)
-    out = take_rows(out, position, order[:, None])  # back to token-major order
-    return jnp.einsum("bskd,bsk->bsd", out.reshape(batch, seq, k, d), weights.astype(x.dtype))
+        return jax.lax.ragged_dot(hidden, down, group_sizes)
+    grouped = _blocked_groups(group_sizes, rows.shape[0], block, row_expert)
+    return grouped.unpad(blocked_swiglu(grouped.pad(rows), grouped.block_expert, grouped.n_used,
+                                        gate, up, down, block))
+
+
+def dropless_experts(x: Array, weights: Array, experts: Array, gate: Array, up: Array, down: Array,
+                     block: int = 0) -> Array:
+    """Each (token, choice) pair through its expert, rows sorted by expert, then `grouped_swiglu`.
+    Every move of rows between layouts is a gather, forward and backward (`take_rows`). This is
+    the whole layer on one device; under expert parallelism maxtext_rocm/parallel/experts.py runs
+    the same pieces with the rows exchanged between devices in between."""
+    rows, group_sizes, row_expert, unsort = sort_by_expert(x, experts, gate.shape[0])
+    out = unsort(grouped_swiglu(rows, group_sizes, gate, up, down, block, row_expert))
+    return jnp.einsum("bskd,bsk->bsd", out, weights.astype(x.dtype))
 
 
 @jax.custom_vjp
@@ -208,15 +231,19 @@ class _BlockedGroups:
         return take_rows(padded, self.dest, self.source[:, None])
 
 
-def _blocked_groups(group_sizes: Array, row_expert: Array, block: int) -> _BlockedGroups:
-    """The padded layout of expert-sorted rows (`row_expert`: each one's expert) with these group
-    sizes: at most block - 1 rows of padding per expert."""
-    n_experts, n_rows = group_sizes.shape[0], row_expert.shape[0]
+def _blocked_groups(group_sizes: Array, n_rows: int, block: int, row_expert: Array | None = None) -> _BlockedGroups:
+    """The padded layout of `n_rows` expert-sorted rows with these group sizes: at most block - 1
+    rows of padding per expert. Rows past sum(group_sizes) (an exchange buffer's slack) get no
+    place: they are dropped by `pad` and come back as zeros from `unpad`."""
+    n_experts = group_sizes.shape[0]
     padded_sizes = (group_sizes + block - 1) // block * block
-    padded_ends = jnp.cumsum(padded_sizes)
-    padded_starts, starts = padded_ends - padded_sizes, jnp.cumsum(group_sizes) - group_sizes
-    dest = padded_starts[row_expert] + jnp.arange(n_rows) - starts[row_expert]
+    padded_ends, ends = jnp.cumsum(padded_sizes), jnp.cumsum(group_sizes)
+    padded_starts, starts = padded_ends - padded_sizes, ends - group_sizes
     n_padded = -(-n_rows // block) * block + n_experts * block  # a static bound on sum(padded_sizes)
+    row = jnp.arange(n_rows)
+    if row_expert is None:
+        row_expert = jnp.minimum(jnp.searchsorted(ends, row, side="right", method="compare_all"), n_experts - 1)
+    dest = jnp.where(row < ends[-1], padded_starts[row_expert] + row - starts[row_expert], n_padded)
     # A few dozen blocks against a handful of experts: comparing all pairs is one small kernel,
     # where the default binary search is a loop.
     block_expert = jnp.minimum(jnp.searchsorted(padded_ends, jnp.arange(0, n_padded, block), side="right",
@@ -262,7 +289,7 @@ def blocked_swiglu(padded: Array, block_expert: Array, n_used: Array, gate: Arra
         hidden = _swiglu(_dot_f32(rows, gate[e]), _dot_f32(rows, up[e])).astype(rows.dtype)
         return jax.lax.dynamic_update_slice_in_dim(out, _dot_f32(hidden, down[e]).astype(out.dtype), i * block, 0)
 
-    return jax.lax.fori_loop(0, n_used, body, jnp.zeros_like(padded))
+    return jax.lax.fori_loop(0, n_used, body, varying.varying_like(jnp.zeros_like(padded), padded, gate, up, down))
 
 
 def _blocked_swiglu_fwd(padded, block_expert, n_used, gate, up, down, block):
@@ -289,9 +316,11 @@ def _blocked_swiglu_bwd(block, residuals, d_out):
         dx = (_dot_f32(dg, gate[e].T) + _dot_f32(du, up[e].T)).astype(d_rows.dtype)
         return jax.lax.dynamic_update_slice_in_dim(d_rows, dx, i * block, 0), d_gate, d_up, d_down
 
-    zeros = (jnp.zeros_like(padded), *(jnp.zeros(w.shape, f32) for w in (gate, up, down)))
+    zeros = tuple(varying.varying_like(z, padded, d_out, gate, up, down) for z in
+                  (jnp.zeros_like(padded), *(jnp.zeros(w.shape, f32) for w in (gate, up, down))))
     d_rows, d_gate, d_up, d_down = jax.lax.fori_loop(0, n_used, body, zeros)
-    return d_rows, None, None, d_gate.astype(gate.dtype), d_up.astype(up.dtype), d_down.astype(down.dtype)
+    return (varying.summed_like(d_rows, padded), None, None, varying.summed_like(d_gate.astype(gate.dtype), gate),
+            varying.summed_like(d_up.astype(up.dtype), up), varying.summed_like(d_down.astype(down.dtype), down))
 
 
 blocked_swiglu.defvjp(_blocked_swiglu_fwd, _blocked_swiglu_bwd)
@@ -363,19 +392,13 @@ def capacity_experts(x: Array, weights: Array, experts: Array, gate: Array, up: 
 
 
 def resolve_implementation(name: str, backend: str | None = None) -> str:
-    """`model.moe_impl`, with "auto" replaced by the backend's fastest implementation.
-
-    GPUs: "dropless" (ragged_dot is a grouped GEMM, and nothing is dropped). On the CPU, measured
-    at the reference comparison's size (d_model 256, 4 layers, 8 experts of mlp 1024, top 2, bf16,
-    4 x 256 tokens; scripts/compare_reference.py, one run): "capacity" (1.25) 765 tokens/s,
-    "dropless" (blocked loop) 566; through ragged_dot dropless ran at ~40% of the blocked speed.
-    So the CPU gets "capacity", which may drop overflow tokens (moe_capacity_factor); ask for
-    "dropless" where the exact model matters more.
-    """
-    if name != "auto":
-        return name
-    backend = backend or jax.default_backend()
-    return "capacity" if backend == "cpu" else "dropless"
+    """`model.moe_impl`, with "auto" replaced by "dropless" on every backend: the default never
+    drops a token. On GPUs ragged_dot is a grouped GEMM; on the CPU the blocked loop runs instead
+    (`dropless_block`). "capacity" is faster on the CPU (reference comparison's size, bf16: 765
+    tokens/s against 566 dropless, scripts/compare_reference.py) but drops the choices past an
+    expert's capacity, which changes the model: only when asked for."""
+    del backend  # the same answer everywhere; kept so callers may say which backend they mean
+    return "dropless" if name == "auto" else name
 
 
 # ----------------------------------------------------------------------------------------------
@@ -387,6 +410,9 @@ class MoE(nn.Module):
 
     cfg: "ml_collections.FrozenConfigDict"  # noqa: F821 - cfg.model
     policy: Policy
+    # Computes the dropless layer across devices (maxtext_rocm/parallel/experts.py) with
+    # dropless_experts' signature; None: on this device alone. The model never sees the mesh.
+    expert_exchange: Callable | None = None
 
     @nn.compact
     def __call__(self, x: Array) -> Array:
@@ -415,6 +441,8 @@ class MoE(nn.Module):
 
         implementation = resolve_implementation(m.moe_impl)
         if implementation == "dropless":  # ragged_dot has no fp8 form: the grouped GEMM stays bf16
+            if self.expert_exchange is not None:
+                return self.expert_exchange(x, weights, experts, gate, up, down)
             block = dropless_block(x.shape[0] * x.shape[1] * m.experts_per_token, n_experts)
             return dropless_experts(x, weights, experts, gate, up, down, block)
         # The policy's dot (fp8 under the fp8 policy) for each expert weight, one scale per weight.

@@ -1,0 +1,219 @@
+"""Expert parallelism for the dropless mixture of experts: each token row travels to the device
+that holds its expert, and back.
+
+Under `mesh.*.expert = P` a device holds E/P of the E experts. GSPMD cannot express the dropless
+layer's data-dependent row counts, so it left every device computing on every global row (an
+all-reduce of all tokens per layer, no all-to-all). Here the layer runs under `shard_map` over the
+whole mesh, each device on its own tokens:
+
+1. route locally, sort the (token, choice) rows by expert (models/moe.py, `sort_by_expert`);
+2. exchange the row counts (an all-gather of E integers per device), from which every device
+   computes the same plan (`exchange_plan`): which slice of its rows goes to which device, and
+   where on the receiver it lands, so that the received rows are already grouped by local expert;
+3. dispatch: a ragged all-to-all over the `expert` axis sends each slice once;
+4. the local experts on their rows (`grouped_swiglu`: ragged_dot on GPUs, blocks on the CPU);
+5. combine: the ragged all-to-all back, unsort, weigh by the router. Under `tensor` each device
+   holds a slice of every expert's hidden units, so the combined output is summed over `tensor`.
+
+Each expert's d_model axis stays FSDP-sharded over the other FSDP axes (`exp_embed`) and is
+all-gathered here, which the gradient turns into the reduce-scatter of ZeRO-3.
+
+`jax.lax.ragged_all_to_all` is what GPUs run; XLA:CPU cannot execute it (UNIMPLEMENTED in jax
+0.10.2), so the CPU runs `padded_ragged_all_to_all`: the same arguments and semantics through a
+fixed-size all-to-all of worst-case buffers (each slice padded to all of a device's rows). Both
+consume the one plan, so what the CPU tests check is what a GPU runs, except for the primitive.
+The padding makes the CPU's exchange move P times the rows it must: it is for correctness on the
+CPU, not speed; `maxtext_rocm.compile` builds the GPU program for GPU targets.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec
+
+from maxtext_rocm import sharding, varying
+from maxtext_rocm.models import moe
+
+Array = jax.Array
+
+
+# ----------------------------------------------------------------------------------------------
+# The plan: who sends which rows where (shared by the GPU's and the CPU's exchange)
+
+
+def exchange_plan(group_sizes: Array, n_shards: int, me: Array, axis: str) -> dict[str, Array]:
+    """Arguments of the dispatch and combine ragged all-to-alls for this device.
+
+    `group_sizes` [E]: this device's rows per (global) expert, its rows sorted by expert; expert
+    e lives on device e // (E / n_shards) of `axis`. A slice is one (device, expert) pair, so each
+    call has E slices, E / n_shards per peer. On the receiver, rows land grouped by its local
+    expert and, within an expert, by sender: exactly the layout `grouped_swiglu` takes.
+    """
+    n_experts = group_sizes.shape[0]
+    local = n_experts // n_shards
+    counts = jax.lax.all_gather(group_sizes, axis)  # [src, E]: rows src sends to each expert
+    per_dest = counts.reshape(n_shards, n_shards, local)  # [src, dst, local expert]
+    received = jnp.sum(per_dest, axis=0)  # [dst, local expert]: rows each expert gets in all
+    expert_start = jnp.cumsum(received, axis=1) - received  # where each expert's rows begin on dst
+    # Where src's rows for (dst, local expert) begin on dst: after the expert's rows from lower srcs.
+    chunk_start = expert_start[None] + jnp.cumsum(per_dest, axis=0) - per_dest  # [src, dst, local]
+    sender_offsets = jnp.cumsum(counts, axis=1) - counts  # [src, E]: a slice's start in src's rows
+    mine = functools.partial(jax.lax.dynamic_index_in_dim, index=me, keepdims=False)
+    to_me = mine(jnp.swapaxes(per_dest, 0, 1))  # [src, local]: rows each src sends me, per expert
+    return {
+        # dispatch: my rows -> the experts' devices
+        "input_offsets": sender_offsets_of(group_sizes),
+        "send_sizes": group_sizes,
+        "output_offsets": mine(chunk_start).reshape(-1),
+        "recv_sizes": to_me.reshape(-1),
+        # combine: the experts' outputs -> back to the rows' own devices
+        "back_input_offsets": mine(jnp.swapaxes(chunk_start, 0, 1)).reshape(-1),
+        "back_output_offsets": jax.lax.dynamic_slice_in_dim(sender_offsets, me * local, local, axis=1).reshape(-1),
+        "local_group_sizes": mine(received),
+    }
+
+
+def sender_offsets_of(group_sizes: Array) -> Array:
+    return jnp.cumsum(group_sizes) - group_sizes
+
+
+def dispatch(rows, plan, buffer_rows: int, exchange: Callable, axis: str) -> Array:
+    """This device's expert-sorted rows to their experts' devices; returns [buffer_rows, d], the
+    rows of this device's experts grouped by expert (then don't-care rows)."""
+    out = varying.varying_like(jnp.zeros((buffer_rows, rows.shape[1]), rows.dtype), rows)
+    return exchange(rows, out, plan["input_offsets"], plan["send_sizes"], plan["output_offsets"],
+                    plan["recv_sizes"], axis_name=axis)
+
+
+def combine(expert_rows, plan, n_rows: int, exchange: Callable, axis: str) -> Array:
+    """The experts' output rows back to the devices (and the sorted places) they came from."""
+    out = varying.varying_like(jnp.zeros((n_rows, expert_rows.shape[1]), expert_rows.dtype), expert_rows)
+    return exchange(expert_rows, out, plan["back_input_offsets"], plan["recv_sizes"],
+                    plan["back_output_offsets"], plan["send_sizes"], axis_name=axis)
+
+
+# ----------------------------------------------------------------------------------------------
+# The CPU's ragged all-to-all
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _padded_exchange(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, axis_name):
+    rows = operand.shape[0]
+    n_slices = input_offsets.shape[0]
+    # Pack: slice i padded to `rows` rows (a slice is never longer than the operand).
+    j = jnp.arange(rows)
+    take = jnp.where(j[None] < send_sizes[:, None], input_offsets[:, None] + j[None], rows)  # [N, rows]
+    packed = jnp.take(operand, take.reshape(-1), axis=0, mode="fill", fill_value=0)
+    packed = packed.reshape(n_slices, rows, *operand.shape[1:])
+    # Slice i goes to peer i // (N / peers); peer p's slices for me arrive as block p.
+    received = jax.lax.all_to_all(packed, axis_name, 0, 0, tiled=True)
+    offsets = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)
+    # Place: output row o comes from the received slice that covers it, if one does.
+    o = jnp.arange(output.shape[0])
+    covers = (o[:, None] >= offsets[None]) & (o[:, None] < (offsets + recv_sizes)[None])  # [out, N]
+    slice_of = jnp.argmax(covers, axis=1)
+    covered = jnp.any(covers, axis=1)
+    flat = jnp.where(covered, slice_of * rows + o - offsets[slice_of], n_slices * rows)
+    placed = jnp.take(received.reshape(n_slices * rows, *operand.shape[1:]), flat, axis=0,
+                      mode="fill", fill_value=0)
+    covered = covered.reshape(-1, *(1,) * (operand.ndim - 1))
+    return jnp.where(covered, placed, output)
+
+
+def _padded_exchange_fwd(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, axis_name):
+    out = _padded_exchange(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, axis_name)
+    return out, (operand.shape, input_offsets, send_sizes, output_offsets, recv_sizes)
+
+
+def _padded_exchange_bwd(axis_name, residuals, d_out):
+    # The transpose is the exchange the other way round, as jax.lax.ragged_all_to_all's is:
+    # each received slice goes back to where it was taken from.
+    operand_shape, input_offsets, send_sizes, output_offsets, recv_sizes = residuals
+    where_received = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)
+    where_taken = jax.lax.all_to_all(input_offsets, axis_name, 0, 0, tiled=True)
+    d_operand = _padded_exchange(d_out, jnp.zeros(operand_shape, d_out.dtype), where_received, recv_sizes,
+                                 where_taken, send_sizes, axis_name)
+    o = jnp.arange(d_out.shape[0])
+    covered = jnp.any((o[:, None] >= where_received[None]) & (o[:, None] < (where_received + recv_sizes)[None]),
+                      axis=1).reshape(-1, *(1,) * (d_out.ndim - 1))
+    return d_operand, jnp.where(covered, 0, d_out), None, None, None, None
+
+
+_padded_exchange.defvjp(_padded_exchange_fwd, _padded_exchange_bwd)
+
+
+def padded_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
+                             axis_name):
+    """`jax.lax.ragged_all_to_all`'s semantics (and gradient) from a fixed-size all-to-all: every
+    slice travels padded to the operand's length. For XLA:CPU, which cannot run the ragged one."""
+    return _padded_exchange(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, axis_name)
+
+
+# ----------------------------------------------------------------------------------------------
+# The layer under shard_map
+
+
+def expert_exchange(model_cfg, mesh: Mesh, backend: str | None = None) -> Callable | None:
+    """The dropless MoE layer across `mesh` (models/moe.py's `expert_exchange`), or None where a
+    device computes alone (one device, or a model without experts). `backend`: the platform the
+    program is for ("gpu" from `maxtext_rocm.compile` on a CPU), default the mesh's own."""
+    if model_cfg.n_experts <= 1 or (mesh.size == 1 and backend is None):
+        return None
+    backend = backend or mesh.devices.flat[0].platform
+    return functools.partial(_expert_parallel_dropless, mesh=mesh, backend=backend)
+
+
+def _expert_parallel_dropless(x, weights, experts, gate, up, down, *, mesh: Mesh, backend: str):
+    batch_axes = sharding.mesh_axes_of("activation_batch")
+    length_axes = sharding.mesh_axes_of("activation_length")
+    (expert_axis,) = sharding.mesh_axes_of("exp")
+    fsdp_axes = sharding.mesh_axes_of("exp_embed")
+    tensor_axes = sharding.mesh_axes_of("mlp")
+    tokens = PartitionSpec(batch_axes, length_axes, None)
+    gate_up = PartitionSpec(expert_axis, fsdp_axes, tensor_axes)
+    down_spec = PartitionSpec(expert_axis, tensor_axes, fsdp_axes)
+    n_shards = mesh.shape[expert_axis]
+    # Collectives over every axis the specs name, size 1 included (XLA drops those): shard_map's
+    # replication check types each value by the axes it names.
+    gathered, summed = fsdp_axes, tensor_axes
+    exchange = jax.lax.ragged_all_to_all if backend != "cpu" else padded_ragged_all_to_all
+    batch_shards = math.prod(mesh.shape[a] for a in batch_axes)
+    if x.shape[0] % batch_shards or x.shape[1] % math.prod(mesh.shape[a] for a in length_axes):
+        # A batch the mesh cannot split (the parameters' init traces one sequence): the same
+        # values computed without the exchange.
+        block = moe.dropless_block(x.shape[0] * x.shape[1] * experts.shape[-1], gate.shape[0], backend)
+        return moe.dropless_experts(x, weights, experts, gate, up, down, block)
+
+    def local(x, weights, experts, gate, up, down):
+        # The tokens, the same on every tensor shard, meet a slice of the hidden units there: typed
+        # as varying over `tensor` here, their gradient is summed over it here too, once per token.
+        x = jax.lax.pcast(x, summed, to="varying")
+        # ZeRO-3: this layer's expert weights whole in d_model (in bf16 under the bf16 policy).
+        gate, up = (jax.lax.all_gather(w, gathered, axis=1, tiled=True) for w in (gate, up))
+        down = jax.lax.all_gather(down, gathered, axis=2, tiled=True)
+        n_experts = gate.shape[0] * n_shards
+        rows, group_sizes, row_expert, unsort = moe.sort_by_expert(x, experts, n_experts)
+        n_rows = rows.shape[0]
+        if n_shards > 1:
+            plan = exchange_plan(group_sizes, n_shards, jax.lax.axis_index(expert_axis), expert_axis)
+            # Every row of every peer may choose this device's experts: the exact bound.
+            buffer_rows = n_shards * n_rows
+            expert_rows = dispatch(rows, plan, buffer_rows, exchange, expert_axis)
+            block = moe.dropless_block(n_rows, n_experts, backend)
+            out = moe.grouped_swiglu(expert_rows, plan["local_group_sizes"], gate, up, down, block)
+            out = combine(out, plan, n_rows, exchange, expert_axis)
+        else:
+            block = moe.dropless_block(n_rows, n_experts, backend)
+            out = moe.grouped_swiglu(rows, group_sizes, gate, up, down, block, row_expert)
+        y = jnp.einsum("bskd,bsk->bsd", unsort(out), weights.astype(x.dtype))
+        # Each tensor shard holds a slice of every expert's hidden units: partial sums.
+        return jax.lax.psum(y, summed)
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(tokens, tokens, tokens, gate_up, gate_up, down_spec),
+                         out_specs=tokens)(x, weights, experts, gate, up, down)
+
