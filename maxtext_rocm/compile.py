@@ -1,6 +1,6 @@
 """Will it fit? Ahead-of-time compile of the real train step for a target GPU node, on this CPU.
 
-    python -m maxtext_rocm.compile CONFIG.py[:VARIANT] --target=mi355x:8 [--search] [--json OUT]
+    python -m maxtext_rocm.compile CONFIG.py[:VARIANT] --target=mi355x:8 [--search] [--comm] [--json OUT]
                                    [--config.GROUP.KEY=VALUE ...]
 
 The train step (`train.jit_train_step`, the one the Trainer runs) is lowered and compiled against
@@ -38,6 +38,10 @@ ops over key blocks) keeps only b*(n_heads/t)*s fp32 softmax statistics instead)
     or an fp8 LM head): T_c = T and no separate head-gradient sum.
                   + 2*one layer's parameters in fp32 when they are sharded (FSDP all-gather, prefetched)
 
+`--comm` adds the communication report of the compiled step (maxtext_rocm/comm.py): every
+collective per kind and mesh axis, bytes per device per step, beside the layout's analytic minimum
+(maxtext_rocm/comm_minimum.py, formula printed) and the time at the target's link bandwidths.
+
 `--search` (and any config that does not fit) looks for the largest per-device batch that fits
 under each remat policy by the estimate, then confirms the recommendation with a real compile
 (at most `--max-compiles`, so the search stays bounded in time).
@@ -61,7 +65,7 @@ FNUZ_TARGETS = ("mi300x", "mi325x")  # gfx942: fp8 "auto" resolves to FNUZ there
 NVIDIA_PREFIXES = ("h100", "h200", "b200")
 GIB = 2 ** 30
 USAGE = ("usage: python -m maxtext_rocm.compile CONFIG.py[:VARIANT] --target=KIND:N "
-         f"[--search] [--max-compiles=K] [--usable=0.92] [--json OUT] [--config.KEY=VALUE ...]; "
+         f"[--search] [--comm] [--max-compiles=K] [--usable=0.92] [--json OUT] [--config.KEY=VALUE ...]; "
          f"KIND is one of {', '.join(TARGETS)}")
 # Least recomputation first: the first policy that fits is the fastest one that fits.
 REMAT_ORDER = ("none", "save_dots", "minimal", "full")
@@ -153,7 +157,8 @@ def _layer_param_bytes(cfg, axis_sizes) -> float:
 # The compile
 
 
-def analyse(cfg, kind: str, n_devices: int, usable: float = 0.92, compile_it: bool = True) -> dict:
+def analyse(cfg, kind: str, n_devices: int, usable: float = 0.92, compile_it: bool = True,
+            comm: bool = False) -> dict:
     """Lowers and compiles the train step for `n_devices` (fake CPU devices); returns a report."""
     import jax
     import jax.numpy as jnp
@@ -228,6 +233,11 @@ def analyse(cfg, kind: str, n_devices: int, usable: float = 0.92, compile_it: bo
         lowered = step.lower(abstract, batch, optimizer_hyperparameters(cfg, mesh, abstract=True))
         compiled = lowered.compile()
     report["compile_s"] = time.perf_counter() - started
+    if comm:
+        from maxtext_rocm import comm as comm_lib
+        layout = comm_lib.MeshLayout.of(mesh, config_lib.mesh_shape(cfg.mesh, n_devices, 1), compiled)
+        report["comm"] = comm_lib.report(compiled.as_text(), layout, cfg.model, cfg.train,
+                                         cfg.precision.policy, kind)
     mem = compiled.memory_analysis()
     if mem is not None:
         args, out = mem.argument_size_in_bytes, mem.output_size_in_bytes
@@ -381,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE, file=sys.stderr)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     spec, rest = argv[0], argv[1:]
-    options = {"target": None, "search": False, "max-compiles": "2", "usable": "0.92", "json": None}
+    options = {"target": None, "search": False, "comm": False, "max-compiles": "2", "usable": "0.92", "json": None}
     overrides, i = [], 0
     while i < len(rest):
         arg = rest[i]
@@ -391,8 +401,8 @@ def main(argv: list[str] | None = None) -> int:
             if "=" not in arg and i + 1 < len(rest):
                 overrides.append(rest[i + 1])
                 i += 1
-        elif name == "search":
-            options["search"] = True
+        elif name in ("search", "comm") and "=" not in arg:
+            options[name] = True
         elif name in options:
             if "=" in arg:
                 options[name] = arg.split("=", 1)[1]
@@ -415,13 +425,16 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         cfg = config_lib.load(spec, overrides)
-        report = analyse(cfg, kind, n, usable)
+        report = analyse(cfg, kind, n, usable, comm=options["comm"])
         if options["search"] or not report["fits"]:
             report["search"] = search(cfg, kind, n, usable, max_compiles)
     except config_lib.UserError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     print(format_report(report), flush=True)
+    if "comm" in report:
+        from maxtext_rocm import comm as comm_lib
+        print(comm_lib.format_report(report["comm"]), flush=True)
     if options["json"]:
         with open(options["json"], "w") as f:
             json.dump(report, f, indent=2)
