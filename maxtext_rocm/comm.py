@@ -158,7 +158,9 @@ class _Walker:
         if kind == "collective-permute":
             pairs = [(s, t) for s, t in source_target_pairs(started.attributes) if s != t]
             sends = max(Counter(s for s, _ in pairs).values(), default=0)  # the busiest sender
-            axes, dcn = self.layout.axes_of(sorted({d for p in pairs for d in p})) if pairs else ((), False)
+            spans = [self.layout.axes_of(pair) for pair in pairs]  # each pair: the axes it crosses
+            axes = tuple(sorted({a for s, _ in spans for a in s}, key=self.layout.axis_names.index))
+            dcn = any(d for _, d in spans)
             return [Collective(kind, started.opcode, inst.name, comp.name, axes, dcn, 2, dt,
                                b * sends, executions, in_unknown_loop=unknown) for dt, b in arrays]
         groups = replica_groups(started.attributes, self.partitions)
