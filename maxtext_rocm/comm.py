@@ -311,7 +311,8 @@ def format_report(r: dict) -> str:
     for row in r["rows"]:
         lines.append(f"  {row['kind']:<20}{row['axes']:<22}{row['link']:<6}{row['count']:>7}"
                      f"{row['tensors']:>9}{row['bytes'] / MIB:>12.2f} MiB")
-    lines.append(f"  {'total':<55}{r['total_bytes'] / MIB:>12.2f} MiB")
+    links = "".join(f", {link} {b / MIB:.2f} MiB" for link, b in sorted(r["bytes_by_link"].items()))
+    lines.append(f"  {'total':<55}{r['total_bytes'] / MIB:>12.2f} MiB  ({links[2:] or 'none'})")
     if r["recounted_as_reduce_scatter"]:
         lines.append(f"  ({r['recounted_as_reduce_scatter']} all-reduces whose result is only sliced to 1/N are "
                      "counted as the reduce-scatters a GPU compiler makes of them: XLA:CPU has no "

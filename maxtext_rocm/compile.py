@@ -72,11 +72,39 @@ REMAT_ORDER = ("none", "save_dots", "minimal", "full")
 
 
 def parse_target(text: str) -> tuple[str, int]:
+    """(kind, device count) of `KIND:N`, or of `KIND:NODESxGPUS` (NODES*GPUS devices; see target_nodes)."""
     kind, _, count = text.lower().partition(":")
-    if kind not in TARGETS or not (count or "1").isdigit() or int(count or 1) < 1:
-        raise ValueError(f"--target={text!r} is not valid; use KIND:N with KIND one of "
-                         f"{', '.join(TARGETS)} and N a device count, e.g. mi355x:8")
-    return kind, int(count or 1)
+    nodes, _, gpus = (count or "1").rpartition("x")
+    if kind not in TARGETS or not gpus.isdigit() or not (nodes or "1").isdigit() or int(gpus) < 1 \
+            or int(nodes or 1) < 1:
+        raise ValueError(f"--target={text!r} is not valid; use KIND:N or KIND:NODESxGPUS with KIND one of "
+                         f"{', '.join(TARGETS)}, e.g. mi355x:8 or mi355x:2x8")
+    return kind, int(nodes or 1) * int(gpus)
+
+
+def target_nodes(text: str) -> int:
+    """NODES of `KIND:NODESxGPUS` (1 for `KIND:N`): the processes a cluster run would have."""
+    count = text.lower().partition(":")[2]
+    return int(count.partition("x")[0]) if "x" in count else 1
+
+
+def cluster_mesh(mesh_cfg, devices, nodes: int):
+    """The mesh a run on `nodes` hosts would build (sharding.make_mesh with one process per host),
+    from fake devices of one process: node n holds devices n*G..(n+1)*G-1, an axis's DCN part is
+    its major factor, as mesh_utils.create_hybrid_device_mesh lays it out."""
+    import numpy as np
+    from jax.sharding import AxisType, Mesh
+
+    from maxtext_rocm import config as config_lib
+
+    shape = config_lib.mesh_shape(mesh_cfg, len(devices), nodes)
+    ici = [shape["ici"][a] for a in config_lib.MESH_AXES]
+    dcn = [shape["dcn"][a] for a in config_lib.MESH_AXES]
+    grid = np.asarray(devices, dtype=object).reshape(*dcn, *ici)  # node-major, then the node's mesh
+    k = len(ici)
+    interleaved = grid.transpose([x for a in range(k) for x in (a, k + a)])  # (dcn_0, ici_0, dcn_1, ...)
+    return Mesh(interleaved.reshape([i * d for i, d in zip(ici, dcn)]), config_lib.MESH_AXES,
+                axis_types=(AxisType.Auto,) * k)
 
 
 def force_host_devices(n: int) -> None:
@@ -158,8 +186,9 @@ def _layer_param_bytes(cfg, axis_sizes) -> float:
 
 
 def analyse(cfg, kind: str, n_devices: int, usable: float = 0.92, compile_it: bool = True,
-            comm: bool = False) -> dict:
-    """Lowers and compiles the train step for `n_devices` (fake CPU devices); returns a report."""
+            comm: bool = False, nodes: int = 1) -> dict:
+    """Lowers and compiles the train step for `n_devices` (fake CPU devices) on `nodes` hosts;
+    returns a report."""
     import jax
     import jax.numpy as jnp
     from flax import linen as nn
@@ -175,9 +204,9 @@ def analyse(cfg, kind: str, n_devices: int, usable: float = 0.92, compile_it: bo
     if cfg.model.attention == "auto":  # the target's, as the Trainer would resolve it there
         cfg.model.attention = flash_attention_for(kind)
     devices = jax.devices()[:n_devices]
-    config_lib.validate(cfg, n_devices, 1)
-    mesh = sharding.make_mesh(cfg.mesh, devices)
-    sizes = config_lib.axis_sizes(config_lib.mesh_shape(cfg.mesh, n_devices, 1))
+    config_lib.validate(cfg, n_devices, nodes)
+    mesh = sharding.make_mesh(cfg.mesh, devices) if nodes == 1 else cluster_mesh(cfg.mesh, devices, nodes)
+    sizes = config_lib.axis_sizes(config_lib.mesh_shape(cfg.mesh, n_devices, nodes))
     policy = policy_from_config(cfg.precision, devices[0], platform="gpu")  # every target is a GPU
     cpu_model_cfg = copy.deepcopy(cfg.model)
     if cpu_model_cfg.attention == "cudnn":  # same parameters; the CPU cannot trace cuDNN's attention
@@ -235,7 +264,7 @@ def analyse(cfg, kind: str, n_devices: int, usable: float = 0.92, compile_it: bo
     report["compile_s"] = time.perf_counter() - started
     if comm:
         from maxtext_rocm import comm as comm_lib
-        layout = comm_lib.MeshLayout.of(mesh, config_lib.mesh_shape(cfg.mesh, n_devices, 1), compiled)
+        layout = comm_lib.MeshLayout.of(mesh, config_lib.mesh_shape(cfg.mesh, n_devices, nodes), compiled)
         report["comm"] = comm_lib.report(compiled.as_text(), layout, cfg.model, cfg.train,
                                          cfg.precision.policy, kind)
     mem = compiled.memory_analysis()
@@ -255,7 +284,7 @@ def flash_attention_for(kind: str) -> str:
     return "cudnn" if kind.startswith(NVIDIA_PREFIXES) else "blockwise"
 
 
-def search(cfg, kind: str, n_devices: int, usable: float, max_compiles: int, log=print) -> dict:
+def search(cfg, kind: str, n_devices: int, usable: float, max_compiles: int, log=print, nodes: int = 1) -> dict:
     """Largest per-device batch that fits for each remat policy (by the estimate), confirmed by
     compiling at most `max_compiles` candidates."""
     def with_(remat, batch, attention=None):
@@ -269,7 +298,8 @@ def search(cfg, kind: str, n_devices: int, usable: float, max_compiles: int, log
         for remat in REMAT_ORDER:
             best, batch = None, 1
             while batch <= 256:
-                if not analyse(with_(remat, batch, attention), kind, n_devices, usable, compile_it=False)["fits"]:
+                if not analyse(with_(remat, batch, attention), kind, n_devices, usable, compile_it=False,
+                               nodes=nodes)["fits"]:
                     break
                 best, batch = batch, batch * 2
             largest[remat] = best
@@ -290,7 +320,7 @@ def search(cfg, kind: str, n_devices: int, usable: float, max_compiles: int, log
         candidates.append((result["largest_batch_remat"], result["largest_batch"]))
     for remat, batch in candidates[:max_compiles]:
         log(f"  confirming remat={remat} per_device_batch_size={batch} by compiling ...")
-        r = analyse(with_(remat, batch), kind, n_devices, usable)
+        r = analyse(with_(remat, batch), kind, n_devices, usable, nodes=nodes)
         confirmed.append({"remat": remat, "per_device_batch_size": batch, "compile_s": r.get("compile_s"),
                           "analytic_total_bytes": r["analytic_total_bytes"],
                           "xla_total_bytes": r.get("xla_total_bytes"), "fits": r["fits"]})
@@ -425,9 +455,10 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         cfg = config_lib.load(spec, overrides)
-        report = analyse(cfg, kind, n, usable, comm=options["comm"])
+        nodes = target_nodes(options["target"])
+        report = analyse(cfg, kind, n, usable, comm=options["comm"], nodes=nodes)
         if options["search"] or not report["fits"]:
-            report["search"] = search(cfg, kind, n, usable, max_compiles)
+            report["search"] = search(cfg, kind, n, usable, max_compiles, nodes=nodes)
     except config_lib.UserError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

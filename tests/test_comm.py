@@ -228,16 +228,18 @@ def test_a_compiled_program_is_counted_exactly(devices):
 
 
 def test_tiny_model_report_and_minimum_by_hand(tmp_path):
-    """`compile --comm` on a tiny Llama, fsdp=8: the minimum worked out here by hand."""
+    """`compile --comm` on a tiny Llama, fsdp=8 over two fake nodes of 4 (`--target=h100:2x4`,
+    mesh.dcn.fsdp=2): the minimum worked out here by hand, every fsdp group crossing the NICs."""
     from maxtext_rocm import compile as compile_cli
 
     out = tmp_path / "report.json"
-    args = ["tiny_llama", "--target=h100:8", "--comm", f"--json={out}",
+    args = ["tiny_llama", "--target=h100:2x4", "--comm", f"--json={out}",
             "--config.model.vocab_size=128", "--config.model.d_model=64", "--config.model.n_layers=2",
             "--config.model.n_heads=4", "--config.model.n_kv_heads=2", "--config.model.head_dim=16",
             "--config.model.mlp_dim=128", "--config.model.scan_layers=true", "--config.model.remat=full",
             "--config.precision.policy=fp32", "--config.data.source=synthetic",
-            "--config.train.per_device_batch_size=1", "--config.train.seq_len=32"]
+            "--config.train.per_device_batch_size=1", "--config.train.seq_len=32",
+            "--config.mesh.ici.fsdp=4", "--config.mesh.dcn.fsdp=2"]
     assert compile_cli.main(args) == 0
     r = json.loads(out.read_text())["comm"]
     # one layer's matmul weights: q 64x64, k and v 64x32 each, o 64x64, gate/up/down 64x128 each
@@ -250,8 +252,28 @@ def test_tiny_model_report_and_minimum_by_hand(tmp_path):
     assert r["minimum"]["cpu_bytes"] == pytest.approx(weights + head + embedding + norms)
     assert {t["term"] for t in r["minimum"]["terms"]} == {"layer weights", "LM head", "embedding", "norm scales"}
     assert r["ratio"] >= 1 - 1e-9  # the compiled program cannot beat the minimum
-    assert {row["axes"] for row in r["rows"]} == {"fsdp"} and r["unknown_trip_count_loops"] == []
-    assert r["minimum_seconds"] == pytest.approx(r["minimum"]["cpu_bytes"] / 450e9)  # NVLink, one way
+    assert {(row["axes"], row["link"]) for row in r["rows"]} == {("fsdp", "DCN")}
+    assert r["unknown_trip_count_loops"] == []
+    assert r["minimum_seconds"] == pytest.approx(r["minimum"]["cpu_bytes"] / 50e9)  # a 400 Gb/s NIC, one way
+
+
+def test_cluster_targets(devices):
+    from maxtext_rocm import compile as compile_cli
+
+    assert compile_cli.parse_target("mi355x:2x8") == ("mi355x", 16)
+    assert compile_cli.target_nodes("mi355x:2x8") == 2 and compile_cli.target_nodes("mi355x:8") == 1
+    with pytest.raises(ValueError, match="KIND:NODESxGPUS"):
+        compile_cli.parse_target("mi355x:2x")
+    mesh = compile_cli.cluster_mesh(_mesh_cfg(ici={"fsdp": 2, "tensor": 2}, dcn={"fsdp": 2}), devices, 2)
+    # fsdp = 2 nodes x 2: the node is the major factor; tensor pairs neighbours within a node
+    assert np.vectorize(lambda d: d.id)(mesh.devices).squeeze().tolist() == [[0, 1], [2, 3], [4, 5], [6, 7]]
+
+
+def _mesh_cfg(ici, dcn):
+    from ml_collections import ConfigDict
+
+    from maxtext_rocm.config import MESH_AXES
+    return ConfigDict({"ici": {a: ici.get(a, 1) for a in MESH_AXES}, "dcn": {a: dcn.get(a, 1) for a in MESH_AXES}})
 
 
 def test_minimum_terms_of_the_other_axes():
