@@ -44,13 +44,14 @@ from collections import Counter, defaultdict
 import numpy as np
 
 from maxtext_rocm.hlo_text import (Computation, Instruction, parse_module, replica_groups, shape_arrays,
-                                  source_target_pairs)
+                                  shape_elements, source_target_pairs, tuple_element)
 
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute",
                "ragged-all-to-all")
 _TRIP_COUNT = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
-# Ops that pass a value through unchanged in content, for the all-reduce -> reduce-scatter check.
-_PASS_THROUGH = ("bitcast", "copy", "reshape", "transpose")
+# Ops that pass a value's elements through, for the all-reduce -> reduce-scatter check; convert
+# because XLA:CPU's float normalization brackets a bf16 all-reduce with converts to f32 and back.
+_PASS_THROUGH = ("bitcast", "copy", "reshape", "transpose", "convert")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,7 +177,8 @@ class _Walker:
                                size * (n - 1) / n, executions, upper_bound=True, in_unknown_loop=unknown)]
         for index, (dt, size) in enumerate(arrays):
             element_kind, recounted = kind, False
-            if kind == "all-reduce" and n > 1 and self._only_sliced(comp, inst, index if len(arrays) > 1 else None, size / n):
+            part = shape_elements(inst.shape if len(arrays) == 1 else tuple_element(inst.shape, index)) / n
+            if kind == "all-reduce" and n > 1 and self._only_sliced(comp, inst, index if len(arrays) > 1 else None, part):
                 element_kind, recounted = "reduce-scatter", True
             factor = {"all-gather": (n - 1) / n, "all-reduce": 2 * (n - 1) / n,
                       "reduce-scatter": (n - 1) / n, "all-to-all": (n - 1) / n}[element_kind]
@@ -196,20 +198,25 @@ class _Walker:
             values = [u.name for u in users if re.search(rf"\bindex={index}\b", u.attributes)]
         return bool(values) and all(self._sliced(comp, v, part, depth=0) for v in values)
 
-    def _sliced(self, comp: Computation, value: str, part: float, depth: int) -> bool:
+    def _sliced(self, comp: Computation, value: str, part: float, depth: int, callers=()) -> bool:
+        """Whether every use of `value` ends in a slice to `part` elements. `callers` are the
+        (computation, fusion) a fused computation's root returns to."""
         users = comp.users.get(value, [])
-        if not users or depth > 8:
+        if not users and value == comp.root and callers:  # a fusion's result: follow its users outside
+            (outer, fusion), *rest = callers
+            return self._sliced(outer, fusion.name, part, depth + 1, tuple(rest))
+        if not users or depth > 12:
             return False
         for user, position in users:
             if user.opcode in ("dynamic-slice", "slice"):
-                if position != 0 or not math.isclose(sum(b for _, b in shape_arrays(user.shape)), part):
+                if position != 0 or shape_elements(user.shape) != part:
                     return False
             elif user.opcode in _PASS_THROUGH:
-                if not self._sliced(comp, user.name, part, depth + 1):
+                if not self._sliced(comp, user.name, part, depth + 1, callers):
                     return False
             elif user.opcode == "fusion":
                 callee = self.computations[dict(user.callees())["calls"]]
-                if not self._sliced(callee, callee.parameters[position], part, depth + 1):
+                if not self._sliced(callee, callee.parameters[position], part, depth + 1, ((comp, user), *callers)):
                     return False
             else:
                 return False

@@ -35,6 +35,17 @@ def array_bytes(dtype: str, dims: str) -> float:
     return (element_bytes(dtype) or 0.0) * math.prod(sizes)
 
 
+def tuple_element(shape: str, index: int) -> str:
+    """The index-th array shape of a (tuple) shape, as text."""
+    return [m.group(0) for m in _ARRAY.finditer(shape) if element_bytes(m.group(1)) is not None][index]
+
+
+def shape_elements(shape: str) -> int:
+    """Elements of an array shape (of every array of a tuple, together)."""
+    return sum(math.prod(int(d.replace("<=", "")) for d in m.group(2).split(",") if d)
+               for m in _ARRAY.finditer(shape) if element_bytes(m.group(1)) is not None)
+
+
 def element_bytes(dtype: str) -> float | None:
     """Bytes of one element; None for what is not data (token, opaque)."""
     return 1 if dtype.startswith("f8") else _DTYPE_BYTES.get(dtype)
@@ -81,6 +92,7 @@ class Computation:
     instructions: dict[str, Instruction]
     users: dict[str, list[tuple[Instruction, int]]]  # value -> (user, operand position)
     parameters: dict[int, str]  # parameter number -> instruction name
+    root: str = ""
 
 
 def _parse_instruction(line: str) -> Instruction | None:
@@ -122,6 +134,8 @@ def parse_module(text: str) -> tuple[dict[str, Computation], str, int | None]:
         if instruction is None:
             continue
         current.instructions[instruction.name] = instruction
+        if line.lstrip().startswith("ROOT "):
+            current.root = instruction.name
         for position, operand in enumerate(instruction.operands):
             current.users[operand].append((instruction, position))
         if instruction.opcode == "parameter":

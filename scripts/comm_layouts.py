@@ -67,6 +67,17 @@ def _arrays(shape: str) -> list[float]:
     return out
 
 
+def _elements(shape) -> int:
+    """Elements of a shape's text, or of one (dtype, dims) match."""
+    n_total = 0
+    for _, dims in ([shape] if isinstance(shape, tuple) else _ARRAY.findall(shape)):
+        n = 1
+        for x in filter(None, dims.split(",")):
+            n *= int(x)
+        n_total += n
+    return n_total
+
+
 def _group_size(attrs: str, partitions: int) -> int:
     if "replica_groups=mesh[" in attrs:
         sizes = dict(re.findall(r"'([^']+)'=(\d+)", attrs.split("replica_groups=mesh[")[1].split("]")[0]))
@@ -85,7 +96,7 @@ def _group_size(attrs: str, partitions: int) -> int:
 
 def dump_total(text: str) -> dict:
     partitions = int(re.search(r"num_partitions=(\d+)", text).group(1))
-    comps, entry, name = defaultdict(list), None, None
+    comps, roots, entry, name = defaultdict(list), {}, None, None
     for line in text.splitlines():
         head = re.match(r"^(ENTRY )?%(\S+) .*\{$", line)
         if head:
@@ -97,25 +108,33 @@ def dump_total(text: str) -> dict:
             op = _OP.match(re.sub(r"/\*.*?\*/", "", line))
             if op:
                 comps[name].append(op.groups())
+                if line.lstrip().startswith("ROOT "):
+                    roots[name] = op.group(1)
 
     def uses(comp, value):
         return [(o, [x.strip().lstrip("%") for x in o[3].split(",")].index(value))
                 for o in comps[comp] if value in [x.strip().lstrip("%") for x in o[3].split(",")]]
 
-    def only_sliced(comp, value, part, depth=0):
+    def only_sliced(comp, value, part, depth=0, callers=()):
+        """Every use of `value` (elements) ends in a slice to `part` elements; a fusion's root
+        continues at the fusion's users in its caller."""
         found = uses(comp, value)
+        if not found and callers and roots.get(comp) == value:
+            (outer, fusion), *rest = callers
+            return only_sliced(outer, fusion, part, depth + 1, tuple(rest))
         for o, k in found:
-            if o[2] in ("dynamic-slice", "slice") and k == 0 and abs(sum(_arrays(o[1])) - part) < 1e-6:
+            if o[2] in ("dynamic-slice", "slice") and k == 0 and _elements(o[1]) == part:
                 continue
-            if o[2] in ("bitcast", "copy", "reshape", "transpose") and only_sliced(comp, o[0], part, depth + 1):
+            if o[2] in ("bitcast", "copy", "reshape", "transpose", "convert") and only_sliced(
+                    comp, o[0], part, depth + 1, callers):
                 continue
             if o[2] == "fusion":
                 callee = re.search(r"calls=%(\S+?)[,\s]", o[4] + " ").group(1)
                 param = next(p[0] for p in comps[callee] if p[2] == "parameter" and p[3] == str(k))
-                if only_sliced(callee, param, part, depth + 1):
+                if only_sliced(callee, param, part, depth + 1, ((comp, o[0]), *callers)):
                     continue
             return False
-        return bool(found) and depth < 9
+        return bool(found) and depth < 13
 
     def total(comp):
         bytes_, recounted = 0.0, 0
@@ -141,7 +160,8 @@ def dump_total(text: str) -> dict:
                         values = [out] if len(sizes) == 1 else [
                             o[0] for o in comps[comp] if o[2] == "get-tuple-element"
                             and o[3].strip() == f"%{out}" and re.search(rf"\bindex={i}\b", o[4] or "")]
-                        if values and all(only_sliced(comp, v, size / n) for v in values):
+                        elements = _elements(shape) if len(sizes) == 1 else _elements(_ARRAY.findall(shape)[i])
+                        if values and all(only_sliced(comp, v, elements / n) for v in values):
                             element_kind, recounted = "reduce-scatter", recounted + 1
                     bytes_ += {"all-gather": (n - 1) / n, "all-reduce": 2 * (n - 1) / n, "all-to-all": (n - 1) / n,
                                "reduce-scatter": (n - 1) if kind == "reduce-scatter" else (n - 1) / n}[element_kind] * size

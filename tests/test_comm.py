@@ -122,6 +122,35 @@ def test_all_reduce_sliced_to_one_nth_is_a_reduce_scatter():
     assert result["recounted_as_reduce_scatter"] == 1
 
 
+# XLA:CPU's float normalization of a bf16 all-reduce: converts to f32 around it, the slice later
+BF16_BRACKET = """
+%to_bf16 (c0: f32[8,16]) -> bf16[8,16] {
+  %c0 = f32[8,16]{1,0} parameter(0)
+  ROOT %down = bf16[8,16]{1,0} convert(%c0)
+}
+
+%slice_bf16 (s0: f32[4,16], s1: bf16[8,16], s2: s32[]) -> f32[2,16] {
+  %s0 = f32[4,16]{1,0} parameter(0)
+  %s1 = bf16[8,16]{1,0} parameter(1)
+  %s2 = s32[] parameter(2)
+  %up = f32[8,16]{1,0} convert(%s1)
+  %z0 = s32[] constant(0)
+  ROOT %piece.b = f32[2,16]{1,0} dynamic-slice(%up, %s2, %z0), dynamic_slice_sizes={2,16}
+}
+"""
+
+
+def test_float_normalized_all_reduce_sliced_later_is_a_reduce_scatter():
+    entry = """  %p = f32[8,16]{1,0} parameter(0)
+  %other = f32[4,16]{1,0} parameter(1)
+  %off = s32[] constant(2)
+  %ar = f32[8,16]{1,0} all-reduce(%p), channel_id=1, replica_groups={{0,1,2,3},{4,5,6,7}}, use_global_device_ids=true, to_apply=%add
+  %narrow = bf16[8,16]{1,0} fusion(%ar), kind=kLoop, calls=%to_bf16
+  ROOT %piece = f32[2,16]{1,0} fusion(%other, %narrow, %off), kind=kLoop, calls=%slice_bf16"""
+    result = comm.account(module(entry, BF16_BRACKET), MESH_2x4)
+    assert totals(result) == {("reduce-scatter", "b", "ICI"): pytest.approx(3 / 4 * F32_8x16)}
+
+
 def test_tuple_collectives_count_each_element():
     entry = """  %p = f32[8,16]{1,0} parameter(0)
   %q = f32[4]{0} parameter(1)
