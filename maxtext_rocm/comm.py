@@ -169,12 +169,12 @@ class _Walker:
         spans = [self.layout.axes_of(g) for g in groups if len(g) > 1]
         axes = tuple(sorted({a for s, _ in spans for a in s}, key=self.layout.axis_names.index))
         dcn = any(d for _, d in spans)
-        out = []
         if kind == "ragged-all-to-all":
             operand = comp.instructions.get(started.operands[0])
             dt, size = shape_arrays(operand.shape)[0] if operand else arrays[0]
             return [Collective(kind, started.opcode, inst.name, comp.name, axes, dcn, n, dt,
                                size * (n - 1) / n, executions, upper_bound=True, in_unknown_loop=unknown)]
+        out = []
         for index, (dt, size) in enumerate(arrays):
             element_kind, recounted = kind, False
             part = shape_elements(inst.shape if len(arrays) == 1 else tuple_element(inst.shape, index)) / n
@@ -189,7 +189,7 @@ class _Walker:
         return out
 
     def _only_sliced(self, comp: Computation, inst: Instruction, index: int | None, part: float) -> bool:
-        """Whether every use of the all-reduce's result (tuple element `index`) is a slice to `part` bytes."""
+        """Whether every use of the all-reduce's result (tuple element `index`) is a slice to `part` elements."""
         values = [inst.name]
         if index is not None:  # a combined all-reduce: its uses are get-tuple-elements, one per element
             users = [u for u, _ in comp.users[inst.name]]

@@ -41,6 +41,8 @@ ops over key blocks) keeps only b*(n_heads/t)*s fp32 softmax statistics instead)
 `--comm` adds the communication report of the compiled step (maxtext_rocm/comm.py): every
 collective per kind and mesh axis, bytes per device per step, beside the layout's analytic minimum
 (maxtext_rocm/comm_minimum.py, formula printed) and the time at the target's link bandwidths.
+`--target=KIND:NODESxGPUS` (e.g. mi355x:2x8) plans the mesh as NODES hosts of GPUS devices would
+(`mesh.dcn.*` axes across hosts), so DCN bytes are reported apart from ICI.
 
 `--search` (and any config that does not fit) looks for the largest per-device batch that fits
 under each remat policy by the estimate, then confirms the recommendation with a real compile
@@ -64,7 +66,7 @@ TARGETS = {
 FNUZ_TARGETS = ("mi300x", "mi325x")  # gfx942: fp8 "auto" resolves to FNUZ there
 NVIDIA_PREFIXES = ("h100", "h200", "b200")
 GIB = 2 ** 30
-USAGE = ("usage: python -m maxtext_rocm.compile CONFIG.py[:VARIANT] --target=KIND:N "
+USAGE = ("usage: python -m maxtext_rocm.compile CONFIG.py[:VARIANT] --target=KIND:N|KIND:NODESxGPUS "
          f"[--search] [--comm] [--max-compiles=K] [--usable=0.92] [--json OUT] [--config.KEY=VALUE ...]; "
          f"KIND is one of {', '.join(TARGETS)}")
 # Least recomputation first: the first policy that fits is the fastest one that fits.
