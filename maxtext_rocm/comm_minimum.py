@@ -17,7 +17,8 @@ Symbols (mesh axis sizes from the config's resolved mesh shape, ICI x DCN):
            MoE layer (q,k,v,o)/t + the router d*n_experts
     P_e  = one layer's expert weights per expert-axis shard: 3*d*mlp*n_experts/(E*t)
     w  = bytes of a gathered weight, g = gathers per layer per micro-batch, c = activation bytes,
-    4  = bytes of a gradient (parameters and their gradients are fp32 under every policy)
+    4  = bytes of a gradient element: the parameters' dtype, fp32 under every policy of
+         maxtext_rocm/precision.py (`param_bytes` sets another; the formulas below write it 4)
 
 Terms (each is 0 when its axis has size 1):
     layer weights   A*L*(g*w + 4)*(F-1)/F*P_l          ZeRO-3: gathered for the forward and
@@ -55,9 +56,12 @@ Terms (each is 0 when its axis has size 1):
     sequence        A*L*(g + 1)*2*(S-1)*T*kv/t*c        K and V all-gathered (forward, recompute),
                                                         their gradients reduce-scattered
 
-Dtypes: `w` and `c` are 4 (fp32) in the CPU figure, the dtype XLA:CPU shows (its float
-normalization makes bf16 collectives f32); the GPU figure takes w = c = 2 under bf16 and fp8
-(weights cast to bf16 before the gather; fp8 quantizes after it), 4 under fp32. Gradients stay 4.
+Dtypes: every term is in 4-byte elements in the CPU figure, the dtype XLA:CPU shows (its float
+normalization turns bf16 all-gathers, all-reduces, reduce-scatters and all-to-alls into f32 ones,
+checked on jax 0.10.2; so on the CPU a weight cast to bf16 before its gather cannot be seen in
+the bytes, only in the HLO's converts). The GPU figure takes c = 2 under bf16 and fp8, 4 under
+fp32; w = the smaller of c and the parameters' bytes (weights cast to bf16 before the gather, fp8
+quantizing after it); gradients in the parameters' dtype.
 
 Not counted: the per-token softmax statistics a vocab-split loss all-reduces ([T] scalars, under
 tensor), the router's auxiliary-loss statistics, the optimizer's global gradient norm (one scalar),
@@ -66,7 +70,7 @@ and metrics.
 
 from __future__ import annotations
 
-GRAD_BYTES = 4  # parameters and gradients are fp32 under every policy (precision.Policy)
+GRAD_BYTES = 4  # parameters and gradients are fp32 under every policy (precision.Policy.param_dtype)
 
 
 def _params(m, t: int, E: int) -> tuple[float, float]:
@@ -78,7 +82,7 @@ def _params(m, t: int, E: int) -> tuple[float, float]:
     return (attention + 3 * m.d_model * m.mlp_dim) / t, 0.0
 
 
-def minimum(model_cfg, train_cfg, policy: str, sizes: dict[str, int]) -> dict:
+def minimum(model_cfg, train_cfg, policy: str, sizes: dict[str, int], param_bytes: int = GRAD_BYTES) -> dict:
     """The minimum bytes per device per step: {"terms": [...], "cpu_bytes", "gpu_bytes"}, each term
     with its mesh axes, CPU-dtype and GPU-dtype bytes, and its formula with the numbers put in."""
     m = model_cfg
@@ -98,26 +102,26 @@ def minimum(model_cfg, train_cfg, policy: str, sizes: dict[str, int]) -> dict:
     gpu_c = 4 if policy == "fp32" else 2
     head_tables = 1 if m.tie_embeddings else 2
 
-    def terms(w: float, c: float) -> list[tuple[str, str, float, str]]:
+    def terms(w: float, c: float, gb: float) -> list[tuple[str, str, float, str]]:
         rows = [
-            ("layer weights", zero, A * L * (g * w + 4) * (F - 1) / F * P_l,
-             f"A*L*(g*w+4)*(F-1)/F*P_l = {A}*{L}*({g}*{w}+4)*({F}-1)/{F}*{P_l:.0f}"),
-            ("expert weights", zero_e, A * L * (g * w + 4) * (Fe - 1) / Fe * P_e,
-             f"A*L*(g*w+4)*(Fe-1)/Fe*P_e = {A}*{L}*({g}*{w}+4)*({Fe}-1)/{Fe}*{P_e:.0f}"),
-            ("LM head", zero, A * (w + 4) * (F - 1) / F * d * V / t,
-             f"A*(w+4)*(F-1)/F*d*V/t = {A}*({w}+4)*({F}-1)/{F}*{d}*{V}/{t}"),
+            ("layer weights", zero, A * L * (g * w + gb) * (F - 1) / F * P_l,
+             f"A*L*(g*w+4)*(F-1)/F*P_l = {A}*{L}*({g}*{w}+{gb})*({F}-1)/{F}*{P_l:.0f}"),
+            ("expert weights", zero_e, A * L * (g * w + gb) * (Fe - 1) / Fe * P_e,
+             f"A*L*(g*w+4)*(Fe-1)/Fe*P_e = {A}*{L}*({g}*{w}+{gb})*({Fe}-1)/{Fe}*{P_e:.0f}"),
+            ("LM head", zero, A * (w + gb) * (F - 1) / F * d * V / t,
+             f"A*(w+4)*(F-1)/F*d*V/t = {A}*({w}+{gb})*({F}-1)/{F}*{d}*{V}/{t}"),
         ]
         if not m.tie_embeddings:
-            table = (w + 4) * (F - 1) / F * d * V / t
+            table = (w + gb) * (F - 1) / F * d * V / t
             exchange = (F - 1) / F * 2 * T * d * c + (F - 1) * T * 4
             rows.append(("embedding", zero, A * min(table, exchange),
                          f"A*min((w+4)*(F-1)/F*d*V/t, (F-1)/F*2*T*d*c+(F-1)*T*4) = {A}*min({table:.0f}, {exchange:.0f})"))
         grads = L * (P_l / F + P_e / Fe) + head_tables * d * V / (F * t)
         rows += [
-            ("data-parallel gradients", "data", 2 * (D - 1) / D * GRAD_BYTES * grads,
-             f"2*(D-1)/D*4*(L*(P_l/F+P_e/Fe)+{head_tables}*d*V/(F*t)) = 2*({D}-1)/{D}*4*{grads:.0f}"),
-            ("norm scales", batch, 2 * (Nb - 1) / Nb * GRAD_BYTES * (2 * L + 1) * d,
-             f"2*(Nb-1)/Nb*4*(2L+1)*d = 2*({Nb}-1)/{Nb}*4*{2 * L + 1}*{d}"),
+            ("data-parallel gradients", "data", 2 * (D - 1) / D * gb * grads,
+             f"2*(D-1)/D*4*(L*(P_l/F+P_e/Fe)+{head_tables}*d*V/(F*t)) = 2*({D}-1)/{D}*{gb}*{grads:.0f}"),
+            ("norm scales", batch, 2 * (Nb - 1) / Nb * gb * (2 * L + 1) * d,
+             f"2*(Nb-1)/Nb*4*(2L+1)*d = 2*({Nb}-1)/{Nb}*{gb}*{2 * L + 1}*{d}"),
             ("tensor activations", "tensor", A * (n_t * L + 2) * 2 * (t - 1) / t * T * d * c,
              f"A*(n_t*L+2)*2*(t-1)/t*T*d*c = {A}*({n_t}*{L}+2)*2*({t}-1)/{t}*{T:.0f}*{d}*{c}"),
             ("expert dispatch/combine", "expert", A * n_e * L * (E - 1) / E * T * k * d * c if moe else 0.0,
@@ -127,7 +131,7 @@ def minimum(model_cfg, train_cfg, policy: str, sizes: dict[str, int]) -> dict:
         ]
         return rows
 
-    cpu, gpu = terms(4, 4), terms(gpu_c, gpu_c)
+    cpu, gpu = terms(4, 4, 4), terms(min(gpu_c, param_bytes), gpu_c, param_bytes)
     out = [{"term": name, "axes": axes or "-", "cpu_bytes": b_cpu, "gpu_bytes": b_gpu,
             "formula": formula, "gpu_formula": gpu_formula}
            for (name, axes, b_cpu, formula), (_, _, b_gpu, gpu_formula) in zip(cpu, gpu) if b_cpu > 0]
@@ -135,4 +139,5 @@ def minimum(model_cfg, train_cfg, policy: str, sizes: dict[str, int]) -> dict:
             "gpu_bytes": sum(r["gpu_bytes"] for r in out),
             "symbols": {"D": D, "Fs": Fs, "E": E, "S": S, "t": t, "F": F, "Fe": Fe, "Nb": Nb, "A": A,
                         "T": T, "L": L, "d": d, "V": V, "k": k, "kv": kv, "P_l": P_l, "P_e": P_e,
-                        "g": g, "n_t": n_t, "n_e": n_e, "w_gpu": gpu_c, "c_gpu": gpu_c}}
+                        "g": g, "n_t": n_t, "n_e": n_e, "w_gpu": min(gpu_c, param_bytes), "c_gpu": gpu_c,
+                        "grad_bytes_gpu": param_bytes}}

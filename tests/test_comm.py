@@ -328,3 +328,11 @@ def test_minimum_terms_of_the_other_axes():
     assert terms["tensor activations"]["cpu_bytes"] == pytest.approx((4 * 2 + 2) * 2 * 3 / 4 * (2 * 32 * 4) * 64 * 4)
     layer = (attention + 3 * 64 * 128) / 4
     assert terms["layer weights"]["cpu_bytes"] == pytest.approx(2 * (1 * 4 + 4) * 1 / 2 * layer)
+    # the GPU figure under bf16: weights gathered in bf16, gradients reduce-scattered in fp32; with
+    # bf16 parameters the gradients cross in bf16 too
+    bf16 = {t["term"]: t for t in comm_minimum.minimum(m, train, "bf16", sizes)["terms"]}
+    assert bf16["layer weights"]["cpu_bytes"] == terms["layer weights"]["cpu_bytes"]
+    assert bf16["layer weights"]["gpu_bytes"] == pytest.approx(2 * (1 * 2 + 4) * 1 / 2 * layer)
+    bf16_params = {t["term"]: t for t in comm_minimum.minimum(m, train, "bf16", sizes, param_bytes=2)["terms"]}
+    assert bf16_params["layer weights"]["gpu_bytes"] == pytest.approx(2 * (1 * 2 + 2) * 1 / 2 * layer)
+    assert bf16_params["layer weights"]["cpu_bytes"] == terms["layer weights"]["cpu_bytes"]
