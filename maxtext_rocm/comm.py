@@ -304,7 +304,12 @@ def report(hlo_text: str, layout: MeshLayout, model_cfg, train_cfg, policy: str,
         dcn = any(layout.dcn_sizes[layout.axis_names.index(a)] > 1 for a in axes)
         least_by_link["DCN" if dcn else "ICI"] += term["cpu_bytes"]
     measured.pop("collectives")
-    return {**measured, "minimum": least, "ratio": measured["total_bytes"] / least["cpu_bytes"],
+    by_axes = defaultdict(lambda: {"measured_bytes": 0.0, "minimum_bytes": 0.0})
+    for row in measured["rows"]:
+        by_axes[row["axes"]]["measured_bytes"] += row["bytes"]
+    for term in least["terms"]:
+        by_axes[term["axes"]]["minimum_bytes"] += term["cpu_bytes"]
+    return {**measured, "by_axes": dict(sorted(by_axes.items())), "minimum": least, "ratio": measured["total_bytes"] / least["cpu_bytes"],
             "target": kind, "link": LINKS[kind],
             "measured_seconds": link_seconds(measured["bytes_by_link"], kind),
             "minimum_seconds": link_seconds(least_by_link, kind), "policy": policy}
@@ -333,7 +338,8 @@ def format_report(r: dict) -> str:
         lines.append(f"  {t['term']:<26}{t['axes']:<22}{t['cpu_bytes'] / MIB:>10.2f} MiB   {t['formula']}")
     lines.append(f"  {'minimum':<48}{least['cpu_bytes'] / MIB:>10.2f} MiB   (GPU dtypes: "
                  f"{least['gpu_bytes'] / MIB:.2f} MiB)")
-    lines.append(f"measured / minimum = {r['ratio']:.2f}")
+    lines.append(f"measured / minimum = {r['ratio']:.2f}; by mesh axes: " + ", ".join(
+        f"{axes} {v['measured_bytes'] / MIB:.2f} / {v['minimum_bytes'] / MIB:.2f} MiB" for axes, v in r["by_axes"].items()))
     lines.append(f"time at {r['target']} link bandwidth ({name} {intra:g} GB/s, NIC {inter:g} GB/s per GPU "
                  f"per direction): measured {r['measured_seconds'] * 1e3:.3f} ms, minimum "
                  f"{r['minimum_seconds'] * 1e3:.3f} ms per step (bytes / bandwidth, no overlap, no latency)")

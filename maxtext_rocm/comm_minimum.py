@@ -96,7 +96,8 @@ def minimum(model_cfg, train_cfg, policy: str, sizes: dict[str, int], param_byte
     n_t = 5 if m.remat == "full" else 4
     n_e = 4 if m.remat == "none" else 5
     moe = m.n_experts > 1
-    zero = ",".join(a for a, n in (("fsdp", Fs), ("sequence", S), ("expert", E)) if n > 1)
+    # axis labels in the mesh's order (data, fsdp, expert, sequence, tensor), as comm.py writes them
+    zero = ",".join(a for a, n in (("fsdp", Fs), ("expert", E), ("sequence", S)) if n > 1)
     zero_e = ",".join(a for a, n in (("fsdp", Fs), ("sequence", S)) if n > 1)
     batch = ",".join(a for a, n in (("data", D), ("fsdp", Fs), ("expert", E), ("sequence", S)) if n > 1)
     gpu_c = 4 if policy == "fp32" else 2
