@@ -92,7 +92,7 @@ def test_nested_loops_multiply_and_a_loop_without_trip_count_is_flagged():
 
 
 def _with_minimum(measured):
-    return {**measured, "minimum": {"terms": [], "cpu_bytes": 1.0, "gpu_bytes": 1.0}, "ratio": 1.0,
+    return {**measured, "by_axes": {}, "minimum": {"terms": [], "cpu_bytes": 1.0, "gpu_bytes": 1.0}, "ratio": 1.0,
             "target": "mi300x", "link": comm.LINKS["mi300x"], "measured_seconds": 0.0,
             "minimum_seconds": 0.0, "policy": "fp32"}
 
