@@ -1,6 +1,6 @@
 """Will it fit? Ahead-of-time compile of the real train step for a target GPU node, on this CPU.
 
-    python -m maxtext_rocm.compile CONFIG.py[:VARIANT] --target=mi355x:8 [--search] [--json OUT]
+    python -m maxtext_rocm.compile CONFIG.py[:VARIANT] --target=mi355x:8 [--search] [--comm] [--json OUT]
                                    [--config.GROUP.KEY=VALUE ...]
 
 The train step (`train.jit_train_step`, the one the Trainer runs) is lowered and compiled against
@@ -38,6 +38,12 @@ ops over key blocks) keeps only b*(n_heads/t)*s fp32 softmax statistics instead)
     or an fp8 LM head): T_c = T and no separate head-gradient sum.
                   + 2*one layer's parameters in fp32 when they are sharded (FSDP all-gather, prefetched)
 
+`--comm` adds the communication report of the compiled step (maxtext_rocm/comm.py): every
+collective per kind and mesh axis, bytes per device per step, beside the layout's analytic minimum
+(maxtext_rocm/comm_minimum.py, formula printed) and the time at the target's link bandwidths.
+`--target=KIND:NODESxGPUS` (e.g. mi355x:2x8) plans the mesh as NODES hosts of GPUS devices would
+(`mesh.dcn.*` axes across hosts), so DCN bytes are reported apart from ICI.
+
 `--search` (and any config that does not fit) looks for the largest per-device batch that fits
 under each remat policy by the estimate, then confirms the recommendation with a real compile
 (at most `--max-compiles`, so the search stays bounded in time).
@@ -60,19 +66,47 @@ TARGETS = {
 FNUZ_TARGETS = ("mi300x", "mi325x")  # gfx942: fp8 "auto" resolves to FNUZ there
 NVIDIA_PREFIXES = ("h100", "h200", "b200")
 GIB = 2 ** 30
-USAGE = ("usage: python -m maxtext_rocm.compile CONFIG.py[:VARIANT] --target=KIND:N "
-         f"[--search] [--max-compiles=K] [--usable=0.92] [--json OUT] [--config.KEY=VALUE ...]; "
+USAGE = ("usage: python -m maxtext_rocm.compile CONFIG.py[:VARIANT] --target=KIND:N|KIND:NODESxGPUS "
+         f"[--search] [--comm] [--max-compiles=K] [--usable=0.92] [--json OUT] [--config.KEY=VALUE ...]; "
          f"KIND is one of {', '.join(TARGETS)}")
 # Least recomputation first: the first policy that fits is the fastest one that fits.
 REMAT_ORDER = ("none", "save_dots", "minimal", "full")
 
 
 def parse_target(text: str) -> tuple[str, int]:
+    """(kind, device count) of `KIND:N`, or of `KIND:NODESxGPUS` (NODES*GPUS devices; see target_nodes)."""
     kind, _, count = text.lower().partition(":")
-    if kind not in TARGETS or not (count or "1").isdigit() or int(count or 1) < 1:
-        raise ValueError(f"--target={text!r} is not valid; use KIND:N with KIND one of "
-                         f"{', '.join(TARGETS)} and N a device count, e.g. mi355x:8")
-    return kind, int(count or 1)
+    nodes, _, gpus = (count or "1").rpartition("x")
+    if kind not in TARGETS or not gpus.isdigit() or not (nodes or "1").isdigit() or int(gpus) < 1 \
+            or int(nodes or 1) < 1:
+        raise ValueError(f"--target={text!r} is not valid; use KIND:N or KIND:NODESxGPUS with KIND one of "
+                         f"{', '.join(TARGETS)}, e.g. mi355x:8 or mi355x:2x8")
+    return kind, int(nodes or 1) * int(gpus)
+
+
+def target_nodes(text: str) -> int:
+    """NODES of `KIND:NODESxGPUS` (1 for `KIND:N`): the processes a cluster run would have."""
+    count = text.lower().partition(":")[2]
+    return int(count.partition("x")[0]) if "x" in count else 1
+
+
+def cluster_mesh(mesh_cfg, devices, nodes: int):
+    """The mesh a run on `nodes` hosts would build (sharding.make_mesh with one process per host),
+    from fake devices of one process: node n holds devices n*G..(n+1)*G-1, an axis's DCN part is
+    its major factor, as mesh_utils.create_hybrid_device_mesh lays it out."""
+    import numpy as np
+    from jax.sharding import AxisType, Mesh
+
+    from maxtext_rocm import config as config_lib
+
+    shape = config_lib.mesh_shape(mesh_cfg, len(devices), nodes)
+    ici = [shape["ici"][a] for a in config_lib.MESH_AXES]
+    dcn = [shape["dcn"][a] for a in config_lib.MESH_AXES]
+    grid = np.asarray(devices, dtype=object).reshape(*dcn, *ici)  # node-major, then the node's mesh
+    k = len(ici)
+    interleaved = grid.transpose([x for a in range(k) for x in (a, k + a)])  # (dcn_0, ici_0, dcn_1, ...)
+    return Mesh(interleaved.reshape([i * d for i, d in zip(ici, dcn)]), config_lib.MESH_AXES,
+                axis_types=(AxisType.Auto,) * k)
 
 
 def force_host_devices(n: int) -> None:
@@ -153,8 +187,10 @@ def _layer_param_bytes(cfg, axis_sizes) -> float:
 # The compile
 
 
-def analyse(cfg, kind: str, n_devices: int, usable: float = 0.92, compile_it: bool = True) -> dict:
-    """Lowers and compiles the train step for `n_devices` (fake CPU devices); returns a report."""
+def analyse(cfg, kind: str, n_devices: int, usable: float = 0.92, compile_it: bool = True,
+            comm: bool = False, nodes: int = 1) -> dict:
+    """Lowers and compiles the train step for `n_devices` (fake CPU devices) on `nodes` hosts;
+    returns a report."""
     import jax
     import jax.numpy as jnp
     from flax import linen as nn
@@ -171,9 +207,9 @@ def analyse(cfg, kind: str, n_devices: int, usable: float = 0.92, compile_it: bo
     if cfg.model.attention == "auto":  # the target's, as the Trainer would resolve it there
         cfg.model.attention = flash_attention_for(kind)
     devices = jax.devices()[:n_devices]
-    config_lib.validate(cfg, n_devices, 1)
-    mesh = sharding.make_mesh(cfg.mesh, devices)
-    sizes = config_lib.axis_sizes(config_lib.mesh_shape(cfg.mesh, n_devices, 1))
+    config_lib.validate(cfg, n_devices, nodes)
+    mesh = sharding.make_mesh(cfg.mesh, devices) if nodes == 1 else cluster_mesh(cfg.mesh, devices, nodes)
+    sizes = config_lib.axis_sizes(config_lib.mesh_shape(cfg.mesh, n_devices, nodes))
     policy = policy_from_config(cfg.precision, devices[0], platform="gpu")  # every target is a GPU
     cpu_model_cfg = copy.deepcopy(cfg.model)
     if cpu_model_cfg.attention == "cudnn":  # same parameters; the CPU cannot trace cuDNN's attention
@@ -230,6 +266,11 @@ def analyse(cfg, kind: str, n_devices: int, usable: float = 0.92, compile_it: bo
         lowered = step.lower(abstract, batch, optimizer_hyperparameters(cfg, mesh, abstract=True))
         compiled = lowered.compile()
     report["compile_s"] = time.perf_counter() - started
+    if comm:
+        from maxtext_rocm import comm as comm_lib
+        layout = comm_lib.MeshLayout.of(mesh, config_lib.mesh_shape(cfg.mesh, n_devices, nodes), compiled)
+        report["comm"] = comm_lib.report(compiled.as_text(), layout, cfg.model, cfg.train,
+                                         cfg.precision.policy, kind)
     mem = compiled.memory_analysis()
     if mem is not None:
         args, out = mem.argument_size_in_bytes, mem.output_size_in_bytes
@@ -247,7 +288,7 @@ def flash_attention_for(kind: str) -> str:
     return "cudnn" if kind.startswith(NVIDIA_PREFIXES) else "blockwise"
 
 
-def search(cfg, kind: str, n_devices: int, usable: float, max_compiles: int, log=print) -> dict:
+def search(cfg, kind: str, n_devices: int, usable: float, max_compiles: int, log=print, nodes: int = 1) -> dict:
     """Largest per-device batch that fits for each remat policy (by the estimate), confirmed by
     compiling at most `max_compiles` candidates."""
     def with_(remat, batch, attention=None):
@@ -261,7 +302,8 @@ def search(cfg, kind: str, n_devices: int, usable: float, max_compiles: int, log
         for remat in REMAT_ORDER:
             best, batch = None, 1
             while batch <= 256:
-                if not analyse(with_(remat, batch, attention), kind, n_devices, usable, compile_it=False)["fits"]:
+                if not analyse(with_(remat, batch, attention), kind, n_devices, usable, compile_it=False,
+                               nodes=nodes)["fits"]:
                     break
                 best, batch = batch, batch * 2
             largest[remat] = best
@@ -282,7 +324,7 @@ def search(cfg, kind: str, n_devices: int, usable: float, max_compiles: int, log
         candidates.append((result["largest_batch_remat"], result["largest_batch"]))
     for remat, batch in candidates[:max_compiles]:
         log(f"  confirming remat={remat} per_device_batch_size={batch} by compiling ...")
-        r = analyse(with_(remat, batch), kind, n_devices, usable)
+        r = analyse(with_(remat, batch), kind, n_devices, usable, nodes=nodes)
         confirmed.append({"remat": remat, "per_device_batch_size": batch, "compile_s": r.get("compile_s"),
                           "analytic_total_bytes": r["analytic_total_bytes"],
                           "xla_total_bytes": r.get("xla_total_bytes"), "fits": r["fits"]})
@@ -383,7 +425,7 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE, file=sys.stderr)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     spec, rest = argv[0], argv[1:]
-    options = {"target": None, "search": False, "max-compiles": "2", "usable": "0.92", "json": None}
+    options = {"target": None, "search": False, "comm": False, "max-compiles": "2", "usable": "0.92", "json": None}
     overrides, i = [], 0
     while i < len(rest):
         arg = rest[i]
@@ -393,8 +435,8 @@ def main(argv: list[str] | None = None) -> int:
             if "=" not in arg and i + 1 < len(rest):
                 overrides.append(rest[i + 1])
                 i += 1
-        elif name == "search":
-            options["search"] = True
+        elif name in ("search", "comm") and "=" not in arg:
+            options[name] = True
         elif name in options:
             if "=" in arg:
                 options[name] = arg.split("=", 1)[1]
@@ -417,13 +459,17 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         cfg = config_lib.load(spec, overrides)
-        report = analyse(cfg, kind, n, usable)
+        nodes = target_nodes(options["target"])
+        report = analyse(cfg, kind, n, usable, comm=options["comm"], nodes=nodes)
         if options["search"] or not report["fits"]:
-            report["search"] = search(cfg, kind, n, usable, max_compiles)
+            report["search"] = search(cfg, kind, n, usable, max_compiles, nodes=nodes)
     except config_lib.UserError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     print(format_report(report), flush=True)
+    if "comm" in report:
+        from maxtext_rocm import comm as comm_lib
+        print(comm_lib.format_report(report["comm"]), flush=True)
     if options["json"]:
         with open(options["json"], "w") as f:
             json.dump(report, f, indent=2)

@@ -1,0 +1,144 @@
+"""The analytic minimum of bytes leaving each device per train step, for a layout.
+
+Every parallel layout must move some data; this is the least a ring-collective implementation of
+that layout sends, per device, per step, counted as comm.py counts the compiled program (bytes
+leaving one device: all-gather (N-1)/N x result, reduce-scatter (N-1)/N x input, all-reduce
+2(N-1)/N x size, all-to-all (N-1)/N x size). The report holds the compiled program to it.
+
+Symbols (mesh axis sizes from the config's resolved mesh shape, ICI x DCN):
+    D = data, Fs = fsdp, E = expert, S = sequence, t = tensor
+    F  = Fs*S*E   the ZeRO-3 group of dense weights (the "embed" axis, maxtext_rocm/sharding.py)
+    Fe = Fs*S     the ZeRO-3 group of expert weights (split over E, gathered over the rest)
+    Nb = D*Fs*E*S the devices that hold different tokens
+    A  = train.grad_accum micro-batches; T = tokens per device per micro-batch
+         = per_device_batch_size * seq_len * t / A
+    L layers, d d_model, V vocab, k experts_per_token, kv = n_kv_heads*head_dim
+    P_l  = one layer's dense matmul weights split by tensor: (q,k,v,o + gate,up,down)/t, or for a
+           MoE layer (q,k,v,o)/t + the router d*n_experts
+    P_e  = one layer's expert weights per expert-axis shard: 3*d*mlp*n_experts/(E*t)
+    w  = bytes of a gathered weight, g = gathers per layer per micro-batch, c = activation bytes,
+    4  = bytes of a gradient element: the parameters' dtype, fp32 under every policy of
+         maxtext_rocm/precision.py (`param_bytes` sets another; the formulas below write it 4)
+
+Terms (each is 0 when its axis has size 1):
+    layer weights   A*L*(g*w + 4)*(F-1)/F*P_l          ZeRO-3: gathered for the forward and
+                                                        again for the remat'd backward (g=2; g=1
+                                                        with remat "none", where the forward's
+                                                        gathered copy may be kept), gradient
+                                                        reduce-scattered
+    expert weights  A*L*(g*w + 4)*(Fe-1)/Fe*P_e
+    LM head         A*(w + 4)*(F-1)/F*d*V/t            gathered once per micro-batch (forward and
+                                                        backward share it), reduce-scattered once
+    embedding       untied: A*min((w + 4)*(F-1)/F*d*V/t, the table gathered and reduce-scattered,
+                                  (F-1)/F*2*T*d*c      or its rows exchanged (the embedding is
+                                  + (F-1)*T*4)         split along d: token ids all-gathered, rows
+                                                        and their gradients all-to-all'ed)
+                    tied: 0 (the head's gather and reduce-scatter serve it)
+    data parallel   2*(D-1)/D*4*(L*(P_l/F + P_e/Fe) + (1 or 2)*d*V/(F*t))
+                                                        the sharded gradients all-reduced over
+                                                        `data`, once per step
+    norm scales     2*(Nb-1)/Nb*4*(2L+1)*d              replicated: gradients all-reduced
+    tensor          A*(n_t*L + 2)*2*(t-1)/t*T*d*c       n_t=5 under remat "full": 2 in the forward
+                                                        (attention out, MLP down), 1 in the recompute
+                                                        (attention out feeds the MLP; the MLP's output
+                                                        is not needed by the backward), 2 in the
+                                                        backward (input gradients of the fused q,k,v
+                                                        and of gate/up); n_t=4 otherwise (nothing
+                                                        recomputed, or the projections' outputs
+                                                        kept); +2: the embedding's output (a vocab
+                                                        shard's rows) and the head's input gradient
+    expert          A*n_e*L*(E-1)/E*T*k*d*c             dispatch and combine all-to-alls: 2 in the
+                                                        forward, 1 (dispatch) in the recompute, 2 in
+                                                        the backward: n_e=5 under any remat policy
+                                                        (no policy keeps an all-to-all's output),
+                                                        4 with remat "none"; capacity slots beyond
+                                                        T*k are overhead, not minimum
+    sequence        A*L*(g + 1)*2*(S-1)*T*kv/t*c        K and V all-gathered (forward, recompute),
+                                                        their gradients reduce-scattered
+
+Dtypes: every term is in 4-byte elements in the CPU figure, the dtype XLA:CPU shows (its float
+normalization turns bf16 all-gathers, all-reduces, reduce-scatters and all-to-alls into f32 ones,
+checked on jax 0.10.2; so on the CPU a weight cast to bf16 before its gather cannot be seen in
+the bytes, only in the HLO's converts). The GPU figure takes c = 2 under bf16 and fp8, 4 under
+fp32; w = the smaller of c and the parameters' bytes (weights cast to bf16 before the gather, fp8
+quantizing after it); gradients in the parameters' dtype.
+
+Not counted: the per-token softmax statistics a vocab-split loss all-reduces ([T] scalars, under
+tensor), the router's auxiliary-loss statistics, the optimizer's global gradient norm (one scalar),
+and metrics.
+"""
+
+from __future__ import annotations
+
+GRAD_BYTES = 4  # parameters and gradients are fp32 under every policy (precision.Policy.param_dtype)
+
+
+def _params(m, t: int, E: int) -> tuple[float, float]:
+    """(P_l, P_e): one layer's dense matmul weights per tensor shard, and its expert weights per
+    expert x tensor shard."""
+    attention = (2 * m.n_heads + 2 * m.n_kv_heads) * m.head_dim * m.d_model
+    if m.n_experts > 1:
+        return attention / t + m.d_model * m.n_experts, 3 * m.d_model * m.mlp_dim * m.n_experts / (E * t)
+    return (attention + 3 * m.d_model * m.mlp_dim) / t, 0.0
+
+
+def minimum(model_cfg, train_cfg, policy: str, sizes: dict[str, int], param_bytes: int = GRAD_BYTES) -> dict:
+    """The minimum bytes per device per step: {"terms": [...], "cpu_bytes", "gpu_bytes"}, each term
+    with its mesh axes, CPU-dtype and GPU-dtype bytes, and its formula with the numbers put in."""
+    m = model_cfg
+    D, Fs, E, S, t = (sizes.get(a, 1) for a in ("data", "fsdp", "expert", "sequence", "tensor"))
+    F, Fe, Nb, A = Fs * S * E, Fs * S, D * Fs * E * S, train_cfg.grad_accum
+    T = train_cfg.per_device_batch_size * train_cfg.seq_len * t / A
+    L, d, V, k = m.n_layers, m.d_model, m.vocab_size, m.experts_per_token
+    kv = m.n_kv_heads * m.head_dim
+    P_l, P_e = _params(m, t, E)
+    g = 1 if m.remat == "none" else 2
+    n_t = 5 if m.remat == "full" else 4
+    n_e = 4 if m.remat == "none" else 5
+    moe = m.n_experts > 1
+    # axis labels in the mesh's order (data, fsdp, expert, sequence, tensor), as comm.py writes them
+    zero = ",".join(a for a, n in (("fsdp", Fs), ("expert", E), ("sequence", S)) if n > 1)
+    zero_e = ",".join(a for a, n in (("fsdp", Fs), ("sequence", S)) if n > 1)
+    batch = ",".join(a for a, n in (("data", D), ("fsdp", Fs), ("expert", E), ("sequence", S)) if n > 1)
+    gpu_c = 4 if policy == "fp32" else 2
+    head_tables = 1 if m.tie_embeddings else 2
+
+    def terms(w: float, c: float, gb: float) -> list[tuple[str, str, float, str]]:
+        rows = [
+            ("layer weights", zero, A * L * (g * w + gb) * (F - 1) / F * P_l,
+             f"A*L*(g*w+4)*(F-1)/F*P_l = {A}*{L}*({g}*{w}+{gb})*({F}-1)/{F}*{P_l:.0f}"),
+            ("expert weights", zero_e, A * L * (g * w + gb) * (Fe - 1) / Fe * P_e,
+             f"A*L*(g*w+4)*(Fe-1)/Fe*P_e = {A}*{L}*({g}*{w}+{gb})*({Fe}-1)/{Fe}*{P_e:.0f}"),
+            ("LM head", zero, A * (w + gb) * (F - 1) / F * d * V / t,
+             f"A*(w+4)*(F-1)/F*d*V/t = {A}*({w}+{gb})*({F}-1)/{F}*{d}*{V}/{t}"),
+        ]
+        if not m.tie_embeddings:
+            table = (w + gb) * (F - 1) / F * d * V / t
+            exchange = (F - 1) / F * 2 * T * d * c + (F - 1) * T * 4
+            rows.append(("embedding", zero, A * min(table, exchange),
+                         f"A*min((w+4)*(F-1)/F*d*V/t, (F-1)/F*2*T*d*c+(F-1)*T*4) = {A}*min({table:.0f}, {exchange:.0f})"))
+        grads = L * (P_l / F + P_e / Fe) + head_tables * d * V / (F * t)
+        rows += [
+            ("data-parallel gradients", "data", 2 * (D - 1) / D * gb * grads,
+             f"2*(D-1)/D*4*(L*(P_l/F+P_e/Fe)+{head_tables}*d*V/(F*t)) = 2*({D}-1)/{D}*{gb}*{grads:.0f}"),
+            ("norm scales", batch, 2 * (Nb - 1) / Nb * gb * (2 * L + 1) * d,
+             f"2*(Nb-1)/Nb*4*(2L+1)*d = 2*({Nb}-1)/{Nb}*{gb}*{2 * L + 1}*{d}"),
+            ("tensor activations", "tensor", A * (n_t * L + 2) * 2 * (t - 1) / t * T * d * c,
+             f"A*(n_t*L+2)*2*(t-1)/t*T*d*c = {A}*({n_t}*{L}+2)*2*({t}-1)/{t}*{T:.0f}*{d}*{c}"),
+            ("expert dispatch/combine", "expert", A * n_e * L * (E - 1) / E * T * k * d * c if moe else 0.0,
+             f"A*n_e*L*(E-1)/E*T*k*d*c = {A}*{n_e}*{L}*({E}-1)/{E}*{T:.0f}*{k}*{d}*{c}"),
+            ("sequence K/V", "sequence", A * L * (g + 1) * 2 * (S - 1) * T * kv / t * c,
+             f"A*L*(g+1)*2*(S-1)*T*kv/t*c = {A}*{L}*({g}+1)*2*({S}-1)*{T:.0f}*{kv}/{t}*{c}"),
+        ]
+        return rows
+
+    cpu, gpu = terms(4, 4, 4), terms(min(gpu_c, param_bytes), gpu_c, param_bytes)
+    out = [{"term": name, "axes": axes or "-", "cpu_bytes": b_cpu, "gpu_bytes": b_gpu,
+            "formula": formula, "gpu_formula": gpu_formula}
+           for (name, axes, b_cpu, formula), (_, _, b_gpu, gpu_formula) in zip(cpu, gpu) if b_cpu > 0]
+    return {"terms": out, "cpu_bytes": sum(r["cpu_bytes"] for r in out),
+            "gpu_bytes": sum(r["gpu_bytes"] for r in out),
+            "symbols": {"D": D, "Fs": Fs, "E": E, "S": S, "t": t, "F": F, "Fe": Fe, "Nb": Nb, "A": A,
+                        "T": T, "L": L, "d": d, "V": V, "k": k, "kv": kv, "P_l": P_l, "P_e": P_e,
+                        "g": g, "n_t": n_t, "n_e": n_e, "w_gpu": min(gpu_c, param_bytes), "c_gpu": gpu_c,
+                        "grad_bytes_gpu": param_bytes}}
