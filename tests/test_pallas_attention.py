@@ -33,7 +33,8 @@ def inputs(seq, heads, kv_heads, head_dim, dtype, documents, batch=2):
     segments = None
     if documents:  # uneven boundaries, a different split per row, one document longer than a block
         bounds = np.array([[seq // 3, seq // 3 + 5], [7, seq - 9]])
-        segments = jnp.asarray(np.stack([np.searchsorted(b, np.arange(seq), side="right") for b in bounds]), jnp.int32)
+        rows = [np.searchsorted(bounds[row % 2], np.arange(seq), side="right") for row in range(batch)]
+        segments = jnp.asarray(np.stack(rows), jnp.int32)
     return (q, k, v), cotangent, segments
 
 
@@ -127,6 +128,34 @@ def test_kv_heads_are_indexed_not_repeated():
     assert [tuple(v.aval.shape) for v in kernels["flash_attention_dkv"].outvars] == [kv_shape, kv_shape]
 
 
+def test_splits_over_batch_and_heads_without_communication(devices):
+    """On a (data 4, tensor 2) mesh, batch over data and kv heads over tensor: the kernels run on
+    each device's own rows and heads (pallas_sharding.py), the compiled program holds no
+    collective, its results keep that sharding, and they equal the unsharded "xla" attention."""
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+    qkv, cotangent, segments = inputs(64, 4, 2, 64, jnp.float32, documents=True, batch=4)
+    mesh = jax.make_mesh((4, 2), ("data", "tensor"), axis_types=(AxisType.Auto,) * 2, devices=devices)
+    heads = NamedSharding(mesh, P("data", None, "tensor", None))
+    sharded = [jax.device_put(x, heads) for x in qkv]
+
+    def run(q, k, v, segments):
+        out, vjp = jax.vjp(lambda q, k, v: pa.pallas_attention(
+            q, k, v, segment_ids=segments, sliding_window=30, blocks=SMALL_BLOCKS), q, k, v)
+        return (out, *vjp(cotangent))
+
+    compiled = jax.jit(run).lower(*sharded, jax.device_put(segments, NamedSharding(mesh, P("data")))).compile()
+    hlo = compiled.as_text()
+    for collective in ("all-gather", "all-reduce", "all-to-all", "collective-permute", "reduce-scatter"):
+        assert collective not in hlo, collective
+    got = compiled(*sharded, jax.device_put(segments, NamedSharding(mesh, P("data"))))
+    mask = attention_mask(64, segments, 30)
+    want = value_and_grads(lambda q, k, v: masked_attention(q, k, v, mask), qkv, cotangent)
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+        assert g.sharding.spec[:3] == ("data", None, "tensor"), name
+        np.testing.assert_allclose(np.asarray(g), w, atol=1e-5 * np.abs(w).max(), rtol=1e-5, err_msg=name)
+
+
 @pytest.mark.parametrize("block_q, block_k", [(16, 16), (32, 16), (16, 32)])
 @pytest.mark.parametrize("window", [0, 5, 16, 40])
 @pytest.mark.parametrize("segmented", [False, True])
@@ -185,8 +214,9 @@ def test_gpu_path_lowers_to_three_triton_kernels(platform):
     assert "stablehlo.while" not in module  # the interpreter's grid loop is not in the GPU program
 
 
+@pytest.mark.slow  # 47 s on the shared 2-core machine: two trainers compiled
 def test_tiny_model_training_step_equals_xla(devices, tmp_path):
-    """One optimizer step of the small model (scanned layers, remat, GQA, head_dim 16) with
+    """One optimizer step of the small model (scanned layers, GQA, head_dim 16) with
     model.attention="pallas": the same loss and the same updated parameters as with "xla"."""
     from conftest import small_config
     from helpers import assert_trees_close
@@ -194,7 +224,7 @@ def test_tiny_model_training_step_equals_xla(devices, tmp_path):
 
     results = {}
     for implementation in ("xla", "pallas"):
-        cfg = small_config(**{"model.attention": implementation, "model.remat": "full", "mesh.ici.fsdp": 1,
+        cfg = small_config(**{"model.attention": implementation, "mesh.ici.fsdp": 1,
                               "output_dir": str(tmp_path / implementation), "checkpoint.enabled": False})
         trainer = Trainer(cfg, devices=devices[:1], log=lambda *_: None)
         loss = float(trainer.step()["loss"])

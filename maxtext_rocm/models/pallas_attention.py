@@ -13,6 +13,9 @@ head h // groups, and the dK/dV kernel sums over a kv head's query heads in its 
 the window excludes are skipped, and blocks they leave whole are computed without a mask. Softmax
 statistics (running max and sum, log-sum-exp) stay fp32 whatever the inputs' dtype.
 
+Over several devices the kernels split by batch and kv head, without communication
+(pallas_sharding.py); the sequence and head_dim stay whole on each device.
+
 Shapes as in attention.py: q [batch, seq, heads, head_dim]; k, v [batch, seq, kv_heads, head_dim],
 heads ordered kv head major (head h uses kv head h // (heads // kv_heads)).
 """
@@ -27,6 +30,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+
+from maxtext_rocm.models.pallas_sharding import KV, Q, SEGMENTS, STATS, split_by_batch_and_heads
 
 NEG = float(jnp.finfo(jnp.float32).min)  # a masked score: finite, so no inf - inf makes NaN
 # The smallest block: Triton's dot wants every dimension >= 16. Sequences are padded to a multiple
@@ -335,11 +340,22 @@ def _dkv_call(q, k, v, segments, d_out, lse, delta, *, plan: _Plan, interpret: b
     )(*args, d_out, lse, delta)
 
 
-def _per_platform(call, *args, plan: _Plan):
-    """call(*args) interpreted on the CPU, compiled through Triton on any other platform; XLA
-    lowers only the branch of the platform it compiles for."""
-    return lax.platform_dependent(*args, cpu=functools.partial(call, plan=plan, interpret=True),
-                                  default=functools.partial(call, plan=plan, interpret=False))
+def _run(call, q, k, v, segments, *rest, plan: _Plan, results: tuple[str, ...]):
+    """call(q, k, v, segments, *rest) split over devices by batch and kv head (pallas_sharding.py);
+    on each, interpreted on the CPU and compiled through Triton on any other platform (XLA lowers
+    only the branch of the platform it compiles for). `rest`: d_out, lse, delta (backward)."""
+    segmented = segments is not None
+
+    def kernel(*arrays):
+        q, k, v = arrays[:3]
+        segments = arrays[3] if segmented else None
+        args = (q, k, v, segments, *arrays[3 + segmented:])
+        return lax.platform_dependent(*args, cpu=functools.partial(call, plan=plan, interpret=True),
+                                      default=functools.partial(call, plan=plan, interpret=False))
+
+    operands = (Q, KV, KV) + ((SEGMENTS,) if segmented else ()) + (Q, STATS, STATS)[:len(rest)]
+    split = split_by_batch_and_heads(kernel, operands, results, groups=q.shape[2] // k.shape[2])
+    return split(q, k, v, *([segments] if segmented else []), *rest)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -347,11 +363,11 @@ def _per_platform(call, *args, plan: _Plan):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _attention(q, k, v, segments, plan):
-    return _per_platform(_forward_call, q, k, v, segments, plan=plan)[0]
+    return _run(_forward_call, q, k, v, segments, plan=plan, results=(Q, STATS))[0]
 
 
 def _attention_fwd(q, k, v, segments, plan):
-    out, lse = _per_platform(_forward_call, q, k, v, segments, plan=plan)
+    out, lse = _run(_forward_call, q, k, v, segments, plan=plan, results=(Q, STATS))
     return out, (q, k, v, segments, out, lse)
 
 
@@ -361,8 +377,8 @@ def _attention_bwd(plan, residuals, d_out):
     # D_i = rowsum(dO * O), the softmax backward's correction term: [batch, heads, seq], fp32.
     # An elementwise product and a sum, which XLA fuses; no kernel of its own needed.
     delta = jnp.einsum("bshd,bshd->bhs", d_out.astype(jnp.float32), out.astype(jnp.float32))
-    dq = _per_platform(_dq_call, q, k, v, segments, d_out, lse, delta, plan=plan)
-    dk, dv = _per_platform(_dkv_call, q, k, v, segments, d_out, lse, delta, plan=plan)
+    dq = _run(_dq_call, q, k, v, segments, d_out, lse, delta, plan=plan, results=(Q,))
+    dk, dv = _run(_dkv_call, q, k, v, segments, d_out, lse, delta, plan=plan, results=(KV, KV))
     return dq, dk, dv, None
 
 
