@@ -1,8 +1,8 @@
 """The Pallas flash attention (models/pallas_attention.py) against the "xla" reference, in Pallas'
 interpreter on the CPU: values and the gradients of q, k and v, causal, grouped-query, packed
 documents, sliding windows, head_dim 64 and 128, fp32 and bf16; its block ranges against a brute
-force mask; its Triton lowering for CUDA and ROCm (lowered here, not compiled); the trainer with it;
-and the errors for what it cannot serve."""
+force mask; its Triton lowering for CUDA and ROCm (lowered here, not compiled); its split over a
+mesh without communication; the trainer with it; and the errors for what it cannot serve."""
 
 import subprocess
 import sys
