@@ -214,7 +214,7 @@ def test_gpu_path_lowers_to_three_triton_kernels(platform):
     assert "stablehlo.while" not in module  # the interpreter's grid loop is not in the GPU program
 
 
-@pytest.mark.slow  # 47 s on the shared 2-core machine: two trainers compiled
+@pytest.mark.slow  # 47-113 s on the shared 2-core machine: two trainers compiled
 def test_tiny_model_training_step_equals_xla(devices, tmp_path):
     """One optimizer step of the small model (scanned layers, GQA, head_dim 16) with
     model.attention="pallas": the same loss and the same updated parameters as with "xla"."""

@@ -20,7 +20,6 @@ from flax import linen as nn
 from maxtext_rocm.config import ConfigError
 from maxtext_rocm.models.blockwise_attention import blockwise_attention
 from maxtext_rocm.models.layers import Dense, apply_rope, rope_inv_frequencies
-from maxtext_rocm.models.pallas_attention import pallas_attention
 from maxtext_rocm.precision import Policy
 
 Array = jax.Array
@@ -95,6 +94,10 @@ def dot_product_attention(q: Array, k: Array, v: Array, *, segment_ids: Array | 
     if implementation == "blockwise":
         return blockwise_attention(q, k, v, segment_ids=segment_ids, sliding_window=sliding_window)
     if implementation == "pallas":
+        # Imported here: Pallas and its Triton module took 0.4-1.5 s to import on this machine,
+        # a cost every launch would pay otherwise.
+        from maxtext_rocm.models.pallas_attention import pallas_attention
+
         return pallas_attention(q, k, v, segment_ids=segment_ids, sliding_window=sliding_window)
     mask = attention_mask(q.shape[1], segment_ids, sliding_window)
     if implementation == "cudnn":
