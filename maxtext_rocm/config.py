@@ -21,7 +21,7 @@ import ml_collections
 
 MESH_AXES = ("data", "fsdp", "expert", "sequence", "tensor")
 REMAT_POLICIES = ("none", "full", "minimal", "save_dots")
-ATTENTION_IMPLEMENTATIONS = ("xla", "cudnn", "blockwise", "auto")
+ATTENTION_IMPLEMENTATIONS = ("xla", "cudnn", "blockwise", "pallas", "auto")
 PRECISION_POLICIES = ("fp32", "bf16", "fp8")
 FP8_FORMATS = ("auto", "ocp", "fnuz")
 FP8_SCALINGS = ("delayed", "current")
@@ -71,7 +71,7 @@ def defaults() -> ml_collections.ConfigDict:
         # The loss runs the LM head and cross-entropy over this many sequence positions at a time
         # (maxtext_rocm/cross_entropy.py), so full [tokens, vocab] fp32 logits never exist; 0: unchunked.
         loss_chunk_len=64,
-        attention="auto",  # "xla", "cudnn", "blockwise", "auto" (by device; models/attention.py)
+        attention="auto",  # "xla", "cudnn", "blockwise", "pallas", "auto" (by device; models/attention.py)
         embed_init_std=0.02,
         # Attention to at most this many tokens back, the query included; None or 0: off.
         sliding_window=0,

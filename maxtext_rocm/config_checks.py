@@ -52,6 +52,12 @@ def validate(cfg: ml_collections.ConfigDict, device_count: int | None = None,
     _require(m.head_dim % 2 == 0, f"model.head_dim={m.head_dim} must be even for rotary embeddings")
     _one_of("model.remat", m.remat, REMAT_POLICIES)
     _one_of("model.attention", m.attention, ATTENTION_IMPLEMENTATIONS)
+    if m.attention == "pallas":  # its platform is checked where the device is known (resolve_implementation)
+        from maxtext_rocm.models.pallas_attention import unsupported_head_dim
+
+        reason = unsupported_head_dim(m.head_dim)
+        _require(reason is None, f"model.attention='pallas' needs model.head_dim to be {reason}, got "
+                 f"{m.head_dim}; use model.attention='blockwise' or 'xla' for this head size")
     _require(m.loss_chunk_len >= 0, f"model.loss_chunk_len must be >= 0 (0: unchunked), got {m.loss_chunk_len}")
     if m.rope_scaling is not None:
         _validate_rope_scaling(m.rope_scaling)

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # One pass over a GPU node, inside a time budget: the device and package versions, the GPU
-# correctness checks (scripts/gpu_check.py; GPU_CHECKS=a,b runs only those), the one_gpu benchmark
-# suite, then variants of its rows (XLA flags, batch, loss chunks). Everything lands in OUT_DIR
-# (at most 8 files, so a short lease can fetch them).
+# correctness checks (scripts/gpu_check.py; GPU_CHECKS=a,b runs only those), the attention rows
+# (the Pallas kernels' correctness, then pallas vs cudnn vs blockwise vs xla at 2 x 8,192 tokens;
+# ATTENTION_CHECKS=a,b, or "none"), the one_gpu benchmark suite, then variants of its rows (XLA
+# flags, batch, loss chunks). Everything lands in OUT_DIR (at most 8 files, so a short lease can
+# fetch them; the attention rows are lines of gpu_check.log).
 #
 #   bash scripts/gpu_node_check.sh OUT_DIR [BUDGET_SECONDS=540]
 #
@@ -31,8 +33,17 @@ optax.__version__, 'orbax', ocp.__version__); print(jax.devices())"
 cat "$out/node.txt"
 
 echo "== gpu_check ($(seconds_left) s left)"
-timeout "$(stage_timeout 200 300)" $python scripts/gpu_check.py --json "$out/gpu_check.json" ${GPU_CHECKS:+--checks $GPU_CHECKS} 2>&1 \
+timeout "$(stage_timeout 200 300)" $python scripts/gpu_check.py --json "$out/gpu_check.json" \
+  --checks "${GPU_CHECKS:-matmul_rate,trainer_parity,fp8_dot,attention_causal,attention_documents}" 2>&1 \
   | tee "$out/gpu_check.log" | grep -E "^(PASS|FAIL|INFO|device)|Error"
+
+# Its own stage, so a Triton compilation that hangs or fails costs only this stage's time.
+attention_checks=${ATTENTION_CHECKS:-attention_pallas_causal,attention_pallas_documents_window,attention_speed}
+if [[ $attention_checks != none ]]; then
+  echo "== attention ($(seconds_left) s left)"
+  timeout "$(stage_timeout 150 240)" $python scripts/gpu_check.py --checks "$attention_checks" 2>&1 \
+    | tee -a "$out/gpu_check.log" | grep -E "^(PASS|FAIL|INFO)|Error"
+fi
 
 echo "== one_gpu suite ($(seconds_left) s left)"
 rows=/tmp/gpu_node_check_rows

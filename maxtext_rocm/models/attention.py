@@ -4,6 +4,9 @@
 - "cudnn":     cuDNN's fused flash attention through `jax.nn.dot_product_attention` (CUDA GPUs).
 - "blockwise": FlashAttention's algorithm in XLA ops (blockwise_attention.py): no [seq, seq]
                scores held, every backend; the memory-bounded choice on ROCm.
+- "pallas":    FlashAttention-2 as Pallas kernels (pallas_attention.py): Triton on CUDA and ROCm
+               GPUs, Pallas' interpreter on the CPU (slow; there for tests). Never picked by "auto"
+               until a GPU measurement says it beats the choice above.
 - "auto":      "cudnn" on CUDA GPUs (bf16/fp16), "blockwise" on ROCm and for long sequences on
                the CPU, else "xla" (resolve_implementation).
 """
@@ -14,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
+from maxtext_rocm.config import ConfigError
 from maxtext_rocm.models.blockwise_attention import blockwise_attention
 from maxtext_rocm.models.layers import Dense, apply_rope, rope_inv_frequencies
 from maxtext_rocm.precision import Policy
@@ -49,7 +53,10 @@ def resolve_implementation(name: str, device=None, dtype=None, seq_len: int | No
     fused kernel on CUDA GPUs in bf16/fp16 (checked on an H200 against "xla"; it has no fp32
     form), the blockwise one on ROCm and for fp32 on CUDA. On the CPU: "blockwise" from
     CPU_BLOCKWISE_MIN_SEQ tokens per sequence, the reference "xla" below (where they tie).
-    `dtype`: the compute dtype (default bf16)."""
+    `dtype`: the compute dtype (default bf16). "pallas" on a platform its kernels do not serve is
+    a ConfigError."""
+    if name == "pallas":
+        check_pallas_platform(device or jax.devices()[0])
     if name != "auto":
         return name
     device = device or jax.devices()[0]
@@ -57,6 +64,17 @@ def resolve_implementation(name: str, device=None, dtype=None, seq_len: int | No
         return "blockwise" if seq_len and seq_len >= CPU_BLOCKWISE_MIN_SEQ else "xla"
     half = jnp.dtype(dtype or jnp.bfloat16) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
     return "cudnn" if is_cuda_gpu(device) and half else "blockwise"
+
+
+# Where the Pallas kernels run: through Triton on GPUs (CUDA, and ROCm where jax routes Pallas to
+# Triton), interpreted on the CPU. A TPU would need Mosaic kernels, which this project lacks.
+PALLAS_PLATFORMS = ("gpu", "cpu")
+
+
+def check_pallas_platform(device) -> None:
+    if device.platform not in PALLAS_PLATFORMS:
+        raise ConfigError(f"model.attention='pallas' runs on GPUs (Triton) and, interpreted, on the CPU, "
+                          f"not on {device.platform}; use model.attention='blockwise' or 'auto'")
 
 
 def is_cuda_gpu(device) -> bool:
@@ -75,6 +93,12 @@ def dot_product_attention(q: Array, k: Array, v: Array, *, segment_ids: Array | 
     implementation = resolve_implementation(implementation, dtype=q.dtype, seq_len=q.shape[1])
     if implementation == "blockwise":
         return blockwise_attention(q, k, v, segment_ids=segment_ids, sliding_window=sliding_window)
+    if implementation == "pallas":
+        # Imported here: Pallas and its Triton module took 0.4-1.5 s to import on this machine,
+        # a cost every launch would pay otherwise.
+        from maxtext_rocm.models.pallas_attention import pallas_attention
+
+        return pallas_attention(q, k, v, segment_ids=segment_ids, sliding_window=sliding_window)
     mask = attention_mask(q.shape[1], segment_ids, sliding_window)
     if implementation == "cudnn":
         return jax.nn.dot_product_attention(
