@@ -117,14 +117,19 @@ def _fused_forward(hidden, weight, targets, weights, vocab_start, z_loss_weight,
     d_hidden = _unchunk(d_hidden)
     if tensor_axes:  # each slice of the vocabulary contributed part of every token's gradient
         d_hidden = jax.lax.psum(d_hidden, tensor_axes)
-    return (ce + z_loss_weight * z, (ce, z)), (d_hidden, d_weight.astype(weight.dtype))
+    # An empty slice of each input keeps its shard_map typing for the backward pass (no data).
+    typed_like = (hidden[:0], weight[:0])
+    return (ce + z_loss_weight * z, (ce, z)), (d_hidden, d_weight.astype(weight.dtype), typed_like)
 
 
 def _fused_backward(z_loss_weight, chunk, vocab_axis, tensor_axes, residuals, cotangents):
     del z_loss_weight, chunk, vocab_axis, tensor_axes
-    d_hidden, d_weight = residuals
+    d_hidden, d_weight, (hidden, weight) = residuals
     g = cotangents[0]  # the metric sums' cotangents are zero: head_loss stops their gradient
-    return (d_hidden * g.astype(d_hidden.dtype), d_weight * g.astype(d_weight.dtype), None, None, None)
+    # Under shard_map the head is the same on every data-parallel replica, so its gradient is the
+    # sum of theirs: reduced here, once per step (outside shard_map this does nothing).
+    return (varying.summed_like(d_hidden * g.astype(d_hidden.dtype), hidden),
+            varying.summed_like(d_weight * g.astype(d_weight.dtype), weight), None, None, None)
 
 
 _fused.defvjp(_fused_forward, _fused_backward)

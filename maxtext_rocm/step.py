@@ -1,6 +1,7 @@
 """The training state, the loss and the train/eval steps, as pure functions.
 
-`train.py` jits these with explicit shardings; nothing here knows about meshes or hosts.
+`train.py` jits these with explicit shardings; nothing here knows about meshes or hosts (the
+fused head loss asks for the ambient mesh itself, maxtext_rocm/parallel/loss.py).
 
 The loss is summed over tokens and divided by the token count of the whole global batch once,
 after gradient accumulation, so `grad_accum=4` computes exactly the gradient of one 4x batch.
@@ -21,6 +22,7 @@ from maxtext_rocm.fp8 import FP8_COLLECTION
 from maxtext_rocm.models import moe
 from maxtext_rocm.models.llama import lm_head_weight
 from maxtext_rocm.optim import build_optimizer, learning_rate
+from maxtext_rocm.parallel import loss
 
 Array = jax.Array
 Batch = dict[str, Array]
@@ -68,7 +70,7 @@ def summed_loss(params, model: nn.Module, batch: Batch, z_loss_weight: float, fp
     weights = batch["weights"].astype(jnp.float32)
     if fused:
         head_weight, vocab_axis = lm_head_weight(params, model.cfg)
-        objective, sums = cross_entropy.head_loss(
+        objective, sums = loss.head_loss(  # on a mesh, each device on its own tokens (parallel/loss.py)
             out, head_weight, batch["targets"], weights, vocab_axis=vocab_axis, z_loss_weight=z_loss_weight,
             chunk=cross_entropy.chunk_length(out.shape[1], model.cfg.loss_chunk_len))
     else:
