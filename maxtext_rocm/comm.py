@@ -13,7 +13,10 @@ branches):
     all-gather          (N-1)/N x result          reduce-scatter  (N-1)/N x input
     all-reduce         2(N-1)/N x size            all-to-all      (N-1)/N x size
     collective-permute  size, if the device sends to another device (the busiest sender)
-    ragged-all-to-all   (N-1)/N x the input buffer: an UPPER bound, the real sizes are run-time data;
+    ragged-all-to-all   (N-1)/N x the smaller of its input and output buffers: an UPPER bound on
+                        the average device's bytes (the sizes are run-time data; what all devices
+                        send, all receive, so the average sent is at most the output buffer too;
+                        an exact expert exchange sizes one of the two for its worst case);
 - a tuple-shaped (combined) collective counts each element, by its own shape;
 - a collective inside a `while` runs its trip count (`known_trip_count` in the loop's backend
   config), nested loops multiply; a loop without a known trip count is listed in
@@ -170,8 +173,9 @@ class _Walker:
         axes = tuple(sorted({a for s, _ in spans for a in s}, key=self.layout.axis_names.index))
         dcn = any(d for _, d in spans)
         if kind == "ragged-all-to-all":
-            operand = comp.instructions.get(started.operands[0])
-            dt, size = shape_arrays(operand.shape)[0] if operand else arrays[0]
+            buffers = [comp.instructions.get(name) for name in started.operands[:2]]
+            dt, size = min((shape_arrays(b.shape)[0] for b in buffers if b is not None),
+                           key=lambda a: a[1], default=arrays[0])
             return [Collective(kind, started.opcode, inst.name, comp.name, axes, dcn, n, dt,
                                size * (n - 1) / n, executions, upper_bound=True, in_unknown_loop=unknown)]
         out = []

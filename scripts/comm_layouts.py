@@ -151,8 +151,9 @@ def dump_total(text: str) -> dict:
                     bytes_ += sum(sizes) * max((senders.count(s) for s in set(senders)), default=0)
                     continue
                 n = _group_size(source, partitions)
-                if kind == "ragged-all-to-all":
-                    bytes_ += _arrays(ops[operands.split(",")[0].strip().lstrip("%")][1])[0] * (n - 1) / n
+                if kind == "ragged-all-to-all":  # the smaller of the input and output buffers
+                    buffers = [ops[name.strip().lstrip("%")][1] for name in operands.split(",")[:2]]
+                    bytes_ += min(_arrays(b)[0] for b in buffers) * (n - 1) / n
                     continue
                 for i, size in enumerate(sizes):
                     element_kind = kind
