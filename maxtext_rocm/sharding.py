@@ -75,6 +75,12 @@ def mesh_axes_of(logical: str) -> tuple[str, ...]:
     raise KeyError(f"logical axis {logical!r} has no rule")
 
 
+def present_axes(mesh, logical: str) -> tuple[str, ...]:
+    """The mesh axes of more than one device that `logical` maps to, for shard_map code
+    (maxtext_rocm/parallel/): naming an axis of size 1 there would only add trivial collectives."""
+    return tuple(a for a in mesh_axes_of(logical) if mesh.shape[a] > 1)
+
+
 def make_mesh(mesh_cfg, devices=None) -> Mesh:
     """Builds the ICI x DCN mesh from `cfg.mesh` over `devices` (default: all of them)."""
     devices = list(jax.devices() if devices is None else devices)

@@ -25,6 +25,7 @@ def single_device_reference(tmp_path_factory):
     {"fsdp": 4, "tensor": 2},
     {"data": 2, "fsdp": 2, "tensor": 2},
     {"fsdp": 4, "sequence": 2},
+    {"fsdp": 2, "sequence": 2, "tensor": 2},  # the head loss split over tokens and vocabulary at once
 ])
 def test_mesh_matches_single_device(mesh, single_device_reference, devices, tmp_path):
     overrides = dict(SINGLE, **{f"mesh.ici.{a}": s for a, s in mesh.items()})

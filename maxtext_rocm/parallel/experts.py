@@ -169,21 +169,16 @@ def expert_exchange(model_cfg, mesh: Mesh, backend: str | None = None) -> Callab
 
 
 def _expert_parallel_dropless(x, weights, experts, gate, up, down, *, mesh: Mesh, backend: str):
-    batch_axes = sharding.mesh_axes_of("activation_batch")
-    length_axes = sharding.mesh_axes_of("activation_length")
-    (expert_axis,) = sharding.mesh_axes_of("exp")
-    fsdp_axes = sharding.mesh_axes_of("exp_embed")
-    tensor_axes = sharding.mesh_axes_of("mlp")
+    axes = functools.partial(sharding.present_axes, mesh)
+    batch_axes, length_axes = axes("activation_batch"), axes("activation_length")
+    expert_axis, fsdp_axes, tensor_axes = axes("exp"), axes("exp_embed"), axes("mlp")
     tokens = PartitionSpec(batch_axes, length_axes, None)
     gate_up = PartitionSpec(expert_axis, fsdp_axes, tensor_axes)
     down_spec = PartitionSpec(expert_axis, tensor_axes, fsdp_axes)
-    n_shards = mesh.shape[expert_axis]
-    # Collectives over every axis the specs name, size 1 included (XLA drops those): shard_map's
-    # replication check types each value by the axes it names.
-    gathered, summed = fsdp_axes, tensor_axes
+    n_shards = math.prod(mesh.shape[a] for a in expert_axis)
     exchange = jax.lax.ragged_all_to_all if backend != "cpu" else padded_ragged_all_to_all
-    batch_shards = math.prod(mesh.shape[a] for a in batch_axes)
-    if x.shape[0] % batch_shards or x.shape[1] % math.prod(mesh.shape[a] for a in length_axes):
+    if x.shape[0] % math.prod(mesh.shape[a] for a in batch_axes) or \
+            x.shape[1] % math.prod(mesh.shape[a] for a in length_axes):
         # A batch the mesh cannot split (the parameters' init traces one sequence): the same
         # values computed without the exchange.
         block = moe.dropless_block(x.shape[0] * x.shape[1] * experts.shape[-1], gate.shape[0], backend)
@@ -192,10 +187,11 @@ def _expert_parallel_dropless(x, weights, experts, gate, up, down, *, mesh: Mesh
     def local(x, weights, experts, gate, up, down):
         # The tokens, the same on every tensor shard, meet a slice of the hidden units there: typed
         # as varying over `tensor` here, their gradient is summed over it here too, once per token.
-        x = jax.lax.pcast(x, summed, to="varying")
-        # ZeRO-3: this layer's expert weights whole in d_model (in bf16 under the bf16 policy).
-        gate, up = (jax.lax.all_gather(w, gathered, axis=1, tiled=True) for w in (gate, up))
-        down = jax.lax.all_gather(down, gathered, axis=2, tiled=True)
+        if tensor_axes:
+            x = jax.lax.pcast(x, tensor_axes, to="varying")
+        if fsdp_axes:  # ZeRO-3: this layer's expert weights whole in d_model (bf16 under bf16)
+            gate, up = (jax.lax.all_gather(w, fsdp_axes, axis=1, tiled=True) for w in (gate, up))
+            down = jax.lax.all_gather(down, fsdp_axes, axis=2, tiled=True)
         n_experts = gate.shape[0] * n_shards
         rows, group_sizes, row_expert, unsort = moe.sort_by_expert(x, experts, n_experts)
         n_rows = rows.shape[0]
@@ -212,7 +208,7 @@ def _expert_parallel_dropless(x, weights, experts, gate, up, down, *, mesh: Mesh
             out = moe.grouped_swiglu(rows, group_sizes, gate, up, down, block, row_expert)
         y = jnp.einsum("bskd,bsk->bsd", unsort(out), weights.astype(x.dtype))
         # Each tensor shard holds a slice of every expert's hidden units: partial sums.
-        return jax.lax.psum(y, summed)
+        return jax.lax.psum(y, tensor_axes) if tensor_axes else y
 
     return jax.shard_map(local, mesh=mesh, in_specs=(tokens, tokens, tokens, gate_up, gate_up, down_spec),
                          out_specs=tokens)(x, weights, experts, gate, up, down)

@@ -19,6 +19,7 @@ Without a mesh (one device, a notebook) it is cross_entropy.head_loss itself.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -45,23 +46,22 @@ def head_loss(hidden: Array, weight: Array, targets: Array, weights: Array, *, v
     if mesh is None:
         return cross_entropy.head_loss(hidden, weight, targets, weights, vocab_axis=vocab_axis,
                                        z_loss_weight=z_loss_weight, chunk=chunk)
-    token_axes = sharding.mesh_axes_of("activation_batch") + sharding.mesh_axes_of("activation_length")
-    batch, length = sharding.mesh_axes_of("activation_batch"), sharding.mesh_axes_of("activation_length")
-    embed, vocab = sharding.mesh_axes_of("embed"), sharding.mesh_axes_of("vocab")
+    axes = functools.partial(sharding.present_axes, mesh)
+    batch, length, embed, vocab = axes("activation_batch"), axes("activation_length"), axes("embed"), axes("vocab")
+    token_axes = batch + length
     tokens = PartitionSpec(batch, length)
     head = PartitionSpec(embed, vocab) if vocab_axis == 1 else PartitionSpec(vocab, embed)
     d_axis = 1 - vocab_axis
 
     def local(hidden, weight, targets, weights):
-        # The transpose of this gather is the head gradient's one reduce-scatter.
-        weight = jax.lax.all_gather(weight, embed, axis=d_axis, tiled=True)
-        vocab_start = jax.lax.axis_index(vocab) * weight.shape[vocab_axis]
+        if embed:  # the transpose of this gather is the head gradient's one reduce-scatter
+            weight = jax.lax.all_gather(weight, embed, axis=d_axis, tiled=True)
+        vocab_start = jax.lax.axis_index(vocab) * weight.shape[vocab_axis] if vocab else 0
         objective, sums = cross_entropy.head_loss(
             hidden, weight, targets, weights, vocab_axis=vocab_axis, z_loss_weight=z_loss_weight,
             chunk=cross_entropy.chunk_length(hidden.shape[1], chunk), vocab_start=vocab_start,
             tensor_axes=vocab)
-        total = jax.lax.psum((objective, sums), token_axes)
-        return total
+        return jax.lax.psum((objective, sums), token_axes) if token_axes else (objective, sums)
 
     return jax.shard_map(local, mesh=mesh, in_specs=(PartitionSpec(batch, length, None), head, tokens, tokens),
                          out_specs=PartitionSpec())(hidden, weight, targets, weights)
