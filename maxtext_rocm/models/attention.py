@@ -19,7 +19,7 @@ from flax import linen as nn
 
 from maxtext_rocm.config import ConfigError
 from maxtext_rocm.models.blockwise_attention import blockwise_attention
-from maxtext_rocm.models.layers import Dense, apply_rope, rope_inv_frequencies
+from maxtext_rocm.models.layers import Kernel, fused_projections, Dense, apply_rope, rope_inv_frequencies
 from maxtext_rocm.precision import Policy
 
 Array = jax.Array
@@ -150,9 +150,7 @@ class Attention(nn.Module):
     def __call__(self, x: Array, positions: Array, segment_ids: Array | None) -> Array:
         m = self.cfg
         d, hd = m.d_model, m.head_dim
-        q = Dense((d,), (m.n_heads, hd), ("embed", "heads", "head_dim"), self.policy, name="q")(x)
-        k = Dense((d,), (m.n_kv_heads, hd), ("embed", "kv_heads", "head_dim"), self.policy, name="k")(x)
-        v = Dense((d,), (m.n_kv_heads, hd), ("embed", "kv_heads", "head_dim"), self.policy, name="v")(x)
+        q, k, v = self.project(x)
         q = nn.with_logical_constraint(q, ("activation_batch", "activation_length", "activation_heads", None))
         k = nn.with_logical_constraint(k, ("activation_batch", "activation_length", "activation_kv_heads", None))
         v = nn.with_logical_constraint(v, ("activation_batch", "activation_length", "activation_kv_heads", None))
@@ -168,6 +166,25 @@ class Attention(nn.Module):
                                         sliding_window=m.sliding_window, dot_general=self.policy.dot_general)
         out = nn.with_logical_constraint(out, ("activation_batch", "activation_length", "activation_heads", None))
         return Dense((m.n_heads, hd), (d,), ("heads", "head_dim", "embed"), self.policy, name="o")(out)
+
+    def project(self, x: Array) -> tuple[Array, Array, Array]:
+        """q [.., heads, head_dim], k and v [.., kv_heads, head_dim]. Without fp8 as one dot over
+        the kernels side by side, grouped by kv head ([d, kv, group + 2, head_dim]: a kv head's
+        query heads, its key, its value), so tensor parallelism reduces x's gradient once, not
+        three times, and the kv axis that tensor parallelism splits stays split the same way."""
+        m = self.cfg
+        d, hd, kv = m.d_model, m.head_dim, m.n_kv_heads
+        specs = {"q": ((d,), (m.n_heads, hd), ("embed", "heads", "head_dim"), self.policy),
+                 "k": ((d,), (kv, hd), ("embed", "kv_heads", "head_dim"), self.policy),
+                 "v": ((d,), (kv, hd), ("embed", "kv_heads", "head_dim"), self.policy)}
+        if self.policy.dot_general_cls:  # fp8: each weight its own dot, with its own scales
+            return tuple(Dense(*spec, name=name)(x) for name, spec in specs.items())
+        group = m.n_heads // kv
+        kernels = {name: Kernel(*spec, name=name)() for name, spec in specs.items()}
+        qkv = fused_projections(x, [kernels["q"].reshape(d, kv, group, hd), kernels["k"][:, :, None],
+                                    kernels["v"][:, :, None]], 1, self.policy)  # [.., kv, group + 2, hd]
+        q = qkv[..., :group, :].reshape(*x.shape[:-1], m.n_heads, hd)
+        return q, qkv[..., group, :], qkv[..., group + 1, :]
 
     def cache_variables(self, k: Array, positions: Array):
         """(keys, values, their positions, next free slot): kv_heads wide, not heads (GQA)."""

@@ -48,6 +48,32 @@ class Dense(nn.Module):
         return dot(x, kernel, (contract, ((), ())))
 
 
+class Kernel(nn.Module):
+    """A Dense layer's weight alone, at the same path (NAME/kernel), for `fused_projections`."""
+
+    in_shape: tuple[int, ...]
+    out_shape: tuple[int, ...]
+    kernel_axes: tuple[str, ...]
+    policy: Policy
+
+    @nn.compact
+    def __call__(self) -> Array:
+        n_in, n_out = len(self.in_shape), len(self.out_shape)
+        init = kernel_init(range(n_in), range(n_in, n_in + n_out))
+        return self.param("kernel", nn.with_logical_partitioning(init, self.kernel_axes),
+                          self.in_shape + self.out_shape, self.policy.param_dtype)
+
+
+def fused_projections(x: Array, kernels: Sequence[Array], axis: int, policy: Policy) -> Array:
+    """x @ concat(kernels) as one dot over the last axis of x: the kernels ([in, *out] each) side
+    by side along output axis `axis`, and so their outputs along that axis after x's leading ones. Under tensor parallelism the
+    backward pass then sums x's gradient over the tensor shards once, not once per kernel.
+    Concatenated along an axis that no mesh axis splits, so the weights stay where they are."""
+    kernel = jnp.concatenate([k.astype(policy.compute_dtype) for k in kernels], axis=axis + 1)
+    x = x.astype(policy.compute_dtype)
+    return policy.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())))
+
+
 class RMSNorm(nn.Module):
     """Root-mean-square norm, computed in fp32 whatever the compute dtype."""
 

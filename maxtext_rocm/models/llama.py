@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from maxtext_rocm.models.attention import CACHE, Attention
-from maxtext_rocm.models.layers import Dense, Embed, RMSNorm
+from maxtext_rocm.models.layers import Dense, Embed, Kernel, RMSNorm, fused_projections
 from maxtext_rocm.models.moe import AUX_LOSSES
 from maxtext_rocm.fp8 import FP8_COLLECTION
 from maxtext_rocm.precision import DOT_WITH_BATCH_AXES, DOT_WITHOUT_BATCH_AXES, Policy, without_fp8
@@ -44,8 +44,12 @@ class MLP(nn.Module):
 
     @nn.compact
     def __call__(self, x: Array) -> Array:
-        gate = Dense((self.d_model,), (self.mlp_dim,), ("embed", "mlp"), self.policy, name="gate")(x)
-        up = Dense((self.d_model,), (self.mlp_dim,), ("embed", "mlp"), self.policy, name="up")(x)
+        shapes = ((self.d_model,), (self.mlp_dim,), ("embed", "mlp"), self.policy)
+        if self.policy.dot_general_cls:  # fp8: each weight its own dot, with its own scales
+            gate, up = (Dense(*shapes, name=name)(x) for name in ("gate", "up"))
+        else:  # one dot, [.., 2, mlp]: one tensor-parallel reduction of x's gradient, not two
+            gate_up = fused_projections(x, [Kernel(*shapes, name=n)()[:, None] for n in ("gate", "up")], 0, self.policy)
+            gate, up = gate_up[..., 0, :], gate_up[..., 1, :]
         hidden = nn.silu(gate) * up
         hidden = nn.with_logical_constraint(hidden, ("activation_batch", "activation_length", "activation_mlp"))
         return Dense((self.mlp_dim,), (self.d_model,), ("mlp", "embed"), self.policy, name="down")(hidden)
