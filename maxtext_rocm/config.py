@@ -147,7 +147,11 @@ def defaults() -> ml_collections.ConfigDict:
     )
     cfg.log = dict(
         every=10,
-        tensorboard=True,
+        tensorboard=True,  # OUTPUT_DIR/tensorboard event files
+        # A Weights & Biases run with the same scalars and the resolved config ("" = off; needs
+        # pip install -e '.[wandb]'); WANDB_MODE=offline keeps it in OUTPUT_DIR/wandb, for `wandb sync`.
+        wandb_project="",
+        wandb_run_name="",  # "" lets W&B name the run
         peak_tflops=0.0,  # > 0 overrides the per-device peak table (used for MFU)
         # (start, end): a jax.profiler trace of steps start..end-1 (0-based) into
         # output_dir/profile, for TensorBoard's profile plugin; (0, 0) = off.
