@@ -65,8 +65,13 @@ class WandbSink:
             raise UserError(
                 f"log.wandb_project={project!r} needs the wandb package, which is not installed; "
                 "install it with pip install -e '.[wandb]' or leave log.wandb_project empty") from None
-        self._run = wandb.init(project=project, name=run_name or None, dir=directory,
-                               config=dict(run_config or {}))
+        try:
+            self._run = wandb.init(project=project, name=run_name or None, dir=directory,
+                                   config=dict(run_config or {}))
+        except wandb.errors.Error as error:  # no API key, no network, no such entity
+            raise UserError(
+                f"log.wandb_project={project!r}: W&B could not start a run ({error}); log in with "
+                "`wandb login` or WANDB_API_KEY, or set WANDB_MODE=offline to keep the run on disk") from None
 
     def write(self, step: int, scalars: Mapping[str, float]) -> None:
         self._run.log(dict(scalars), step=int(step))

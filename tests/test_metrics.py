@@ -161,7 +161,7 @@ def wandb_run_file(output_dir):
     return runs[0]
 
 
-def test_the_same_scalars_land_in_tensorboard_and_an_offline_wandb_run(tmp_path, monkeypatch):
+def test_the_same_scalars_land_in_tensorboard_and_an_offline_wandb_run(tmp_path, monkeypatch, fresh_wandb):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     out = tmp_path / "run"
@@ -187,7 +187,7 @@ def test_the_same_scalars_land_in_tensorboard_and_an_offline_wandb_run(tmp_path,
     assert {k: v for k, v in config.items() if not k.startswith("_")} == run_config
 
 
-def test_a_training_run_logs_the_same_scalars_everywhere(tmp_path, monkeypatch, devices):
+def test_a_training_run_logs_the_same_scalars_everywhere(tmp_path, monkeypatch, devices, fresh_wandb):
     """The trainer's wiring: log.wandb_project and log.wandb_run_name reach W&B, with the resolved
     config; metrics.jsonl, TensorBoard and W&B hold the same logged scalars."""
     from conftest import small_config
@@ -222,6 +222,28 @@ def test_a_training_run_logs_the_same_scalars_everywhere(tmp_path, monkeypatch, 
 def test_wandb_project_without_wandb_installed_is_one_clear_error(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` now raises ImportError
     with pytest.raises(config.UserError, match=r"log.wandb_project='p' needs the wandb package.*\[wandb\]"):
+        metrics.MetricsWriter(str(tmp_path / "run"), wandb_project="p")
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+@pytest.fixture
+def fresh_wandb():
+    """wandb keeps the settings of its first run in a process-wide singleton (WANDB_MODE included):
+    each test that starts a run starts from a new one and leaves none behind."""
+    import wandb
+
+    wandb.teardown()
+    yield
+    wandb.teardown()
+
+
+def test_wandb_online_without_a_login_is_one_clear_error(tmp_path, monkeypatch, fresh_wandb):
+    for name in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_DISABLED"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc, no saved login
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb_config"))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    with pytest.raises(config.UserError, match=r"log.wandb_project='p': W&B could not start a run .*WANDB_MODE=offline"):
         metrics.MetricsWriter(str(tmp_path / "run"), wandb_project="p")
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
