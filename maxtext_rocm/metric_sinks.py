@@ -12,7 +12,7 @@ import sys
 import time
 from typing import Any, Mapping
 
-from maxtext_rocm.config import UserError
+from maxtext_rocm.errors import UserError
 
 
 def _import_tensorboardx():
