@@ -19,30 +19,14 @@ from typing import Any, Iterable, Mapping
 
 import ml_collections
 
-MESH_AXES = ("data", "fsdp", "expert", "sequence", "tensor")
-REMAT_POLICIES = ("none", "full", "minimal", "save_dots")
-ATTENTION_IMPLEMENTATIONS = ("xla", "cudnn", "blockwise", "pallas", "auto")
-PRECISION_POLICIES = ("fp32", "bf16", "fp8")
-FP8_FORMATS = ("auto", "ocp", "fnuz")
-FP8_SCALINGS = ("delayed", "current")
-SCHEDULES = ("cosine", "constant")
-DATA_SOURCES = ("synthetic", "embedded", "files")
-MODEL_FAMILIES = ("llama", "mixtral")
-MOE_IMPLEMENTATIONS = ("auto", "dropless", "capacity", "dense")
-PRECISION_VARIANTS = ("", "bf16", "fp32", "fp8")
-NONFINITE_ACTIONS = ("skip", "stop")
-
-
-class UserError(ValueError):
-    """A mistake in what the user asked for; the command line prints it and exits with status 2."""
-
-
-class ConfigError(UserError):
-    """A config key is unknown, mistyped or inconsistent with the others."""
-
-
-class CheckpointError(UserError):
-    """A checkpoint that cannot be used: missing, unreadable, or of another model's shapes."""
+# Re-exported: the valid values and the error types live at the bottom of the import graph, so
+# config_checks.py, data/ and sharding.py import them without importing this module.
+from maxtext_rocm.config_choices import (  # noqa: F401
+    ATTENTION_IMPLEMENTATIONS, DATA_SOURCES, FP8_FORMATS, FP8_SCALINGS, MESH_AXES, MODEL_FAMILIES,
+    MOE_IMPLEMENTATIONS, NONFINITE_ACTIONS, PRECISION_POLICIES, PRECISION_VARIANTS, REMAT_POLICIES, SCHEDULES)
+from maxtext_rocm.errors import CheckpointError, ConfigError, UserError  # noqa: F401
+# Validation lives in config_checks.py; its entry points are part of this module's interface.
+from maxtext_rocm.config_checks import axis_sizes, global_batch_size, mesh_shape, validate  # noqa: F401
 
 
 def defaults() -> ml_collections.ConfigDict:
@@ -71,7 +55,7 @@ def defaults() -> ml_collections.ConfigDict:
         # The loss runs the LM head and cross-entropy over this many sequence positions at a time
         # (maxtext_rocm/cross_entropy.py), so full [tokens, vocab] fp32 logits never exist; 0: unchunked.
         loss_chunk_len=64,
-        attention="auto",  # "xla", "cudnn", "blockwise", "pallas", "auto" (by device; models/attention.py)
+        attention="auto",  # "xla", "cudnn", "blockwise", "auto" (by device; models/attention.py)
         embed_init_std=0.02,
         # Attention to at most this many tokens back, the query included; None or 0: off.
         sliding_window=0,
@@ -147,7 +131,11 @@ def defaults() -> ml_collections.ConfigDict:
     )
     cfg.log = dict(
         every=10,
-        tensorboard=True,
+        tensorboard=True,  # OUTPUT_DIR/tensorboard event files
+        # A Weights & Biases run with the same scalars and the resolved config ("" = off; needs
+        # pip install -e '.[wandb]'); WANDB_MODE=offline keeps it in OUTPUT_DIR/wandb, for `wandb sync`.
+        wandb_project="",
+        wandb_run_name="",  # "" lets W&B name the run
         peak_tflops=0.0,  # > 0 overrides the per-device peak table (used for MFU)
         # (start, end): a jax.profiler trace of steps start..end-1 (0-based) into
         # output_dir/profile, for TensorBoard's profile plugin; (0, 0) = off.
@@ -325,7 +313,3 @@ def apply_cli_overrides(cfg: ml_collections.ConfigDict, args: list[str]) -> None
         parent, leaf = _lookup(cfg, key)
         set_key(cfg, key, _parse_cli_value(key, parent[leaf], text))
         i += 1
-
-
-# Validation lives in config_checks.py; its entry points are part of this module's interface.
-from maxtext_rocm.config_checks import axis_sizes, global_batch_size, mesh_shape, validate  # noqa: E402,F401

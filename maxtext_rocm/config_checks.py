@@ -12,10 +12,11 @@ from typing import Any, Iterable, Mapping
 
 import ml_collections
 
-from maxtext_rocm.config import (
+from maxtext_rocm.config_choices import (
     ATTENTION_IMPLEMENTATIONS, DATA_SOURCES, FP8_FORMATS, FP8_SCALINGS, MESH_AXES, MODEL_FAMILIES,
-    MOE_IMPLEMENTATIONS, NONFINITE_ACTIONS, PRECISION_POLICIES, REMAT_POLICIES, SCHEDULES, ConfigError,
-    _lookup)
+    MOE_IMPLEMENTATIONS, NONFINITE_ACTIONS, PRECISION_POLICIES, REMAT_POLICIES, SCHEDULES)
+from maxtext_rocm.errors import ConfigError
+from maxtext_rocm.mesh_sizes import axis_sizes, mesh_shape  # noqa: F401  (part of this module's interface)
 
 
 def _require(ok: bool, message: str) -> None:
@@ -30,8 +31,8 @@ def _one_of(key: str, value: Any, valid: Iterable[Any]) -> None:
 
 def _positive(cfg, *keys: str) -> None:
     for key in keys:
-        parent, leaf = _lookup(cfg, key)
-        _require(parent[leaf] > 0, f"{key} must be positive, got {parent[leaf]!r}")
+        group, name = key.split(".")
+        _require(cfg[group][name] > 0, f"{key} must be positive, got {cfg[group][name]!r}")
 
 
 def validate(cfg: ml_collections.ConfigDict, device_count: int | None = None,
@@ -186,35 +187,6 @@ def _validate_rope_scaling(scaling) -> None:
              "model.rope_scaling needs 0 < low_freq_factor < high_freq_factor, got "
              f"{scaling['low_freq_factor']} and {scaling['high_freq_factor']}")
     _require(scaling["original_max_position"] > 0, "model.rope_scaling.original_max_position must be positive")
-
-
-def mesh_shape(mesh_cfg, device_count: int, process_count: int = 1) -> dict[str, dict[str, int]]:
-    """Resolves -1 entries: ICI axes cover the devices of one host, DCN axes the hosts."""
-    _require(device_count % process_count == 0,
-             f"{device_count} devices do not split evenly over {process_count} processes")
-    resolved = {}
-    for group, total in (("ici", device_count // process_count), ("dcn", process_count)):
-        sizes = dict(mesh_cfg[group])
-        known = math.prod(s for s in sizes.values() if s != -1)
-        fill = [a for a, s in sizes.items() if s == -1]
-        if fill:
-            _require(total % known == 0,
-                     f"mesh.{group} sizes multiply to {known}, which does not divide the {total} "
-                     f"{'devices per host' if group == 'ici' else 'hosts'}, so mesh.{group}.{fill[0]}=-1 cannot fill it")
-            sizes[fill[0]] = total // known
-        product = math.prod(sizes.values())
-        _require(product == total,
-                 f"mesh.{group} sizes ({', '.join(f'{a}={s}' for a, s in sizes.items() if s != 1) or 'all 1'}) "
-                 f"multiply to {product} but there are {total} "
-                 f"{'devices per host' if group == 'ici' else 'hosts (processes)'}; "
-                 f"make the product {total} or set one axis to -1")
-        resolved[group] = sizes
-    return resolved
-
-
-def axis_sizes(shape: dict[str, dict[str, int]]) -> dict[str, int]:
-    """The size of each mesh axis, ICI and DCN together."""
-    return {a: shape["ici"][a] * shape["dcn"][a] for a in MESH_AXES}
 
 
 def global_batch_size(cfg, device_count: int) -> int:

@@ -16,7 +16,7 @@ import os
 import resource
 from typing import Any, Mapping
 
-from maxtext_rocm.tensorboard import ScalarWriter
+from maxtext_rocm.metric_sinks import TensorBoardSink, WandbSink
 
 FLOPS_CONVENTION = (
     "FLOPs/token = 6 x matmul params (incl. LM head, excl. embedding gather) "
@@ -156,22 +156,28 @@ def _json_value(value: Any) -> Any:
 
 
 class MetricsWriter:
-    """Appends metrics to OUTPUT_DIR/metrics.jsonl and, optionally, TensorBoard scalars.
+    """Appends metrics to OUTPUT_DIR/metrics.jsonl and, optionally, the same scalars to TensorBoard
+    (OUTPUT_DIR/tensorboard) and to a Weights & Biases run in `wandb_project` (files under
+    OUTPUT_DIR/wandb) whose config is `run_config`.
 
     With `enabled=False` (every process but 0) every method does nothing and no file is created.
     """
 
-    def __init__(self, output_dir: str, *, enabled: bool = True, tensorboard: bool = True):
+    def __init__(self, output_dir: str, *, enabled: bool = True, tensorboard: bool = True,
+                 wandb_project: str = "", wandb_run_name: str = "", run_config: Mapping[str, Any] | None = None):
         self.enabled = enabled
         self._jsonl = None
-        self._tb = None
+        self._sinks = []
         if not enabled:
             return
         os.makedirs(output_dir, exist_ok=True)
+        # W&B first: a missing wandb package is the one way to fail here, before any file is opened.
+        if wandb_project:
+            self._sinks.append(WandbSink(wandb_project, wandb_run_name, run_config, output_dir))
+        if tensorboard:
+            self._sinks.append(TensorBoardSink(os.path.join(output_dir, "tensorboard")))
         # Append, so a resumed run continues the same file.
         self._jsonl = open(os.path.join(output_dir, "metrics.jsonl"), "a", encoding="utf-8")
-        if tensorboard:
-            self._tb = ScalarWriter(os.path.join(output_dir, "tensorboard"))
 
     def write(self, step: int, metrics: Mapping[str, float | None]) -> None:
         if not self.enabled:
@@ -179,18 +185,18 @@ class MetricsWriter:
         record = {"step": int(step), **{k: _json_value(v) for k, v in metrics.items()}}
         self._jsonl.write(json.dumps(record) + "\n")
         self._jsonl.flush()  # one line at a time, so a crash loses at most the current line
-        if self._tb is not None:
-            # NaN is kept here: TensorBoard draws it, which shows where a run diverged.
-            self._tb.add_scalars(step, {k: float(v) for k, v in metrics.items() if v is not None})
-            self._tb.flush()
+        # NaN is kept here: TensorBoard and W&B draw it, which shows where a run diverged.
+        scalars = {k: float(v) for k, v in metrics.items() if v is not None}
+        for sink in self._sinks:
+            sink.write(step, scalars)
 
     def close(self) -> None:
         if self._jsonl is not None:
             self._jsonl.close()
             self._jsonl = None
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = None
+        for sink in self._sinks:
+            sink.close()
+        self._sinks = []
 
     def __enter__(self) -> "MetricsWriter":
         return self

@@ -20,11 +20,11 @@ from flax import linen as nn
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from maxtext_rocm import config as config_lib
+from maxtext_rocm.config_choices import MESH_AXES
+from maxtext_rocm.mesh_sizes import mesh_shape
 
-# Mesh axes, outermost first: the innermost axis gets the closest devices, so tensor
+# Mesh axes (MESH_AXES), outermost first: the innermost axis gets the closest devices, so tensor
 # parallelism (a collective in every layer) rides the fastest links.
-MESH_AXES = config_lib.MESH_AXES
 
 # Logical axis -> mesh axes. Linen takes the rules in table order and skips a rule whole if any
 # of its mesh axes is already taken in the spec, so ("vocab", "embed") becomes ("tensor", ("fsdp",
@@ -85,7 +85,7 @@ def make_mesh(mesh_cfg, devices=None) -> Mesh:
     """Builds the ICI x DCN mesh from `cfg.mesh` over `devices` (default: all of them)."""
     devices = list(jax.devices() if devices is None else devices)
     process_count = len({d.process_index for d in devices})
-    shape = config_lib.mesh_shape(mesh_cfg, len(devices), process_count)
+    shape = mesh_shape(mesh_cfg, len(devices), process_count)
     ici = [shape["ici"][a] for a in MESH_AXES]
     dcn = [shape["dcn"][a] for a in MESH_AXES]
     if process_count > 1:

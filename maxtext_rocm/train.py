@@ -175,7 +175,8 @@ class Trainer:
                     f"cannot write {cfg.output_dir}/config.json ({error.strerror}); "
                     "set output_dir to a writable directory") from None
         self.writer = metrics_lib.MetricsWriter(
-            cfg.output_dir, enabled=self.is_logger, tensorboard=cfg.log.tensorboard)
+            cfg.output_dir, enabled=self.is_logger, tensorboard=cfg.log.tensorboard,
+            wandb_project=cfg.log.wandb_project, wandb_run_name=cfg.log.wandb_run_name, run_config=cfg.to_dict())
 
     def context(self):
         """The mesh and logical-axis rules that the model's sharding constraints resolve against."""

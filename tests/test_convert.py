@@ -260,7 +260,7 @@ def test_run_from_import_starts_at_transformers_loss(family, tmp_path, devices):
     expected = torch.nn.functional.cross_entropy(
         logits.reshape(-1, logits.shape[-1]), torch.tensor(batch["targets"], dtype=torch.long).reshape(-1))
     print(f"{family}: first loss {first['loss']:.6f}, transformers {float(expected):.6f}")
-    assert abs(first["loss"] - float(expected)) <= 1e-5
+    assert first["loss"] == pytest.approx(float(expected), rel=1e-5)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ import pytest
 from maxtext_rocm import cross_entropy
 
 from conftest import small_config
+from helpers import assert_close
 
 
 def reference(hidden, weight, targets, weights, vocab_axis, z_loss_weight):
@@ -49,8 +50,7 @@ def test_values_and_gradients_match_full_logits(vocab_axis, chunk, z_loss_weight
     np.testing.assert_allclose(value, ref_value, rtol=1e-5)
     for key in ("ce", "z_loss"):
         np.testing.assert_allclose(sums[key], ref_sums[key], rtol=1e-5)
-    for g, r in zip(grads, ref_grads):
-        np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-6)
+    assert_close(grads, ref_grads)
     # Undifferentiated (evaluation) path: the same numbers.
     eval_value, eval_sums = jax.jit(fused)(hidden, weight)
     np.testing.assert_allclose(eval_value, ref_value, rtol=1e-5)
@@ -67,8 +67,7 @@ def test_cotangent_scales_gradients_and_metric_sums_carry_none():
     def ref(h, w):
         return -2.5 * reference(h, w, targets, weights, 1, 0.1)[0]
 
-    for g, r in zip(jax.grad(scaled, argnums=(0, 1))(hidden, weight), jax.grad(ref, argnums=(0, 1))(hidden, weight)):
-        np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-6)
+    assert_close(jax.grad(scaled, argnums=(0, 1))(hidden, weight), jax.grad(ref, argnums=(0, 1))(hidden, weight))
 
 
 def test_bf16_hidden_is_close_to_fp32():
@@ -110,4 +109,4 @@ def test_train_step_gradients_equal_unchunked(tie, tmp_path):
     (g0, _, m0), (g1, _, m1) = results
     for key in ("loss", "z_loss"):
         np.testing.assert_allclose(m1[key], m0[key], rtol=1e-5)
-    jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7), g1, g0)
+    assert_close(g1, g0)

@@ -15,6 +15,7 @@ from maxtext_rocm.step import eval_step
 from maxtext_rocm.train import Trainer
 
 from conftest import small_config
+from helpers import assert_close
 
 DIMS = (((1,), (0,)), ((), ()))
 
@@ -113,7 +114,7 @@ def test_fp8_dot_equals_plain_dots_of_the_quantized_operands(lhs_shape, rhs_shap
     y, vjp = jax.vjp(ours, x, w, grad_scale, history)
     x_q, w_q = fp8.quantize_dequantize(x, e4m3, x_scale), fp8.quantize_dequantize(w, e4m3, w_scale)
     want_y, want_vjp = jax.vjp(lambda a, b: jax.lax.dot_general(a, b, dims, precision="highest"), x_q, w_q)
-    np.testing.assert_allclose(y, want_y, rtol=1e-5, atol=1e-6)
+    assert_close(y, want_y)
 
     g = jax.random.normal(keys[2], y.shape, jnp.float32) * 1e-4
     dx, dw, new_grad_scale, new_history = vjp(g)
@@ -121,8 +122,7 @@ def test_fp8_dot_equals_plain_dots_of_the_quantized_operands(lhs_shape, rhs_shap
     assert float(new_grad_scale) == pytest.approx(float(g_scale), rel=1e-6)
     assert float(new_history[0]) == pytest.approx(float(jnp.max(jnp.abs(g))), rel=1e-6)
     want_dx, want_dw = want_vjp(fp8.quantize_dequantize(g, e5m2, g_scale))
-    np.testing.assert_allclose(dx, want_dx, rtol=1e-5, atol=1e-9)
-    np.testing.assert_allclose(dw, want_dw, rtol=1e-5, atol=1e-9)
+    assert_close((dx, dw), (want_dx, want_dw))
 
 
 @pytest.mark.parametrize("lhs_shape, rhs_shape, dims", DOT_LAYOUTS)
@@ -133,10 +133,8 @@ def test_transposed_dots_match_autodiff(lhs_shape, rhs_shape, dims):
     g = jax.random.normal(keys[2], y.shape)
     want_dx, want_dw = vjp(g)
     with jax.default_matmul_precision("highest"):
-        np.testing.assert_allclose(fp8.transpose_dot_lhs(g, x.ndim, w, dims, jnp.float32), want_dx, rtol=1e-5,
-                                   atol=1e-5)
-        np.testing.assert_allclose(fp8.transpose_dot_rhs(g, x, w.ndim, dims, jnp.float32), want_dw, rtol=1e-5,
-                                   atol=1e-5)
+        assert_close((fp8.transpose_dot_lhs(g, x.ndim, w, dims, jnp.float32),
+                      fp8.transpose_dot_rhs(g, x, w.ndim, dims, jnp.float32)), (want_dx, want_dw))
 
 
 # Flax's direct op also feeds fp8 arrays to the dot and rescales its output: the same arithmetic.

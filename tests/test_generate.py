@@ -148,7 +148,7 @@ def test_load_params_and_loss_match_the_trainer(trained_run):
     batch = {k: np.asarray(v) for k, v in trainer.data.batch(0).items()}
     got = float(mr.loss(cfg, params, batch))
     live = float(mr.loss(cfg, trainer.state.params, batch))
-    assert np.isfinite(got) and abs(got - live) < 1e-5
+    assert np.isfinite(got) and got == pytest.approx(live, rel=1e-5)
     assert float(mr.loss(cfg, mr.init_params(cfg, seed=0), batch)) > got  # training lowered it
 
 

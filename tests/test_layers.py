@@ -12,6 +12,8 @@ from maxtext_rocm.models.blockwise_attention import block_size, blockwise_attent
 from maxtext_rocm.models.layers import RMSNorm, apply_rope, rope_inv_frequencies
 from maxtext_rocm.precision import policy_from_config
 
+from helpers import assert_close
+
 LLAMA31 = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position=8192)
 
 
@@ -61,7 +63,7 @@ def test_apply_rope_is_a_complex_rotation():
     z = x[..., : d // 2] + 1j * x[..., d // 2:]
     rotated = z * np.exp(1j * positions[:, :, None, None] * inv.astype(np.float64))
     want = np.concatenate([rotated.real, rotated.imag], axis=-1)
-    np.testing.assert_allclose(got, want, atol=1e-5)
+    assert_close(got, want)
 
 
 def naive_attention(q, k, v, segment_ids=None, window=None):
@@ -93,7 +95,7 @@ def test_attention_matches_naive_softmax(heads, kv_heads):
     k = rng.standard_normal((b, s, kv_heads, d)).astype(np.float32)
     v = rng.standard_normal((b, s, kv_heads, d)).astype(np.float32)
     got = dot_product_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v))
-    np.testing.assert_allclose(np.asarray(got), naive_attention(q, k, v), atol=1e-5)
+    assert_close(got, naive_attention(q, k, v))
 
 
 def test_attention_respects_segments():
@@ -104,7 +106,7 @@ def test_attention_respects_segments():
     segments = np.array([[1, 1, 1, 2, 2, 3]])
     got = dot_product_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),
                                 segment_ids=jnp.asarray(segments))
-    np.testing.assert_allclose(np.asarray(got), naive_attention(q, k, v, segments), atol=1e-5)
+    assert_close(got, naive_attention(q, k, v, segments))
     # The first token of a document sees only itself.
     np.testing.assert_allclose(np.asarray(got)[0, 3, 0], v[0, 3, 0], atol=1e-6)
 
@@ -133,7 +135,7 @@ def test_blockwise_attention_matches_naive_softmax(b, s, h, kvh, d, block, docum
     q, k, v, segments = _blockwise_inputs(b, s, h, kvh, d, documents, seed=3)
     got = blockwise_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), block=block, sliding_window=window,
                               segment_ids=None if segments is None else jnp.asarray(segments))
-    np.testing.assert_allclose(np.asarray(got), naive_attention(q, k, v, segments, window), atol=2e-5)
+    assert_close(got, naive_attention(q, k, v, segments, window))
 
 
 @pytest.mark.parametrize("b, s, h, kvh, d, block, documents, window", BLOCKWISE_CASES)
@@ -152,15 +154,14 @@ def test_blockwise_attention_gradients_match_autodiff_of_xla(b, s, h, kvh, d, bl
             return jnp.sum(out * cotangent)
         return jax.jit(jax.grad(f, argnums=(0, 1, 2)))(q, k, v)
 
-    for got, want in zip(loss("blockwise"), loss("xla")):
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=1e-5)
+    assert_close(loss("blockwise"), loss("xla"))
 
 
 def test_model_with_blockwise_attention_equals_xla(devices, tmp_path, monkeypatch):
     """The whole model (scanned layers, remat, GQA) trains on the same loss and gradients with
     either attention; 16-position blocks, so the 64-token sequences span four."""
     from conftest import small_config
-    from helpers import assert_trees_close, loss_and_grads
+    from helpers import loss_and_grads
     from maxtext_rocm.models import blockwise_attention as blockwise
 
     monkeypatch.setattr(blockwise, "block_size", lambda seq_len: min(seq_len, 16))  # init traces 8 tokens
@@ -169,8 +170,8 @@ def test_model_with_blockwise_attention_equals_xla(devices, tmp_path, monkeypatc
         cfg = small_config(**{"model.attention": implementation, "model.remat": "full", "train.seq_len": 64,
                               "mesh.ici.fsdp": 1, "output_dir": str(tmp_path / implementation)})
         results[implementation] = loss_and_grads(cfg, devices[:1])[:2]
-    assert abs(results["xla"][0] - results["blockwise"][0]) < 1e-5
-    assert_trees_close(results["blockwise"][1], results["xla"][1], atol=1e-5)
+    assert_close(results["blockwise"][0], results["xla"][0])
+    assert_close(results["blockwise"][1], results["xla"][1])
 
 
 def test_auto_attention_follows_the_device():

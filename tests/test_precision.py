@@ -15,6 +15,8 @@ from maxtext_rocm import config as config_lib
 from maxtext_rocm.models import build_model
 from maxtext_rocm.precision import f32_accumulating_dot_general, policy_from_config
 
+from helpers import assert_close
+
 # (lhs shape, rhs shape, dimension numbers): a dense layer, a per-expert dot with a batch axis,
 # attention's scores and its probabilities x values (two batch axes), a transposed contraction.
 CASES = [
@@ -63,7 +65,7 @@ def test_an_fp32_result_is_returned_in_fp32_and_its_cotangent_rounded_to_bf16():
                        lhs, rhs)
     assert out.dtype == jnp.float32
     want = jax.lax.dot_general(lhs, rhs, dims, preferred_element_type=jnp.float32)
-    np.testing.assert_allclose(out, want, rtol=1e-6, atol=1e-6)
+    assert_close(out, want)
     cotangent = jnp.asarray(rng.standard_normal(out.shape), jnp.float32)
     _, want_vjp = jax.vjp(lambda a, b: jax.lax.dot_general(a.astype(jnp.float32), b.astype(jnp.float32), dims),
                           lhs, rhs)

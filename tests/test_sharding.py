@@ -6,7 +6,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from conftest import small_config
-from helpers import assert_trees_close, loss_and_grads
+from helpers import assert_close, assert_trees_close, loss_and_grads
 
 SINGLE = {f"mesh.ici.{a}": 1 for a in ("data", "fsdp", "expert", "sequence", "tensor")}
 
@@ -39,8 +39,8 @@ def test_mesh_matches_single_device(mesh, single_device_reference, devices, tmp_
     assert embedding.sharding.spec != P() and not embedding.sharding.is_fully_replicated
     assert dict(trainer.mesh.shape) == {a: mesh.get(a, 1) for a in trainer.mesh.axis_names}
 
-    assert abs(loss - ref_loss) < 1e-5
-    assert_trees_close(grads, ref_grads, atol=1e-5)
+    assert_close(loss, ref_loss)
+    assert_close(grads, ref_grads)
 
 
 def test_tensor_parallel_shards_heads_and_mlp(devices, tmp_path):

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from maxtext_rocm.config import UserError
+from maxtext_rocm.errors import UserError
 from maxtext_rocm.data.synthetic import local_rows
 from maxtext_rocm.data.tokenizer import check_vocab, load_tokenizer
 

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
+from maxtext_rocm.errors import ConfigError
+
 
 class ByteTokenizer:
     """Lossless for any text, needs no vocabulary file; ids 0..2 are pad, bos, eos."""
@@ -183,8 +185,6 @@ def load_tokenizer(spec: str):
     """The tokenizer `data.tokenizer` names: "byte", or a path to a tokenizer.json, a SentencePiece
     .model or a tiktoken rank file (a folder: its tokenizer.json, else its tokenizer.model). The kind
     is found from the file; a prefix `hf:`, `sentencepiece:` or `tiktoken:` forces it."""
-    from maxtext_rocm.config import ConfigError
-
     if spec in ("", "byte"):
         return ByteTokenizer()
     kind, sep, rest = spec.partition(":")
@@ -205,8 +205,6 @@ def load_tokenizer(spec: str):
 
 @functools.lru_cache(maxsize=8)
 def _load(kind: str, path: str, _versions: tuple):
-    from maxtext_rocm.config import ConfigError
-
     try:
         return _KINDS[kind](path)
     except ImportError as error:
@@ -218,8 +216,6 @@ def _load(kind: str, path: str, _versions: tuple):
 
 def check_vocab(tokenizer, model_vocab_size: int, spec: str = "") -> None:
     """Every id the tokenizer can produce must have a row in the model's embedding."""
-    from maxtext_rocm.config import ConfigError
-
     if tokenizer.vocab_size > model_vocab_size:
         raise ConfigError(f"data.tokenizer={spec or tokenizer.path!r} has {tokenizer.vocab_size} ids but "
                           f"model.vocab_size={model_vocab_size}; use model.vocab_size >= {tokenizer.vocab_size}")
