@@ -1,0 +1,175 @@
+"""SIGKILL a training run at random moments, restart it each time, and check it ends bit-exact.
+
+    python scripts/kill_trials.py [--trials 20] [--steps 60] [--seed 0] [--workdir DIR]
+
+A reference run trains --steps steps of a tiny Llama (configs/tiny_llama.py made smaller, 2 fake
+CPU devices, a checkpoint every 3 steps) uninterrupted. A second run, in its own directory, is
+killed --trials times, each kill in a fresh launch: a third of them while a checkpoint is being
+written (the moment orbax's temporary `*.orbax-checkpoint-tmp*` directory appears), the others
+at a random moment from start-up to a few steps in. After each kill it is started again; after
+the last it runs to the end. Checked: every loss any launch logged equals the reference's for
+that step, bit for bit (steps redone after a resume are logged again), and the final
+checkpoints' parameters and the checksums of every array are identical.
+
+One line per trial, then a summary; exit status 0 if and only if every trial resumed bit-exact.
+About 10-15 s a launch on 2 CPU cores (the launches share one compilation cache).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+TINY = ["--config.model.vocab_size=128", "--config.model.d_model=64", "--config.model.n_layers=2",
+        "--config.model.n_heads=4", "--config.model.n_kv_heads=2", "--config.model.head_dim=16",
+        "--config.model.mlp_dim=128", "--config.model.scan_layers=true", "--config.data.source=synthetic",
+        "--config.train.seq_len=32", "--config.train.per_device_batch_size=2", "--config.log.every=1",
+        "--config.log.tensorboard=false", "--config.checkpoint.every=3", "--config.checkpoint.keep=2"]
+
+
+def launch(run_dir: Path, steps: int, cache: Path, log: Path) -> subprocess.Popen:
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
+               PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    with open(log, "w") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "maxtext_rocm.train", "configs/tiny_llama.py", *TINY,
+             f"--config.train.steps={steps}", f"--config.output_dir={run_dir}",
+             f"--config.train.compilation_cache={cache}"],
+            cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+
+
+def rows(run_dir: Path) -> list[dict]:
+    """metrics.jsonl's rows; a line that a kill cut short is left out (and counted by the caller)."""
+    path = run_dir / "metrics.jsonl"
+    parsed = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            parsed.append(json.loads(line))
+        except json.JSONDecodeError:
+            parsed.append(None)
+    return parsed
+
+
+def saving(run_dir: Path) -> bool:
+    folder = run_dir / "checkpoints"
+    return folder.is_dir() and any(".orbax-checkpoint-tmp" in p.name for p in folder.iterdir())
+
+
+def kill_at_random(process: subprocess.Popen, run_dir: Path, during_save: bool, rng: random.Random,
+                   horizon_s: float) -> str:
+    """SIGKILLs `process` during its next save, or after a random delay; says when."""
+    started = time.perf_counter()
+    if during_save:
+        while process.poll() is None and not saving(run_dir):
+            time.sleep(0.002)
+        moment = "while a checkpoint was being written"
+    else:
+        delay = rng.uniform(0.5, horizon_s)
+        while process.poll() is None and time.perf_counter() - started < delay:
+            time.sleep(0.01)
+        moment = "at a random moment"
+    if process.poll() is not None:
+        return "(the run ended before the kill)"
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    return f"{moment}, {time.perf_counter() - started:.2f} s after launch"
+
+
+def resumed_step(log: Path) -> int:
+    for line in log.read_text(errors="replace").splitlines():
+        if line.startswith("resumed from "):
+            return int(line.rsplit("/", 1)[1])
+    return 0
+
+
+def final_state(run_dir: Path, steps: int):
+    """(params as NumPy arrays, the saved checksums of every array) of checkpoint `steps`."""
+    import jax
+    import numpy as np
+
+    from maxtext_rocm import config as config_lib
+    from maxtext_rocm.checkpoint import restore_params_to_host
+
+    cfg = config_lib.load("configs/tiny_llama.py", TINY)
+    params = restore_params_to_host(run_dir / "checkpoints" / str(steps), cfg)
+    meta = json.loads((run_dir / "checkpoints" / str(steps) / "meta" / "metadata").read_text())
+    return jax.tree_util.tree_map(np.asarray, params), meta["checksums"]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--trials", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--workdir", type=Path, default=None, help="default: a fresh temporary directory")
+    args = parser.parse_args()
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="kill_trials_"))
+    cache, reference, run = workdir / "xla_cache", workdir / "reference", workdir / "killed"
+    rng = random.Random(args.seed)
+
+    started = time.perf_counter()
+    process = launch(reference, args.steps, cache, workdir / "reference.log")
+    first_step_s = None
+    while process.poll() is None:
+        if first_step_s is None and rows(reference):
+            first_step_s = time.perf_counter() - started
+        time.sleep(0.05)
+    if process.returncode != 0:
+        print(f"the reference run failed (exit {process.returncode}); see {workdir / 'reference.log'}")
+        return 1
+    want = {row["step"]: row["loss"] for row in rows(reference)}
+    horizon = (first_step_s or 5.0) + 2.0  # start-up and the first few steps of a launch
+    print(f"reference: {args.steps} steps in {time.perf_counter() - started:.1f} s; kills land up to "
+          f"{horizon:.1f} s into a launch, one in three during a save")
+
+    during_save = set(rng.sample(range(args.trials), args.trials // 3))
+    exact, seen_rows = 0, 0
+    for trial in range(args.trials + 1):
+        log = workdir / f"launch_{trial}.log"
+        process = launch(run, args.steps, cache, log)
+        if trial < args.trials:
+            when = kill_at_random(process, run, trial in during_save, rng, horizon)
+        else:
+            process.wait()
+            when = f"ran to the end (exit {process.returncode})"
+        logged = rows(run)
+        new, seen_rows = logged[seen_rows:], len(logged)
+        matched = sum(1 for row in new if row is not None and row["loss"] == want.get(row["step"]))
+        torn = sum(1 for row in new if row is None)
+        ok = matched == len(new) - torn
+        if trial > 0:  # this launch's rows check the resume that trial `trial - 1`'s kill forced
+            exact += ok
+        print(f"launch {trial}: resumed from step {resumed_step(log)}, {matched}/{len(new) - torn} logged losses "
+              f"equal the reference's{f' ({torn} line cut short by the kill)' if torn else ''}; "
+              + (f"trial {trial + 1}: killed {when}" if trial < args.trials else when))
+        if trial == args.trials and process.returncode != 0:
+            print(f"the final launch failed; see {log}")
+            return 1
+
+    import jax
+    import numpy as np
+
+    got_params, got_sums = final_state(run, args.steps)
+    want_params, want_sums = final_state(reference, args.steps)
+    same_params = all(np.array_equal(a, b) for a, b in zip(jax.tree_util.tree_leaves(got_params),
+                                                           jax.tree_util.tree_leaves(want_params)))
+    same = same_params and got_sums == want_sums
+    print(f"final checkpoint {args.steps}: parameters {'identical' if same_params else 'DIFFER'}, checksums of "
+          f"every array {'identical' if got_sums == want_sums else 'DIFFER'}")
+    exact = exact if same else 0
+    print(f"{exact} of {args.trials} trials resumed bit-exact ({len(during_save)} killed during a save); "
+          f"{time.perf_counter() - started:.0f} s in all; launches' output in {workdir}")
+    return 0 if exact == args.trials else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
