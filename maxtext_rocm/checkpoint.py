@@ -22,11 +22,7 @@ writes a params-only export (`OUT_DIR/params` + `OUT_DIR/config.json`) that
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
-import logging
-import os
-import re
 import shutil
 import sys
 import time
@@ -38,6 +34,7 @@ import orbax.checkpoint as ocp
 from orbax.checkpoint.checkpoint_managers import preservation_policy as policies
 
 from maxtext_rocm import checksums
+from maxtext_rocm.checkpoint_errors import cause, first_line, quiet_closed_loop_callbacks, quiet_orbax_error_logs
 from maxtext_rocm.config import CheckpointError, UserError
 
 STATE, DATA, META = "state", "data", "meta"
@@ -66,45 +63,8 @@ def _shape_mismatch(abstract, on_disk) -> str | None:
     return f"it holds {extra[0]}, which this model does not have" if extra else None
 
 
-def _quiet_closed_loop_callbacks() -> None:
-    """When one read of a restore fails, orbax closes its event loop while tensorstore still has
-    reads in flight; each of their callbacks then reports "Event loop is closed" through
-    sys.unraisablehook, a traceback apiece. They say nothing the one-sentence error does not,
-    so drop exactly those (installed once, before the first restore)."""
-    previous = sys.unraisablehook
-    if getattr(previous, "_drops_closed_loop", False):
-        return
-
-    def hook(unraisable):
-        value = unraisable.exc_value
-        if not (isinstance(value, RuntimeError) and str(value) == "Event loop is closed"):
-            previous(unraisable)
-    hook._drops_closed_loop = True
-    sys.unraisablehook = hook
-
-
-def _first_line(error: BaseException) -> str:
-    return (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
-
-
-def _cause(error: BaseException) -> str:
-    """What went wrong underneath orbax's wrappers, in a few words: the strerror of the first
-    OSError in the exception's chain (or in tensorstore's message), else its first line."""
-    pending, seen = [error], set()
-    while pending:
-        current = pending.pop(0)
-        if current is None or id(current) in seen:
-            continue
-        seen.add(id(current))
-        if isinstance(current, OSError) and current.errno:
-            return os.strerror(current.errno)
-        pending += [*getattr(current, "exceptions", ()), current.__cause__, current.__context__]
-    found = re.search(r"\[OS error(?: \d+)?: ([^\]]+)\]", str(error))
-    return found.group(1) if found else f"{type(error).__name__}: {_first_line(error)}"
-
-
 def _unreadable(path, error: Exception) -> CheckpointError:
-    return CheckpointError(f"checkpoint {path} cannot be read ({type(error).__name__}: {_first_line(error)}); "
+    return CheckpointError(f"checkpoint {path} cannot be read ({type(error).__name__}: {first_line(error)}); "
                            "delete that step directory or choose another with checkpoint.resume")
 
 
@@ -118,14 +78,6 @@ class NonFiniteState(RuntimeError):
 
 class _Damaged(Exception):
     """A checkpoint that cannot be used as it is on disk; the message says why, as a phrase."""
-
-
-class _LogFilter(logging.Filter):
-    """Orbax logs a failed background write with its traceback (hundreds of lines for one full
-    disk) and then raises it to us; the Checkpointer reports it in one sentence instead."""
-
-    def filter(self, record):
-        return not (record.levelno >= logging.ERROR and "orbax" in record.pathname)
 
 
 @dataclasses.dataclass
@@ -160,8 +112,8 @@ class Checkpointer:
         self._last_saved = None
         self._pending = None  # the step whose background write has not been seen to succeed yet
         self._skipped: list[tuple[int, str]] = []  # (step, why) of checkpoints a resume passed over
-        if not any(isinstance(f, _LogFilter) for f in logging.getLogger("absl").filters):
-            logging.getLogger("absl").addFilter(_LogFilter())
+        self._launched = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())  # names what this launch set aside
+        quiet_orbax_error_logs()
 
     def should_save(self, step: int, last_step: int) -> bool:
         return step == last_step or (self.cfg.every > 0 and step % self.cfg.every == 0)
@@ -220,7 +172,7 @@ class Checkpointer:
         intact = _complete_steps(self.directory)
         after = (f"checkpoints {', '.join(map(str, intact))} are untouched and a restart resumes from step "
                  f"{intact[-1]}" if intact else "there is no earlier checkpoint, so a restart begins at step 0")
-        return SaveFailed(f"saving checkpoint {step} in {self.directory} failed ({_cause(error)}); its partial "
+        return SaveFailed(f"saving checkpoint {step} in {self.directory} failed ({cause(error)}); its partial "
                           f"directory was removed, {after}")
 
     def close(self) -> None:
@@ -260,7 +212,7 @@ class Checkpointer:
     def restore(self, resume: Resume, abstract_state):
         """(state, data_state, step) of the newest intact checkpoint of `resume`, each array placed
         straight into `abstract_state`'s sharding and checked against the checksums saved with it."""
-        _quiet_closed_loop_callbacks()
+        quiet_closed_loop_callbacks()
         skipped = []
         for step in resume.steps:
             path = Path(resume.manager.directory) / str(step)
@@ -290,7 +242,7 @@ class Checkpointer:
             metadata = manager.item_metadata(step)
             on_disk = metadata[STATE]
         except Exception as error:  # noqa: BLE001 - orbax and tensorstore raise many types
-            _damaged(f"cannot be read ({_cause(error)})")
+            raise _Damaged(f"cannot be read ({cause(error)})") from None
         _damaged_unless(on_disk is not None, f"has no readable {STATE}/_METADATA")
         mismatch = _shape_mismatch(abstract_state, on_disk.tree)
         if mismatch:  # not damage: another model's checkpoint, which no older step would fix
@@ -302,9 +254,9 @@ class Checkpointer:
                 META: ocp.args.JsonRestore()}))
             ok = True
         except Exception as error:  # noqa: BLE001
-            ok, why = False, f"cannot be read ({_cause(error)})"
-        if not _on_every_process(ok):  # each process read its own shards: all must have succeeded
-            _damaged(why if not ok else "cannot be read by another process of this run")
+            ok, why = False, f"cannot be read ({cause(error)})"
+        # Each process read its own shards: all must have succeeded, or all move on together.
+        _damaged_unless(_on_every_process(ok), why if not ok else "cannot be read by another process of this run")
         meta = restored[META] or {}
         if "checksums" not in meta:
             self._warn(f"checkpoint {path} was written without checksums; it is restored unverified")
@@ -319,11 +271,7 @@ class Checkpointer:
         return restored[STATE], restored[DATA]
 
     def _set_aside_name(self, step: int, reason: str) -> Path:
-        return self.set_aside_dir / f"{step}.{reason}.{self._stamp}"
-
-    @functools.cached_property
-    def _stamp(self) -> str:
-        return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        return self.set_aside_dir / f"{step}.{reason}.{self._launched}"
 
     def set_aside(self, resumed_step: int) -> list[Path]:
         """Moves this run's checkpoints that the resume skipped (damaged) or passed over (newer than
@@ -343,10 +291,6 @@ class Checkpointer:
             self.manager.reload()
         self._skipped = []
         return [destination for step, destination in moves if step not in damaged]
-
-
-def _damaged(why: str):
-    raise _Damaged(why)
 
 
 def _damaged_unless(ok: bool, why: str) -> None:
@@ -400,7 +344,7 @@ def restore_params(path, abstract_params):
     """Only the parameters, from any of the places `_params_location` understands."""
     tree_dir, whole_state = _params_location(Path(path))
     item = {"params": abstract_params} if whole_state else abstract_params
-    _quiet_closed_loop_callbacks()
+    quiet_closed_loop_callbacks()
     try:
         on_disk = ocp.PyTreeCheckpointer().metadata(tree_dir).item_metadata.tree
         on_disk = on_disk["params"] if whole_state else on_disk

@@ -64,24 +64,31 @@ def saving(run_dir: Path) -> bool:
     return folder.is_dir() and any(".orbax-checkpoint-tmp" in p.name for p in folder.iterdir())
 
 
-def kill_at_random(process: subprocess.Popen, run_dir: Path, during_save: bool, rng: random.Random,
-                   horizon_s: float) -> str:
-    """SIGKILLs `process` during its next save, or after a random delay; says when."""
-    started = time.perf_counter()
-    if during_save:
+def kill_at_random(process: subprocess.Popen, run_dir: Path, moment: str, rng: random.Random,
+                   start_up_s: float, step_s: float) -> tuple[str, float | None]:
+    """SIGKILLs `process` at a moment of the kind asked for. Returns what happened, and for kills
+    within steps how long the launch took to its first step (start-up with a warm cache)."""
+    started, rows_before, first_row_s = time.perf_counter(), len(rows(run_dir)), None
+    if moment == "save":  # orbax's temporary directory is there from the save's start to its commit
         while process.poll() is None and not saving(run_dir):
             time.sleep(0.002)
-        moment = "while a checkpoint was being written"
-    else:
-        delay = rng.uniform(0.5, horizon_s)
+        what = "while a checkpoint was being written"
+    elif moment == "start-up":  # imports, building the trainer, restoring, compiling
+        delay = rng.uniform(0.2, 0.95) * start_up_s
         while process.poll() is None and time.perf_counter() - started < delay:
             time.sleep(0.01)
-        moment = "at a random moment"
+        what = "during start-up"
+    else:  # within the first few steps of this launch, wherever a step happens to be
+        while process.poll() is None and len(rows(run_dir)) == rows_before:
+            time.sleep(0.01)
+        first_row_s = time.perf_counter() - started
+        time.sleep(rng.uniform(0.0, 3.0) * step_s)
+        what = "between or inside steps"
     if process.poll() is not None:
-        return "(the run ended before the kill)"
+        return f"NOT killed: the launch ended first (exit {process.returncode})", first_row_s
     process.send_signal(signal.SIGKILL)
     process.wait()
-    return f"{moment}, {time.perf_counter() - started:.2f} s after launch"
+    return f"{what}, {time.perf_counter() - started:.2f} s after launch", first_row_s
 
 
 def resumed_step(log: Path) -> int:
@@ -122,22 +129,28 @@ def main() -> int:
     while process.poll() is None:
         if first_step_s is None and rows(reference):
             first_step_s = time.perf_counter() - started
-        time.sleep(0.05)
-    if process.returncode != 0:
+        time.sleep(0.01)
+    if process.returncode != 0 or first_step_s is None:
         print(f"the reference run failed (exit {process.returncode}); see {workdir / 'reference.log'}")
         return 1
     want = {row["step"]: row["loss"] for row in rows(reference)}
-    horizon = (first_step_s or 5.0) + 2.0  # start-up and the first few steps of a launch
-    print(f"reference: {args.steps} steps in {time.perf_counter() - started:.1f} s; kills land up to "
-          f"{horizon:.1f} s into a launch, one in three during a save")
+    step_s = (time.perf_counter() - started - first_step_s) / max(args.steps - 1, 1)
+    print(f"reference: {args.steps} steps in {time.perf_counter() - started:.1f} s (first step at "
+          f"{first_step_s:.1f} s, then {step_s:.2f} s a step)")
 
-    during_save = set(rng.sample(range(args.trials), args.trials // 3))
-    exact, seen_rows = 0, 0
+    moments = ["save", "start-up", "steps"] * args.trials
+    moments = moments[:args.trials]
+    rng.shuffle(moments)
+    exact, seen_rows, start_up_s = 0, 0, first_step_s
     for trial in range(args.trials + 1):
         log = workdir / f"launch_{trial}.log"
         process = launch(run, args.steps, cache, log)
         if trial < args.trials:
-            when = kill_at_random(process, run, trial in during_save, rng, horizon)
+            when, first_row_s = kill_at_random(process, run, moments[trial], rng, start_up_s, step_s)
+            start_up_s = first_row_s or start_up_s  # later launches start from a warm compilation cache
+            if when.startswith("NOT"):
+                print(f"trial {trial + 1}: {when}; see {log}")
+                return 1
         else:
             process.wait()
             when = f"ran to the end (exit {process.returncode})"
@@ -166,7 +179,8 @@ def main() -> int:
     print(f"final checkpoint {args.steps}: parameters {'identical' if same_params else 'DIFFER'}, checksums of "
           f"every array {'identical' if got_sums == want_sums else 'DIFFER'}")
     exact = exact if same else 0
-    print(f"{exact} of {args.trials} trials resumed bit-exact ({len(during_save)} killed during a save); "
+    print(f"{exact} of {args.trials} trials resumed bit-exact ({moments.count('save')} killed during a save, "
+          f"{moments.count('start-up')} during start-up, {moments.count('steps')} between or inside steps); "
           f"{time.perf_counter() - started:.0f} s in all; launches' output in {workdir}")
     return 0 if exact == args.trials else 1
 
