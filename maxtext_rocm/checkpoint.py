@@ -100,7 +100,7 @@ class Checkpointer:
         self.directory = self.run_dir / "checkpoints"
         self.set_aside_dir = self.run_dir / "checkpoints_set_aside"
         self.is_primary = jax.process_index() == 0
-        self._warn = warn or (lambda message: print(f"warning: {message}", file=sys.stderr, flush=True))
+        self._warn = warn or self._print_warning
         keep = [policies.LatestN(ckpt_cfg.keep)]
         if ckpt_cfg.keep_period:
             keep.append(policies.EveryNSteps(ckpt_cfg.keep_period))
@@ -111,9 +111,13 @@ class Checkpointer:
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=_handlers())
         self._last_saved = None
         self._pending = None  # the step whose background write has not been seen to succeed yet
-        self._skipped: list[tuple[int, str]] = []  # (step, why) of checkpoints a resume passed over
+        self._skipped = (None, [])  # (the Resume, [(step, why)]) of the damaged checkpoints it passed over
         self._launched = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())  # names what this launch set aside
         quiet_orbax_error_logs()
+
+    def _print_warning(self, message: str) -> None:
+        if self.is_primary:  # process 0 speaks for every process
+            print(f"warning: {message}", file=sys.stderr, flush=True)
 
     def should_save(self, step: int, last_step: int) -> bool:
         return step == last_step or (self.cfg.every > 0 and step % self.cfg.every == 0)
@@ -224,12 +228,7 @@ class Checkpointer:
                                           "(or 'auto' for the newest intact one)") from None
                 skipped.append((step, str(damage)))
                 continue
-            self._skipped = skipped if resume.own else []
-            for bad, why in skipped:
-                where = (f"it was moved to {self._set_aside_name(bad, 'failed-verification')}"
-                         if resume.own else "it was left where it is")
-                self._warn(f"checkpoint {Path(resume.manager.directory) / str(bad)} {why}; {where} and the run "
-                           f"resumes from step {step}")
+            self._skipped = (resume, skipped)  # reported by set_aside, once they are out of the way
             return state, data_state, step
         raise CheckpointError(
             f"no checkpoint in {resume.manager.directory} is intact ("
@@ -274,11 +273,14 @@ class Checkpointer:
         return self.set_aside_dir / f"{step}.{reason}.{self._launched}"
 
     def set_aside(self, resumed_step: int) -> list[Path]:
-        """Moves this run's checkpoints that the resume skipped (damaged) or passed over (newer than
-        `resumed_step`, under checkpoint.resume=STEP) into output_dir/checkpoints_set_aside/: the run
-        will write those steps again, and orbax's retention policy would otherwise count (and
-        delete) them. Nothing is deleted; moving one back restores it. Returns where they went."""
-        damaged = dict(self._skipped)
+        """Moves this run's checkpoints that the resume skipped (damaged: one warning each) or passed
+        over (newer than `resumed_step`, under checkpoint.resume=STEP) into
+        output_dir/checkpoints_set_aside/: the run will write those steps again, and orbax's
+        retention policy would otherwise count (and delete) them. Nothing is deleted; moving one
+        back restores it. Called once the Trainer has its state. Returns where the newer ones went."""
+        resume, skipped = self._skipped
+        self._skipped = (None, [])
+        damaged = dict(skipped) if resume is not None and resume.own else {}
         newer = [s for s in self.manager.all_steps() if s > resumed_step and s not in damaged]
         moves = [(s, self._set_aside_name(s, "failed-verification")) for s in damaged]
         moves += [(s, self._set_aside_name(s, f"newer-than-resume-{resumed_step}")) for s in sorted(newer)]
@@ -289,7 +291,10 @@ class Checkpointer:
         if moves:
             _sync_processes("maxtext_rocm:set_aside")
             self.manager.reload()
-        self._skipped = []
+        for step, why in skipped:
+            where = f"it was moved to {dict(moves)[step]}" if step in damaged else "it was left where it is"
+            self._warn(f"checkpoint {Path(resume.manager.directory) / str(step)} {why}; {where} and the run "
+                       f"resumes from step {resumed_step}")
         return [destination for step, destination in moves if step not in damaged]
 
 

@@ -21,12 +21,14 @@ differently weighted sum makes cancelling changes a ~2**-64 event.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 ALGORITHM = "sum32x2-v1"  # stored beside the checksums, so a later change of scheme is recognised
 
@@ -73,14 +75,20 @@ def _leaf_summary(x: jax.Array):
     return sums, finite
 
 
-_summarise = jax.jit(lambda leaves: [_leaf_summary(x) for x in leaves])
+@functools.lru_cache(maxsize=None)
+def _summariser(replicated):
+    """The jitted summaries, their results replicated over the arrays' mesh: every process then
+    holds them whole and can read them (None: wherever XLA puts them, for unmeshed arrays)."""
+    return jax.jit(lambda leaves: [_leaf_summary(x) for x in leaves], out_shardings=replicated)
 
 
 def summarise(tree) -> tuple[dict[str, str], list[str]]:
     """({leaf name: 16-hex-digit checksum}, names of the leaves holding inf/NaN) of a pytree of
     global arrays. Blocks until computed: callers are at a sync point already (a save, a restore)."""
-    names = leaf_names(tree)
-    summaries = jax.device_get(_summarise(jax.tree_util.tree_leaves(tree)))
+    names, leaves = leaf_names(tree), jax.tree_util.tree_leaves(tree)
+    meshes = {x.sharding.mesh for x in leaves if isinstance(getattr(x, "sharding", None), NamedSharding)}
+    replicated = NamedSharding(meshes.pop(), PartitionSpec()) if len(meshes) == 1 else None
+    summaries = jax.device_get(_summariser(replicated)(leaves))
     checksums, nonfinite = {}, []
     for name, (sums, finite) in zip(names, summaries):
         checksums[name] = "".join(f"{int(s):08x}" for s in np.asarray(sums))

@@ -52,6 +52,9 @@ def acquire(output_dir: str, warn=None) -> None:
     if key in _held:
         return
     path = directory / LOCK_NAME
+    if directory.exists() and not directory.is_dir():
+        raise UserError(f"output_dir {directory} exists and is not a directory; set output_dir to a writable "
+                        "directory")
     try:
         directory.mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
