@@ -33,7 +33,8 @@ TINY = ["--config.model.vocab_size=128", "--config.model.d_model=64", "--config.
         "--config.model.n_heads=4", "--config.model.n_kv_heads=2", "--config.model.head_dim=16",
         "--config.model.mlp_dim=128", "--config.model.scan_layers=true", "--config.data.source=synthetic",
         "--config.train.seq_len=32", "--config.train.per_device_batch_size=2", "--config.log.every=1",
-        "--config.log.tensorboard=false", "--config.checkpoint.every=3", "--config.checkpoint.keep=2"]
+        "--config.log.tensorboard=false", "--config.checkpoint.keep=2"]
+SAVE_EVERY = 3
 
 
 def launch(run_dir: Path, steps: int, cache: Path, log: Path) -> subprocess.Popen:
@@ -43,7 +44,7 @@ def launch(run_dir: Path, steps: int, cache: Path, log: Path) -> subprocess.Pope
         return subprocess.Popen(
             [sys.executable, "-m", "maxtext_rocm.train", "configs/tiny_llama.py", *TINY,
              f"--config.train.steps={steps}", f"--config.output_dir={run_dir}",
-             f"--config.train.compilation_cache={cache}"],
+             f"--config.checkpoint.every={SAVE_EVERY}", f"--config.train.compilation_cache={cache}"],
             cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
 
 
@@ -59,9 +60,10 @@ def rows(run_dir: Path) -> list[dict]:
     return parsed
 
 
-def saving(run_dir: Path) -> bool:
+def saves_begun(run_dir: Path) -> set[str]:
+    """Orbax's temporary step directories there now (one per save in flight, or left by a kill)."""
     folder = run_dir / "checkpoints"
-    return folder.is_dir() and any(".orbax-checkpoint-tmp" in p.name for p in folder.iterdir())
+    return {p.name for p in folder.iterdir() if ".orbax-checkpoint-tmp" in p.name} if folder.is_dir() else set()
 
 
 def kill_at_random(process: subprocess.Popen, run_dir: Path, moment: str, rng: random.Random,
@@ -70,8 +72,11 @@ def kill_at_random(process: subprocess.Popen, run_dir: Path, moment: str, rng: r
     within steps how long the launch took to its first step (start-up with a warm cache)."""
     started, rows_before, first_row_s = time.perf_counter(), len(rows(run_dir)), None
     if moment == "save":  # orbax's temporary directory is there from the save's start to its commit
-        while process.poll() is None and not saving(run_dir):
-            time.sleep(0.002)
+        seen = saves_begun(run_dir)  # a killed save's directory stays until the next launch cleans up
+        for _ in range(rng.randint(1, 2)):  # the launch's first save, or its second
+            while process.poll() is None and not saves_begun(run_dir) - seen:
+                time.sleep(0.002)
+            seen |= saves_begun(run_dir)
         what = "while a checkpoint was being written"
     elif moment == "start-up":  # imports, building the trainer, restoring, compiling
         delay = rng.uniform(0.2, 0.95) * start_up_s
@@ -82,7 +87,7 @@ def kill_at_random(process: subprocess.Popen, run_dir: Path, moment: str, rng: r
         while process.poll() is None and len(rows(run_dir)) == rows_before:
             time.sleep(0.01)
         first_row_s = time.perf_counter() - started
-        time.sleep(rng.uniform(0.0, 3.0) * step_s)
+        time.sleep(rng.uniform(0.0, 2 * SAVE_EVERY + 1) * step_s)  # usually past a save: the run moves on
         what = "between or inside steps"
     if process.poll() is not None:
         return f"NOT killed: the launch ended first (exit {process.returncode})", first_row_s
