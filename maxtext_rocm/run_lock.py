@@ -14,7 +14,8 @@ Lustre needs its `flock` mount option). Where the filesystem refuses locks the r
 one warning, as it did before there was a lock.
 
 A process holds each directory's lock once: a second Trainer in the same process (a notebook
-cell run again) shares it, and it lasts until the process ends.
+cell run again) shares it. It lasts until the process ends, or until every Trainer of this
+process that took it has been closed (`Trainer.close()`, `release`).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from pathlib import Path
 from maxtext_rocm.config import UserError
 
 LOCK_NAME = "run.lock"
-_held: dict[str, int] = {}  # resolved output_dir -> file descriptor holding its lock
+_held: dict[str, list[int]] = {}  # resolved output_dir -> [file descriptor holding its lock, holders]
 
 
 class DirectoryInUse(UserError):
@@ -50,6 +51,7 @@ def acquire(output_dir: str, warn=None) -> None:
     directory = Path(output_dir).absolute()
     key = str(directory.resolve())
     if key in _held:
+        _held[key][1] += 1
         return
     path = directory / LOCK_NAME
     if directory.exists() and not directory.is_dir():
@@ -72,13 +74,25 @@ def acquire(output_dir: str, warn=None) -> None:
         os.close(fd)  # ENOLCK, EOPNOTSUPP, ENOSYS: a filesystem without locks
         warn(f"{path.parent} does not support file locks ({error.strerror}); nothing stops a second "
              "trainer from using this output_dir at the same time")
-        _held[key] = -1
+        _held[key] = [-1, 1]
         return
     # Ours now (a dead holder's lock is released by the kernel): record who holds it.
     os.ftruncate(fd, 0)
     stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     os.pwrite(fd, f"process {os.getpid()} on host {socket.gethostname()} (since {stamp})\n".encode(), 0)
-    _held[key] = fd
+    _held[key] = [fd, 1]
+
+
+def release(output_dir: str) -> None:
+    """One holder in this process is done with `output_dir`; the last one unlocks it."""
+    key = str(Path(output_dir).absolute().resolve())
+    if key not in _held:
+        return
+    _held[key][1] -= 1
+    if _held[key][1] == 0:
+        fd, _ = _held.pop(key)
+        if fd >= 0:
+            os.close(fd)  # closing the only descriptor of the lock releases it
 
 
 def acquire_for_run(output_dir: str, process_index: int, process_count: int) -> None:

@@ -102,6 +102,7 @@ class Trainer:
         config_lib.validate(cfg, len(devices), len({d.process_index for d in devices}))
         # Before anything is written: a second trainer on this output_dir stops here (run_lock.py).
         run_lock.acquire_for_run(cfg.output_dir, jax.process_index(), jax.process_count())
+        self._holds_lock = jax.process_index() == 0
         self.mesh = sharding.make_mesh(cfg.mesh, devices)
         self.n_devices = len(devices)
         self.is_logger = jax.process_index() == 0
@@ -184,6 +185,16 @@ class Trainer:
                     "set output_dir to a writable directory") from None
         self.writer = metrics_lib.MetricsWriter(
             cfg.output_dir, enabled=self.is_logger, tensorboard=cfg.log.tensorboard)
+
+    def close(self) -> None:
+        """Waits for checkpoint writes, closes the metrics files and frees output_dir for another
+        trainer (the process's end does all this too)."""
+        if self.checkpointer:
+            self.checkpointer.close()
+        self.writer.close()
+        if self._holds_lock:
+            self._holds_lock = False
+            run_lock.release(self.cfg.output_dir)
 
     def context(self):
         """The mesh and logical-axis rules that the model's sharding constraints resolve against."""
