@@ -71,6 +71,7 @@ def kill_at_random(process: subprocess.Popen, run_dir: Path, moment: str, rng: r
     """SIGKILLs `process` at a moment of the kind asked for. Returns what happened, and for kills
     within steps how long the launch took to its first step (start-up with a warm cache)."""
     started, rows_before, first_row_s = time.perf_counter(), len(rows(run_dir)), None
+    seen_at_launch = saves_begun(run_dir)
     if moment == "save":  # orbax's temporary directory is there from the save's start to its commit
         seen = saves_begun(run_dir)  # a killed save's directory stays until the next launch cleans up
         for _ in range(rng.randint(1, 2)):  # the launch's first save, or its second
@@ -82,7 +83,7 @@ def kill_at_random(process: subprocess.Popen, run_dir: Path, moment: str, rng: r
         delay = rng.uniform(0.2, 0.95) * start_up_s
         while process.poll() is None and time.perf_counter() - started < delay:
             time.sleep(0.01)
-        what = "during start-up"
+        what = "during start-up (before its first step)"
     else:  # within the first few steps of this launch, wherever a step happens to be
         while process.poll() is None and len(rows(run_dir)) == rows_before:
             time.sleep(0.01)
@@ -91,16 +92,23 @@ def kill_at_random(process: subprocess.Popen, run_dir: Path, moment: str, rng: r
         what = "between or inside steps"
     if process.poll() is not None:
         return f"NOT killed: the launch ended first (exit {process.returncode})", first_row_s
+    in_save = bool(saves_begun(run_dir) - seen_at_launch)
     process.send_signal(signal.SIGKILL)
     process.wait()
-    return f"{what}, {time.perf_counter() - started:.2f} s after launch", first_row_s
+    # What the moment turned out to be (a start-up kill timed from another launch may land later).
+    landed = ("while a checkpoint was being written" if in_save else
+              "during start-up (before its first step)" if len(rows(run_dir)) == rows_before else
+              "between or inside steps")
+    aimed = "" if landed == what else f" (aimed {what})"
+    return f"{landed}{aimed}, {time.perf_counter() - started:.2f} s after launch", first_row_s
 
 
-def resumed_step(log: Path) -> int:
-    for line in log.read_text(errors="replace").splitlines():
+def resumed_from(log: Path) -> str:
+    text = log.read_text(errors="replace")
+    for line in text.splitlines():
         if line.startswith("resumed from "):
-            return int(line.rsplit("/", 1)[1])
-    return 0
+            return f"resumed from step {int(line.rsplit('/', 1)[1])}"
+    return "started afresh" if "first step done" in text else "killed before it had restored or started"
 
 
 def final_state(run_dir: Path, steps: int):
@@ -148,7 +156,7 @@ def main() -> int:
     moments = (["save", "start-up", "steps"] * args.trials)[:args.trials - 1]
     rng.shuffle(moments)
     moments = ["steps", *moments]
-    exact, seen_rows, start_up_s = 0, 0, first_step_s
+    exact, seen_rows, start_up_s, landed = 0, 0, first_step_s, []
     for trial in range(args.trials + 1):
         log = workdir / f"launch_{trial}.log"
         process = launch(run, args.steps, cache, log)
@@ -168,7 +176,8 @@ def main() -> int:
         ok = matched == len(new) - torn
         if trial > 0:  # this launch's rows check the resume that trial `trial - 1`'s kill forced
             exact += ok
-        print(f"launch {trial}: resumed from step {resumed_step(log)}, {matched}/{len(new) - torn} logged losses "
+        landed.append(when.split(",")[0].split(" (aimed")[0])
+        print(f"launch {trial}: {resumed_from(log)}, {matched}/{len(new) - torn} logged losses "
               f"equal the reference's{f' ({torn} line cut short by the kill)' if torn else ''}; "
               + (f"trial {trial + 1}: killed {when}" if trial < args.trials else when))
         if trial == args.trials and process.returncode != 0:
@@ -186,8 +195,8 @@ def main() -> int:
     print(f"final checkpoint {args.steps}: parameters {'identical' if same_params else 'DIFFER'}, checksums of "
           f"every array {'identical' if got_sums == want_sums else 'DIFFER'}")
     exact = exact if same else 0
-    print(f"{exact} of {args.trials} trials resumed bit-exact ({moments.count('save')} killed during a save, "
-          f"{moments.count('start-up')} during start-up, {moments.count('steps')} between or inside steps); "
+    kinds = ", ".join(f"{landed[:args.trials].count(kind)} {kind}" for kind in sorted(set(landed[:args.trials])))
+    print(f"{exact} of {args.trials} trials resumed bit-exact (killed: {kinds}); "
           f"{time.perf_counter() - started:.0f} s in all; launches' output in {workdir}")
     return 0 if exact == args.trials else 1
 
