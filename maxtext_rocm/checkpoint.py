@@ -1,12 +1,17 @@
-"""Checkpoints through orbax: periodic asynchronous saves, automatic resume, keep-N, params exports.
+"""Checkpoints through orbax: periodic asynchronous saves, verified resume, keep-N, params exports.
 
 A checkpoint is `output_dir/checkpoints/<step>/` with three items:
-- `state`: the TrainState (step, params, optimizer state, non-finite counter), sharded arrays;
+- `state`: the TrainState (step, params, optimizer state, non-finite counters), sharded arrays;
 - `data`:  the data iterator's position, so the batch after a resume is the one that would have come;
-- `meta`:  the step and the model config it was written with, for people and for checks.
+- `meta`:  the step, the model config, and checksums of every array and of the data position
+           (maxtext_rocm/checksums.py), for people and for checks.
 
 Orbax writes each step into a temporary directory and renames it when complete, so a process
-killed mid-save leaves no directory that `latest_step` would pick.
+killed mid-save leaves no directory that `latest_step` would pick. A resume verifies what it
+restored against the checksums; a damaged checkpoint is skipped with one warning and moved to
+`output_dir/checkpoints_set_aside/`, and the newest intact older one is used (never deleted:
+moving it back restores it). A save that fails (disk full, I/O error) stops the run at that
+save with one sentence; a state holding inf/NaN is never written.
 
     python -m maxtext_rocm.checkpoint export RUN_DIR OUT_DIR [--step N]
 
@@ -16,15 +21,20 @@ writes a params-only export (`OUT_DIR/params` + `OUT_DIR/config.json`) that
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import sys
+import time
 from pathlib import Path
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from orbax.checkpoint.checkpoint_managers import preservation_policy as policies
 
+from maxtext_rocm import checksums
+from maxtext_rocm.checkpoint_errors import cause, first_line, quiet_closed_loop_callbacks, quiet_orbax_error_logs
 from maxtext_rocm.config import CheckpointError, UserError
 
 STATE, DATA, META = "state", "data", "meta"
@@ -37,15 +47,8 @@ def _handlers():
 
 
 def _flat_shapes(tree) -> dict[str, tuple]:
-    """{"params.layers.mlp.up.kernel": shape}: the same names for live pytrees (attributes,
-    tuples) and orbax's metadata (dicts, lists), so the two can be compared."""
-    def name(key):
-        for attr in ("key", "name", "idx"):
-            if hasattr(key, attr):
-                return str(getattr(key, attr))
-        return str(key)
-    return {".".join(name(k) for k in path): tuple(leaf.shape)
-            for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
+    """{"params.layers.mlp.up.kernel": shape}: comparable between live pytrees and orbax's metadata."""
+    return dict(zip(checksums.leaf_names(tree), (tuple(leaf.shape) for leaf in jax.tree_util.tree_leaves(tree))))
 
 
 def _shape_mismatch(abstract, on_disk) -> str | None:
@@ -60,36 +63,44 @@ def _shape_mismatch(abstract, on_disk) -> str | None:
     return f"it holds {extra[0]}, which this model does not have" if extra else None
 
 
-def _quiet_closed_loop_callbacks() -> None:
-    """When one read of a restore fails, orbax closes its event loop while tensorstore still has
-    reads in flight; each of their callbacks then reports "Event loop is closed" through
-    sys.unraisablehook, a traceback apiece. They say nothing the one-sentence error does not,
-    so drop exactly those (installed once, before the first restore)."""
-    previous = sys.unraisablehook
-    if getattr(previous, "_drops_closed_loop", False):
-        return
-
-    def hook(unraisable):
-        value = unraisable.exc_value
-        if not (isinstance(value, RuntimeError) and str(value) == "Event loop is closed"):
-            previous(unraisable)
-    hook._drops_closed_loop = True
-    sys.unraisablehook = hook
-
-
 def _unreadable(path, error: Exception) -> CheckpointError:
-    first_line = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
-    return CheckpointError(f"checkpoint {path} cannot be read ({type(error).__name__}: {first_line}); "
+    return CheckpointError(f"checkpoint {path} cannot be read ({type(error).__name__}: {first_line(error)}); "
                            "delete that step directory or choose another with checkpoint.resume")
+
+
+class SaveFailed(CheckpointError):
+    """Writing a checkpoint failed (disk full, permissions, I/O): the run stops at that save."""
+
+
+class NonFiniteState(RuntimeError):
+    """The state to be saved holds inf/NaN: it is not written (train.py reports the divergence)."""
+
+
+class _Damaged(Exception):
+    """A checkpoint that cannot be used as it is on disk; the message says why, as a phrase."""
+
+
+@dataclasses.dataclass
+class Resume:
+    """Where a resume reads from: checkpoints `steps` of `manager`, newest first, tried in turn
+    unless `explicit` (a step the user named); `own`: this run's directory."""
+    manager: ocp.CheckpointManager
+    steps: list[int]
+    explicit: bool
+    own: bool
 
 
 class Checkpointer:
     """Saves and restores one run's checkpoints. Every process calls every method (orbax
-    coordinates multi-host writes itself)."""
+    coordinates multi-host writes itself); process 0 alone moves directories and warns."""
 
-    def __init__(self, ckpt_cfg, output_dir: str):
+    def __init__(self, ckpt_cfg, output_dir: str, warn=None):
         self.cfg = ckpt_cfg
-        self.directory = Path(output_dir).absolute() / "checkpoints"
+        self.run_dir = Path(output_dir).absolute()
+        self.directory = self.run_dir / "checkpoints"
+        self.set_aside_dir = self.run_dir / "checkpoints_set_aside"
+        self.is_primary = jax.process_index() == 0
+        self._warn = warn or self._print_warning
         keep = [policies.LatestN(ckpt_cfg.keep)]
         if ckpt_cfg.keep_period:
             keep.append(policies.EveryNSteps(ckpt_cfg.keep_period))
@@ -99,76 +110,219 @@ class Checkpointer:
             create=False)  # made on the first save: a failed start leaves the run directory alone
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=_handlers())
         self._last_saved = None
+        self._pending = None  # the step whose background write has not been seen to succeed yet
+        self._skipped = (None, [])  # (the Resume, [(step, why)]) of the damaged checkpoints it passed over
+        self._launched = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())  # names what this launch set aside
+        quiet_orbax_error_logs()
+
+    def _print_warning(self, message: str) -> None:
+        if self.is_primary:  # process 0 speaks for every process
+            print(f"warning: {message}", file=sys.stderr, flush=True)
 
     def should_save(self, step: int, last_step: int) -> bool:
         return step == last_step or (self.cfg.every > 0 and step % self.cfg.every == 0)
 
+    # ------------------------------------------------------------------------------------------
+    # Saving
+
     def save(self, step: int, state, data_state: dict, model_cfg) -> None:
-        """Starts writing `step`; returns once the arrays are copied off the devices."""
+        """Starts writing `step`; returns once the arrays are copied off the devices. Raises
+        NonFiniteState (nothing written) if the state holds inf/NaN, SaveFailed if this or the
+        previous save failed."""
         if step == self._last_saved:
             return
+        self._finish_pending()  # a failure of the previous save is reported as that save's
+        sums, nonfinite = checksums.summarise(state)  # a sync point already: the save copies the state
+        if nonfinite:
+            raise NonFiniteState(f"the state at step {step} holds inf/NaN values (first in {nonfinite[0]}); "
+                                 "it was not saved")
         self._last_saved = step
-        self.directory.mkdir(parents=True, exist_ok=True)
-        self.manager.save(step, force=True, args=ocp.args.Composite(**{
-            STATE: ocp.args.StandardSave(state),
-            DATA: ocp.args.JsonSave(data_state),
-            META: ocp.args.JsonSave({"step": step, "model": model_cfg.to_dict()}),
-        }))
+        meta = {"step": step, "model": model_cfg.to_dict(), "checksum_algorithm": checksums.ALGORITHM,
+                "checksums": sums, "data_checksum": checksums.json_digest(data_state)}
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            self.manager.save(step, force=True, args=ocp.args.Composite(**{
+                STATE: ocp.args.StandardSave(state), DATA: ocp.args.JsonSave(data_state),
+                META: ocp.args.JsonSave(meta)}))
+        except Exception as error:  # noqa: BLE001 - orbax and tensorstore raise many types
+            raise self._save_failed(step, error) from None
+        self._pending = step
+
+    def poll(self) -> None:
+        """Raises SaveFailed as soon as a background write has failed; never blocks (orbax's
+        progress flag is a plain read), so the loop calls it after every step."""
+        if self._pending is not None and not self.manager.is_saving_in_progress():
+            self._finish_pending()
 
     def wait(self) -> None:
-        """Blocks until every started save is committed to disk."""
-        self.manager.wait_until_finished()
+        """Blocks until every started save is committed to disk (SaveFailed if one was not)."""
+        self._finish_pending()
+
+    def _finish_pending(self) -> None:
+        if self._pending is None:
+            return
+        step, self._pending = self._pending, None
+        try:
+            self.manager.wait_until_finished()
+        except Exception as error:  # noqa: BLE001
+            raise self._save_failed(step, error) from None
+
+    def _save_failed(self, step: int, error: BaseException) -> SaveFailed:
+        """Removes what the failed save left (orbax's temporary directory; it never deletes older
+        steps before the new one is committed) and says so in one sentence."""
+        if self.is_primary:
+            for partial in self.directory.glob(f"{step}.orbax-checkpoint-tmp*"):
+                shutil.rmtree(partial, ignore_errors=True)
+        intact = _complete_steps(self.directory)
+        after = (f"checkpoints {', '.join(map(str, intact))} are untouched and a restart resumes from step "
+                 f"{intact[-1]}" if intact else "there is no earlier checkpoint, so a restart begins at step 0")
+        return SaveFailed(f"saving checkpoint {step} in {self.directory} failed ({cause(error)}); its partial "
+                          f"directory was removed, {after}")
 
     def close(self) -> None:
         self.manager.close()
 
-    def find_resume(self):
-        """(manager, step) of what `checkpoint.resume` asks for, or None for a fresh start:
-        "auto" = the newest complete checkpoint here, "never", a step here, or a checkpoint path."""
+    # ------------------------------------------------------------------------------------------
+    # Resuming
+
+    def find_resume(self) -> Resume | None:
+        """What `checkpoint.resume` asks for, or None for a fresh start: "auto" = the newest intact
+        checkpoint here, "never", a step here, or a checkpoint path."""
         choice = str(self.cfg.resume)
+        steps = sorted(self.manager.all_steps(), reverse=True) if self.directory.exists() else []
         if choice == "never":
-            steps = self.manager.all_steps() if self.directory.exists() else []
             if steps:  # a fresh run would collide with (and then delete) them
                 raise CheckpointError(
                     f"checkpoint.resume=never but {self.directory} already holds checkpoints "
                     f"(steps {', '.join(map(str, sorted(steps)))}); use a new output_dir or remove them")
             return None
-        if choice == "auto" or choice.isdigit():
-            steps = self.manager.all_steps() if self.directory.exists() else []
-            if choice == "auto":
-                return (self.manager, max(steps)) if steps else None
+        if choice == "auto":
+            return Resume(self.manager, steps, explicit=False, own=True) if steps else None
+        if choice.isdigit():
             if int(choice) not in steps:
                 raise CheckpointError(
                     f"checkpoint.resume={choice} is not a saved step in {self.directory}; use 'auto', 'never' "
                     f"or one of: {', '.join(map(str, sorted(steps))) or 'none (no checkpoints yet)'}")
-            return self.manager, int(choice)
+            return Resume(self.manager, [int(choice)], explicit=True, own=True)
         path = Path(choice).absolute()  # another run's checkpoints/<step>, checkpoints/ or run directory
         if path.name.isdigit() and (path / STATE).is_dir():
-            return _reader(path.parent), int(path.name)
+            return Resume(_reader(path.parent), [int(path.name)], explicit=True, own=False)
         folder = path / "checkpoints" if (path / "checkpoints").is_dir() else path
-        steps = _reader(folder).all_steps()
-        if not steps:
+        reader = _reader(folder)
+        if not reader.all_steps():
             raise CheckpointError(f"checkpoint.resume={choice} holds no complete checkpoint")
-        return _reader(folder), max(steps)
+        return Resume(reader, sorted(reader.all_steps(), reverse=True), explicit=False, own=False)
 
-    def restore(self, manager, step: int, abstract_state):
-        """(state, data_state) of `step`, each array placed straight into `abstract_state`'s sharding."""
+    def restore(self, resume: Resume, abstract_state):
+        """(state, data_state, step) of the newest intact checkpoint of `resume`, each array placed
+        straight into `abstract_state`'s sharding and checked against the checksums saved with it."""
+        quiet_closed_loop_callbacks()
+        skipped = []
+        for step in resume.steps:
+            path = Path(resume.manager.directory) / str(step)
+            try:
+                state, data_state = self._restore_verified(resume.manager, step, abstract_state)
+            except _Damaged as damage:
+                if resume.explicit:
+                    raise CheckpointError(f"checkpoint {path} {damage}; choose another with checkpoint.resume "
+                                          "(or 'auto' for the newest intact one)") from None
+                skipped.append((step, str(damage)))
+                continue
+            self._skipped = (resume, skipped)  # reported by set_aside, once they are out of the way
+            return state, data_state, step
+        raise CheckpointError(
+            f"no checkpoint in {resume.manager.directory} is intact ("
+            + "; ".join(f"{step}: {why}" for step, why in skipped)
+            + "); set checkpoint.resume=never with a new output_dir to start afresh")
+
+    def _restore_verified(self, manager, step: int, abstract_state):
         path = Path(manager.directory) / str(step)
-        _quiet_closed_loop_callbacks()
         try:
-            on_disk = manager.item_metadata(step)[STATE].tree
+            metadata = manager.item_metadata(step)
+            on_disk = metadata[STATE]
         except Exception as error:  # noqa: BLE001 - orbax and tensorstore raise many types
-            raise _unreadable(path, error) from None
-        mismatch = _shape_mismatch(abstract_state, on_disk)
-        if mismatch:
+            raise _Damaged(f"cannot be read ({cause(error)})") from None
+        _damaged_unless(on_disk is not None, f"has no readable {STATE}/_METADATA")
+        mismatch = _shape_mismatch(abstract_state, on_disk.tree)
+        if mismatch:  # not damage: another model's checkpoint, which no older step would fix
             raise CheckpointError(f"checkpoint {path} does not fit this model: {mismatch}; "
                                   "use a new output_dir or set checkpoint.resume=never")
         try:
             restored = manager.restore(step, args=ocp.args.Composite(**{
-                STATE: ocp.args.StandardRestore(abstract_state), DATA: ocp.args.JsonRestore()}))
+                STATE: ocp.args.StandardRestore(abstract_state), DATA: ocp.args.JsonRestore(),
+                META: ocp.args.JsonRestore()}))
+            ok = True
         except Exception as error:  # noqa: BLE001
-            raise _unreadable(path, error) from None
+            ok, why = False, f"cannot be read ({cause(error)})"
+        # Each process read its own shards: all must have succeeded, or all move on together.
+        _damaged_unless(_on_every_process(ok), why if not ok else "cannot be read by another process of this run")
+        meta = restored[META] or {}
+        if "checksums" not in meta:
+            self._warn(f"checkpoint {path} was written without checksums; it is restored unverified")
+            return restored[STATE], restored[DATA]
+        _damaged_unless(meta.get("checksum_algorithm") == checksums.ALGORITHM,
+                        f"has checksums of an unknown kind ({meta.get('checksum_algorithm')!r})")
+        computed, _ = checksums.summarise(restored[STATE])  # global sums: every process gets the same
+        difference = checksums.first_difference(meta["checksums"], computed)
+        _damaged_unless(difference is None, f"failed verification ({difference})")
+        _damaged_unless(checksums.json_digest(restored[DATA]) == meta.get("data_checksum"),
+                        "failed verification (its data position does not match its checksum)")
         return restored[STATE], restored[DATA]
+
+    def _set_aside_name(self, step: int, reason: str) -> Path:
+        return self.set_aside_dir / f"{step}.{reason}.{self._launched}"
+
+    def set_aside(self, resumed_step: int) -> list[Path]:
+        """Moves this run's checkpoints that the resume skipped (damaged: one warning each) or passed
+        over (newer than `resumed_step`, under checkpoint.resume=STEP) into
+        output_dir/checkpoints_set_aside/: the run will write those steps again, and orbax's
+        retention policy would otherwise count (and delete) them. Nothing is deleted; moving one
+        back restores it. Called once the Trainer has its state. Returns where the newer ones went."""
+        resume, skipped = self._skipped
+        self._skipped = (None, [])
+        damaged = dict(skipped) if resume is not None and resume.own else {}
+        newer = [s for s in self.manager.all_steps() if s > resumed_step and s not in damaged]
+        moves = [(s, self._set_aside_name(s, "failed-verification")) for s in damaged]
+        moves += [(s, self._set_aside_name(s, f"newer-than-resume-{resumed_step}")) for s in sorted(newer)]
+        if self.is_primary and moves:
+            self.set_aside_dir.mkdir(parents=True, exist_ok=True)
+            for step, destination in moves:
+                (self.directory / str(step)).rename(destination)
+        if moves:
+            _sync_processes("maxtext_rocm:set_aside")
+            self.manager.reload()
+        for step, why in skipped:
+            where = f"it was moved to {dict(moves)[step]}" if step in damaged else "it was left where it is"
+            self._warn(f"checkpoint {Path(resume.manager.directory) / str(step)} {why}; {where} and the run "
+                       f"resumes from step {resumed_step}")
+        return [destination for step, destination in moves if step not in damaged]
+
+
+def _damaged_unless(ok: bool, why: str) -> None:
+    if not ok:
+        raise _Damaged(why)
+
+
+def _on_every_process(ok: bool) -> bool:
+    if jax.process_count() == 1:
+        return ok
+    from jax.experimental import multihost_utils
+
+    return bool(multihost_utils.process_allgather(np.int32(ok)).min())
+
+
+def _sync_processes(name: str) -> None:
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
+
+
+def _complete_steps(directory: Path) -> list[int]:
+    """Steps with a committed checkpoint directory (orbax renames a step's directory into place
+    only once it is complete)."""
+    return sorted(int(p.name) for p in directory.glob("*") if p.name.isdigit() and p.is_dir()) \
+        if directory.is_dir() else []
 
 
 def _reader(directory) -> ocp.CheckpointManager:
@@ -195,7 +349,7 @@ def restore_params(path, abstract_params):
     """Only the parameters, from any of the places `_params_location` understands."""
     tree_dir, whole_state = _params_location(Path(path))
     item = {"params": abstract_params} if whole_state else abstract_params
-    _quiet_closed_loop_callbacks()
+    quiet_closed_loop_callbacks()
     try:
         on_disk = ocp.PyTreeCheckpointer().metadata(tree_dir).item_metadata.tree
         on_disk = on_disk["params"] if whole_state else on_disk

@@ -113,6 +113,9 @@ def defaults() -> ml_collections.ConfigDict:
         # A step whose loss or gradients are inf/NaN: "skip" drops its update and counts it;
         # "stop" keeps the last good state, checkpoints it and exits non-zero.
         on_nonfinite="skip",
+        # Under "skip", this many bad steps in a row stop the run (exit 3) with the last good
+        # state saved: divergence that dropping steps cannot cure is never hidden.
+        max_skipped_steps=5,
         eval_every=0,  # steps between evaluations on the eval split (data.eval_paths for files); 0: off
         eval_steps=10,  # batches per evaluation
         # JAX's persistent compilation cache, so a restarted run (preemption, resume) loads its

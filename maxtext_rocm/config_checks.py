@@ -81,6 +81,8 @@ def validate(cfg: ml_collections.ConfigDict, device_count: int | None = None,
     _require(t.z_loss_weight >= 0, f"train.z_loss_weight must be >= 0, got {t.z_loss_weight}")
 
     _one_of("train.on_nonfinite", t.on_nonfinite, NONFINITE_ACTIONS)
+    _require(t.max_skipped_steps >= 1,
+             f"train.max_skipped_steps must be >= 1 (bad steps in a row before the run stops), got {t.max_skipped_steps}")
     _require(isinstance(t.compilation_cache, str) and t.compilation_cache.strip() != "",
              f"train.compilation_cache must be 'auto', 'off' or a directory, got {t.compilation_cache!r}")
 

@@ -33,6 +33,10 @@ class TrainState(struct.PyTreeNode):
     params: Any
     opt_state: Any
     nonfinite_steps: Array  # steps whose update was dropped for an inf/NaN loss or gradient
+    # The latest run of consecutive dropped steps; at train.max_skipped_steps the state freezes
+    # (on_nonfinite="skip"), so the host, which reads it only when it syncs anyway, finds the
+    # last good state however late it looks.
+    skipped_in_a_row: Array
     # Delayed-scaling fp8 state (maxtext_rocm/fp8.py); empty for other policies. Not a
     # parameter: the step overwrites it, the optimizer never sees it.
     fp8: Any = struct.field(default_factory=dict)
@@ -44,7 +48,8 @@ def create_state(rng: Array, model: nn.Module, tx: optax.GradientTransformation,
     variables = model.init(rng, jnp.zeros(batch_shape, jnp.int32))
     params = variables["params"]
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
-                      nonfinite_steps=jnp.zeros((), jnp.int32), fp8=variables.get(FP8_COLLECTION, {}))
+                      nonfinite_steps=jnp.zeros((), jnp.int32), skipped_in_a_row=jnp.zeros((), jnp.int32),
+                      fp8=variables.get(FP8_COLLECTION, {}))
 
 
 def token_losses(logits: Array, targets: Array) -> tuple[Array, Array]:
@@ -157,11 +162,15 @@ def train_step(state: TrainState, batch: Batch, hyperparameters: dict[str, Array
 
     # An inf/NaN step must not poison the state: keep the old one ("skip"), and under "stop"
     # freeze everything from the first bad step on, so the host can checkpoint the last good state.
+    # "skip" freezes too once train.max_skipped_steps steps in a row were bad: divergence that
+    # skipping cannot cure stops the run (train.py) instead of being skipped silently to the end.
     # A branch rather than a select between old and new: the update then runs in place in the
     # donated buffers instead of beside a copy of parameters and optimizer state.
     finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
     halting = train_cfg.on_nonfinite == "stop"
-    apply = finite & (state.nonfinite_steps == 0) if halting else finite
+    frozen = (state.nonfinite_steps > 0) if halting else (state.skipped_in_a_row >= train_cfg.max_skipped_steps)
+    apply = finite & ~frozen
+    counts = (~finite & ~frozen).astype(jnp.int32)
 
     def update(operands):
         params, opt_state, summed, fp8_update, _ = operands
@@ -175,11 +184,12 @@ def train_step(state: TrainState, batch: Batch, hyperparameters: dict[str, Array
     params, opt_state, fp8_state = jax.lax.cond(
         apply, update, keep, (state.params, state.opt_state, summed, fp8_update, state.fp8))
     new_state = state.replace(
-        step=state.step + (apply.astype(jnp.int32) if halting else 1),
+        step=state.step + (apply if halting else ~frozen).astype(jnp.int32),
         params=params, opt_state=opt_state, fp8=fp8_state,
-        nonfinite_steps=state.nonfinite_steps + (~finite).astype(jnp.int32))
+        nonfinite_steps=state.nonfinite_steps + counts,
+        skipped_in_a_row=jnp.where(apply, 0, state.skipped_in_a_row + counts))
     metrics.update(grad_norm=grad_norm, lr=learning_rate(state.step, hyperparameters),
-                   nonfinite_steps=new_state.nonfinite_steps)
+                   nonfinite_steps=new_state.nonfinite_steps, skipped_in_a_row=new_state.skipped_in_a_row)
     return new_state, metrics
 
 

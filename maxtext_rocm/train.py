@@ -25,6 +25,7 @@ from maxtext_rocm import fp8
 from maxtext_rocm import distributed
 from maxtext_rocm import metrics as metrics_lib
 from maxtext_rocm import optim
+from maxtext_rocm import run_lock
 from maxtext_rocm import sharding
 from maxtext_rocm.data import batch_spec, build_source
 from maxtext_rocm.models import build_model
@@ -40,7 +41,8 @@ USAGE = "usage: python -m maxtext_rocm.train CONFIG.py[:VARIANT] [--config.GROUP
 
 
 class TrainingDiverged(RuntimeError):
-    """The loss or gradients became inf/NaN under train.on_nonfinite='stop'."""
+    """The loss or gradients became inf/NaN under train.on_nonfinite='stop', or for
+    train.max_skipped_steps steps in a row under 'skip'."""
 
 
 def abstract_state(cfg, model, mesh):
@@ -99,6 +101,9 @@ class Trainer:
         self._started = time.perf_counter()
         devices = list(jax.devices() if devices is None else devices)
         config_lib.validate(cfg, len(devices), len({d.process_index for d in devices}))
+        # Before anything is written: a second trainer on this output_dir stops here (run_lock.py).
+        run_lock.acquire_for_run(cfg.output_dir, jax.process_index(), jax.process_count())
+        self._holds_lock = jax.process_index() == 0
         self.mesh = sharding.make_mesh(cfg.mesh, devices)
         self.n_devices = len(devices)
         self.is_logger = jax.process_index() == 0
@@ -145,6 +150,11 @@ class Trainer:
             self.state, self.step_count, resumed_data_state = made.result()
             self._compiled_step = lowered.compile()
             compilation.release_freed_host_memory()
+        if resume:  # checkpoints it skipped or passed over move out of the way of this run's saves
+            moved = self.checkpointer.set_aside(self.step_count)
+            if moved:
+                self.log(f"checkpoints newer than step {self.step_count} moved to {moved[0].parent}: "
+                         + ", ".join(p.name for p in moved))
         self.data = build_source(
             cfg.data, vocab_size=cfg.model.vocab_size, global_batch=self.global_batch,
             seq_len=cfg.train.seq_len, process_index=jax.process_index(),
@@ -178,6 +188,16 @@ class Trainer:
             cfg.output_dir, enabled=self.is_logger, tensorboard=cfg.log.tensorboard,
             wandb_project=cfg.log.wandb_project, wandb_run_name=cfg.log.wandb_run_name, run_config=cfg.to_dict())
 
+    def close(self) -> None:
+        """Waits for checkpoint writes, closes the metrics files and frees output_dir for another
+        trainer (the process's end does all this too)."""
+        if self.checkpointer:
+            self.checkpointer.close()
+        self.writer.close()
+        if self._holds_lock:
+            self._holds_lock = False
+            run_lock.release(self.cfg.output_dir)
+
     def context(self):
         """The mesh and logical-axis rules that the model's sharding constraints resolve against."""
         stack = contextlib.ExitStack()
@@ -198,8 +218,8 @@ class Trainer:
     def _restore_state(self, resume, abstract):
         """(state, its step, the data position saved with it) from checkpoint `resume`, each array
         directly in its sharding."""
-        state, data_state = self.checkpointer.restore(*resume, abstract)
-        self.log(f"resumed from {resume[0].directory}/{resume[1]}")
+        state, data_state, step = self.checkpointer.restore(resume, abstract)
+        self.log(f"resumed from {resume.manager.directory}/{step}")
         return state, int(data_state["step"]), data_state
 
     def _fresh_state(self, init_lowered, key, abstract):
@@ -215,11 +235,33 @@ class Trainer:
         return state, 0, None
 
     def save_checkpoint(self) -> None:
-        """Starts an asynchronous save of the current state (all processes must call it)."""
-        step = int(jax.device_get(self.state.step))
+        """Starts an asynchronous save of the current state (all processes must call it); stops
+        the run (TrainingDiverged) if the state holds inf/NaN or the skipped-steps limit is hit."""
+        from maxtext_rocm.checkpoint import NonFiniteState
+
+        step, in_a_row = (int(x) for x in jax.device_get((self.state.step, self.state.skipped_in_a_row)))
         data_state = self.data.state() if hasattr(self.data, "state") else {}
         data_state = data_state if data_state.get("step") == step else {}  # else: replayed up to step
-        self.checkpointer.save(step, self.state, {**data_state, "step": step}, self.cfg.model)
+        try:
+            self.checkpointer.save(step, self.state, {**data_state, "step": step}, self.cfg.model)
+        except NonFiniteState as error:
+            newest = self.checkpointer.manager.latest_step()
+            raise TrainingDiverged(f"{error}; " + (f"checkpoint {newest} is the newest good one" if newest is not None
+                                                   else "no checkpoint was written before")) from None
+        if self._skip_limit_reached(in_a_row):  # saved above: the frozen state is the last good one
+            self.checkpointer.wait()
+            raise self._skipped_too_many(step)
+
+    def _skip_limit_reached(self, in_a_row: int) -> bool:
+        return self.cfg.train.on_nonfinite == "skip" and in_a_row >= self.cfg.train.max_skipped_steps
+
+    def _skipped_too_many(self, step: int) -> TrainingDiverged:
+        limit = self.cfg.train.max_skipped_steps
+        saved = f"checkpoint {step} holds the last good state" if self.checkpointer else "nothing was saved"
+        return TrainingDiverged(
+            f"the loss or gradients were inf/NaN in {limit} steps in a row (steps {step - limit + 1}-{step}, "
+            f"train.max_skipped_steps={limit}); {saved} (lower optimizer.lr and resume from an earlier "
+            "checkpoint, or raise train.max_skipped_steps to skip on)")
 
     def evaluate(self) -> dict:
         """Token-mean loss and perplexity over train.eval_steps batches of the eval split (the same
@@ -271,6 +313,8 @@ class Trainer:
         with PreemptionGuard() as preemption:
             while self.step_count < end and not preemption.requested(self.step_count):
                 step_metrics = self.step()
+                if self.checkpointer:
+                    self.checkpointer.poll()  # a failed background save stops the run now, not at the next
                 if mark_time is None:
                     # Time from the end of this call's first step (the Trainer's first includes compilation).
                     jax.block_until_ready(step_metrics)
@@ -306,6 +350,10 @@ class Trainer:
                     self.log(metrics_lib.format_line(self.step_count, self.cfg.train.steps, logged))
                 if fetched["nonfinite_steps"] and self.cfg.train.on_nonfinite == "stop":
                     self._stop_on_nonfinite()
+                if self._skip_limit_reached(int(fetched["skipped_in_a_row"])):
+                    if self.checkpointer:
+                        self.save_checkpoint()  # raises, once the last good state is saved
+                    raise self._skipped_too_many(int(jax.device_get(self.state.step)))
             self.stopped_by_signal = preemption.signal
         self.profiler.stop(self.state)  # a trace still open when the run ends early
         if self.checkpointer:

@@ -396,8 +396,7 @@ def test_checkpoints_move_between_two_processes_and_one(tmp_path, devices):
     for a, b in zip(jax.tree_util.tree_leaves(host(one.state.params)), jax.tree_util.tree_leaves(on_disk(2))):
         assert np.array_equal(a, b)  # exactly what the 2 processes saved
     one.run()
-    one.writer.close()
-    one.checkpointer.close()
+    one.close()  # frees run/ (its lock) for the 2-process leg
     assert_close(on_disk(4), want_params[4], "1-process checkpoint 4: ")
 
     # Leg 3: 2 processes restore the 1-process step 4 (resume=auto) and train steps 5-6.

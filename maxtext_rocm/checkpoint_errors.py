@@ -1,0 +1,62 @@
+"""Orbax's failures as one sentence: the cause under its wrappers, and its own duplicate reports
+(logged tracebacks, closed-event-loop callbacks) kept off stderr, since the Checkpointer raises
+each failure itself as a CheckpointError that the command line prints in one line."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import sys
+
+
+def quiet_closed_loop_callbacks() -> None:
+    """When one read of a restore fails, orbax closes its event loop while tensorstore still has
+    reads in flight; each of their callbacks then reports "Event loop is closed" through
+    sys.unraisablehook, a traceback apiece. They say nothing the one-sentence error does not,
+    so drop exactly those (installed once, before the first restore)."""
+    previous = sys.unraisablehook
+    if getattr(previous, "_drops_closed_loop", False):
+        return
+
+    def hook(unraisable):
+        value = unraisable.exc_value
+        if not (isinstance(value, RuntimeError) and str(value) == "Event loop is closed"):
+            previous(unraisable)
+    hook._drops_closed_loop = True
+    sys.unraisablehook = hook
+
+
+def first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
+
+
+def cause(error: BaseException) -> str:
+    """What went wrong underneath orbax's wrappers, in a few words: the strerror of the first
+    OSError in the exception's chain (or in tensorstore's message), else its first line."""
+    pending, seen = [error], set()
+    while pending:
+        current = pending.pop(0)
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno:
+            return os.strerror(current.errno)
+        pending += [*getattr(current, "exceptions", ()), current.__cause__, current.__context__]
+    found = re.search(r"\[OS error(?: \d+)?: ([^\]]+)\]", str(error))
+    return found.group(1) if found else f"{type(error).__name__}: {first_line(error)}"
+
+
+class OrbaxErrorLogFilter(logging.Filter):
+    """Orbax logs a failed background write with its traceback (hundreds of lines for one full
+    disk) and then raises it to us; the Checkpointer reports it in one sentence instead."""
+
+    def filter(self, record):
+        return not (record.levelno >= logging.ERROR and "orbax" in record.pathname)
+
+
+def quiet_orbax_error_logs() -> None:
+    """Installs OrbaxErrorLogFilter on absl's logger (which orbax logs through), once."""
+    logger = logging.getLogger("absl")
+    if not any(isinstance(f, OrbaxErrorLogFilter) for f in logger.filters):
+        logger.addFilter(OrbaxErrorLogFilter())
