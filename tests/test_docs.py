@@ -159,8 +159,8 @@ def run_main_with_recorder(monkeypatch, module: str, args: list[str], tmp_path: 
         from maxtext_rocm import compile as compile_lib
 
         monkeypatch.setattr(compile_lib, "force_host_devices", lambda n, **_: done.append(n))
-        monkeypatch.setattr(compile_lib, "analyse", lambda cfg, *a: done.append(cfg) or {"fits": True})
-        monkeypatch.setattr(compile_lib, "search", lambda *a: {})
+        monkeypatch.setattr(compile_lib, "analyse", lambda cfg, *a, **_: done.append(cfg) or {"fits": True})
+        monkeypatch.setattr(compile_lib, "search", lambda *a, **_: {})
         monkeypatch.setattr(compile_lib, "format_report", lambda report: "")
         main = compile_lib.main
     elif module == "convert":
