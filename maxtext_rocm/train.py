@@ -398,7 +398,12 @@ class Trainer:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    status = _main(sys.argv[1:] if argv is None else argv)
+    distributed.say_goodbye(status)  # the other processes of a multi-process run learn how this one ended
+    return status
+
+
+def _main(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help") or argv[0].startswith("--"):
         print(USAGE, file=sys.stderr)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
