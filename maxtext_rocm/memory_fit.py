@@ -10,8 +10,8 @@ run that passes it fits a target node exactly is `python -m maxtext_rocm.compile
   parameters a token passes through (`metrics.matmul_params`: no embedding table, top-k experts);
 - activations: the block input of every layer for the backward pass, which every remat policy
   keeps (`full` keeps only that), in the compute dtype, for one micro-batch;
-- batches (host memory): the five int32/fp32 [rows, seq_len] arrays of a batch, times the
-  batches the loader builds ahead (`data.prefetch`) plus the one in use.
+- batches (host memory): the int32/fp32 [rows, seq_len] arrays of a batch (`data.batch_spec`),
+  for files times the batches the loader builds ahead (`data.prefetch`) plus the one in use.
 
 On the CPU the devices are the host, so everything is compared with the host's available memory;
 on accelerators, state and activations with the devices' total and the batches with the host's.
@@ -24,7 +24,6 @@ import os
 from maxtext_rocm.config import ConfigError
 
 GIB = 1 << 30
-BATCH_ARRAYS = 5  # inputs, targets, weights, positions, segment ids (data/__init__.py batch_spec)
 
 
 def host_available_bytes() -> int | None:
@@ -54,16 +53,18 @@ def device_bytes(device) -> int | None:
 def lower_bounds(cfg, n_devices: int, n_processes: int = 1) -> dict[str, int]:
     """Bytes this run certainly needs: the state and activations summed over all devices, and the
     batches of one process's host."""
+    from maxtext_rocm.data import batch_spec
     from maxtext_rocm.metrics import matmul_params
 
     m, t = cfg.model, cfg.train
     compute_bytes = 4 if cfg.precision.policy == "fp32" else 2
     global_rows = t.per_device_batch_size * n_devices
     micro_tokens = global_rows // max(t.grad_accum, 1) * t.seq_len
+    in_flight = cfg.data.prefetch + 1 if cfg.data.source == "files" else 1  # only files prefetch
     return {
         "state": 12 * matmul_params(m),
         "activations": m.n_layers * micro_tokens * m.d_model * compute_bytes,
-        "batches": BATCH_ARRAYS * 4 * (global_rows // n_processes) * t.seq_len * (cfg.data.prefetch + 1),
+        "batches": len(batch_spec(cfg.data)) * 4 * (global_rows // n_processes) * t.seq_len * in_flight,
     }
 
 

@@ -265,3 +265,26 @@ def test_preset_errors_have_no_traceback_from_the_command_line(tmp_path):
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [result.stderr.strip()]
     assert "did you mean 'd_model'" in result.stderr
+
+
+@pytest.mark.parametrize("preset", ["tiny_llama", "tiny_mixtral"])
+def test_memory_lower_bounds_stay_below_what_the_run_holds(preset, devices):
+    """The refusal above rests on lower bounds: each must stay under the real figure (the state's
+    bytes from its abstract arrays, compile.py's activation estimate) and be of its size."""
+    import jax
+
+    from maxtext_rocm import compile as compile_lib
+    from maxtext_rocm import memory_fit, sharding
+    from maxtext_rocm.models import build_model
+    from maxtext_rocm.precision import policy_from_config
+
+    cfg = config_lib.load(preset)
+    bounds = memory_fit.lower_bounds(cfg, len(devices))
+    mesh = sharding.make_mesh(cfg.mesh, devices)
+    model = build_model(cfg.model, policy_from_config(cfg.precision, devices[0]))
+    _, _, abstract, _ = train.abstract_state(cfg, model, mesh)
+    state_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(abstract))
+    assert 0.5 * state_bytes <= bounds["state"] <= state_bytes
+    shape = config_lib.mesh_shape(cfg.mesh, len(devices))
+    estimate = compile_lib.analytic_activations(cfg, config_lib.axis_sizes(shape), len(devices))
+    assert bounds["activations"] <= estimate["layers"] * len(devices)
