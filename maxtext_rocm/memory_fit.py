@@ -6,8 +6,8 @@ quantity the trainer certainly holds, so the check never refuses a run that coul
 run that passes it fits a target node exactly is `python -m maxtext_rocm.compile`'s question
 (an AOT compile with XLA's own buffer assignment), which the sentence points to.
 
-- state: parameters, Adam's two moments, all fp32 (12 bytes per parameter), counting only the
-  parameters a token passes through (`metrics.matmul_params`: no embedding table, top-k experts);
+- state: parameters, Adam's two moments, all fp32 (12 bytes per parameter), counting the matmul
+  weights and the embedding table (every expert included; norm scales left out);
 - activations: the block input of every layer for the backward pass, which every remat policy
   keeps (`full` keeps only that), in the compute dtype, for one micro-batch;
 - batches (host memory): the int32/fp32 [rows, seq_len] arrays of a batch (`data.batch_spec`),
@@ -50,11 +50,19 @@ def device_bytes(device) -> int | None:
     return int(stats["bytes_limit"]) if stats and stats.get("bytes_limit") else None
 
 
+def stored_params(m) -> int:
+    """The parameters the model stores, norm scales aside: embedding, LM head (unless tied), and per
+    layer the attention projections and the feed-forward weights (all experts and the router)."""
+    attention = m.d_model * m.head_dim * (2 * m.n_heads + 2 * m.n_kv_heads)
+    ffn = 3 * m.d_model * m.mlp_dim * m.n_experts + (m.d_model * m.n_experts if m.n_experts > 1 else 0)
+    embeddings = m.vocab_size * m.d_model * (1 if m.tie_embeddings else 2)
+    return m.n_layers * (attention + ffn) + embeddings
+
+
 def lower_bounds(cfg, n_devices: int, n_processes: int = 1) -> dict[str, int]:
     """Bytes this run certainly needs: the state and activations summed over all devices, and the
     batches of one process's host."""
     from maxtext_rocm.data import batch_spec
-    from maxtext_rocm.metrics import matmul_params
 
     m, t = cfg.model, cfg.train
     compute_bytes = 4 if cfg.precision.policy == "fp32" else 2
@@ -62,7 +70,7 @@ def lower_bounds(cfg, n_devices: int, n_processes: int = 1) -> dict[str, int]:
     micro_tokens = global_rows // max(t.grad_accum, 1) * t.seq_len
     in_flight = cfg.data.prefetch + 1 if cfg.data.source == "files" else 1  # only files prefetch
     return {
-        "state": 12 * matmul_params(m),
+        "state": 12 * stored_params(m),
         "activations": m.n_layers * micro_tokens * m.d_model * compute_bytes,
         "batches": len(batch_spec(cfg.data)) * 4 * (global_rows // n_processes) * t.seq_len * in_flight,
     }

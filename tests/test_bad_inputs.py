@@ -284,7 +284,7 @@ def test_memory_lower_bounds_stay_below_what_the_run_holds(preset, devices):
     model = build_model(cfg.model, policy_from_config(cfg.precision, devices[0]))
     _, _, abstract, _ = train.abstract_state(cfg, model, mesh)
     state_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(abstract))
-    assert 0.5 * state_bytes <= bounds["state"] <= state_bytes
+    assert 0.95 * state_bytes <= bounds["state"] <= state_bytes  # what is left out: norms, fp8 scales
     shape = config_lib.mesh_shape(cfg.mesh, len(devices))
     estimate = compile_lib.analytic_activations(cfg, config_lib.axis_sizes(shape), len(devices))
     assert bounds["activations"] <= estimate["layers"] * len(devices)

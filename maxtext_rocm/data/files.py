@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from maxtext_rocm.config import UserError
+from maxtext_rocm.data.checks import DataError, check_jsonl, check_text, json_text
 from maxtext_rocm.data.synthetic import local_rows
 from maxtext_rocm.data.tokenizer import check_vocab, load_tokenizer
 
@@ -36,10 +36,6 @@ JSONL, PARQUET, TEXT, ARRAYRECORD = "jsonl", "parquet", "text", "arrayrecord"
 SUFFIXES = {".jsonl": JSONL, ".json": JSONL, ".ndjson": JSONL, ".parquet": PARQUET,
             ".txt": TEXT, ".text": TEXT, ".md": TEXT, ".arrayrecord": ARRAYRECORD, ".array_record": ARRAYRECORD}
 META_SUFFIX = ".meta.json"  # beside an ArrayRecord file: the tokenizer it was written with
-
-
-class DataError(UserError):
-    """An input file that cannot be used: missing, empty, of an unknown kind, or without the text field."""
 
 
 def file_format(path: Path) -> str:
@@ -63,67 +59,6 @@ def expand_paths(spec, key: str = "data.paths") -> list[Path]:
             raise DataError(f"{key}: {pattern!r} matches no file")
         files += [Path(m) for m in matched if Path(m) not in files]
     return files
-
-
-def _json_text(line: bytes, field: str, path, number: int) -> str:
-    try:
-        record = json.loads(line)
-    except UnicodeDecodeError as error:
-        raise DataError(f"{path} line {number} is not UTF-8 text (byte {error.start} of the line); "
-                        "JSON Lines files must be UTF-8") from None
-    except ValueError:
-        raise DataError(f"{path} line {number} is not valid JSON") from None
-    if not isinstance(record, dict) or field not in record:
-        raise DataError(f"{path} line {number} has no field {field!r} (data.text_field); "
-                        f"its fields are: {', '.join(record) if isinstance(record, dict) else 'none'}")
-    text = record[field]
-    if not isinstance(text, str):
-        raise DataError(f"{path} line {number}: field {field!r} (data.text_field) is not a string")
-    return text
-
-
-# Files whose every line (JSON Lines) or every byte (text) was checked in this process, by version:
-# config validation, the train source and a restart within one process check a file once.
-_CHECKED: set[tuple] = set()
-
-
-def _version(path: Path, *extra) -> tuple:
-    stat = path.stat()
-    return (str(path.resolve()), stat.st_size, stat.st_mtime_ns, *extra)
-
-
-def _check_jsonl(numbered: list[tuple[int, bytes]], field: str, path: Path) -> None:
-    """Every line parses and holds a string `field`: checked before the run starts rather than at
-    the step that reaches a bad line. One pass of json.loads over the lines already in memory:
-    measured 23 MB/s (115 MB of 575-byte lines in 5.1 s) on a loaded 2-core machine, where reading
-    and splitting the same file took 2.2 s; pyarrow's JSON reader was no faster there (32 MB/s)
-    and lets invalid UTF-8 through. Corpora of many GB belong in pre-tokenized ArrayRecord files
-    (scripts/pretokenize.py), which are not scanned."""
-    key = _version(path, field)
-    if key in _CHECKED:
-        return
-    for number, line in numbered:
-        _json_text(line, field, path, number)
-    _CHECKED.add(key)
-
-
-def _check_text(path: Path) -> None:
-    """A text document is UTF-8 and not binary: a NUL byte or an invalid sequence would otherwise be
-    trained on as replacement characters."""
-    key = _version(path)
-    if key in _CHECKED:
-        return
-    data = path.read_bytes()
-    nul = data.find(b"\0")
-    if nul >= 0:
-        raise DataError(f"{path} holds a NUL byte at offset {nul}, so it is binary, not text; "
-                        "give .txt/.md files of UTF-8 text")
-    try:
-        data.decode("utf-8")
-    except UnicodeDecodeError as error:
-        raise DataError(f"{path} is not UTF-8 text (invalid byte at offset {error.start}); "
-                        "convert it to UTF-8 or leave it out of the data paths") from None
-    _CHECKED.add(key)
 
 
 class Documents:
@@ -155,10 +90,10 @@ class Documents:
             numbered = [(n, line) for n, line in enumerate(path.read_bytes().splitlines(), 1) if line.strip()]
             if not numbered:
                 raise DataError(f"{path} is empty (no JSON lines); give it documents")
-            _check_jsonl(numbered, self.text_field, path)
+            check_jsonl(numbered, self.text_field, path)
             return [line for _, line in numbered]
         if kind == TEXT:
-            _check_text(path)
+            check_text(path)
             return [path]
         if kind == PARQUET:
             import pyarrow as pa
@@ -201,7 +136,7 @@ class Documents:
         local = index - (int(self._ends[part - 1]) if part else 0)
         item = items[local]
         if kind == JSONL:
-            return _json_text(item, self.text_field, path, local + 1)
+            return json_text(item, self.text_field, path, local + 1)
         if kind == TEXT:
             return item.read_text(encoding="utf-8")  # checked to be UTF-8 when it was listed
         if kind == PARQUET:
