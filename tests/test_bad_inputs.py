@@ -77,7 +77,7 @@ def test_preset_with_a_syntax_error_names_file_and_line(tmp_path, capsys):
 
 def test_preset_whose_get_config_raises_names_file_and_line(tmp_path, capsys):
     path = write_preset(tmp_path, "    cfg.train.steps = int('many')\n")
-    status, err = run_main(capsys, str(path))
+    status, err = run_main(capsys, str(path), f"--config.output_dir={tmp_path / 'run'}")
     assert_one_sentence(status, err, str(path), "line 6", "ValueError", "invalid literal")
 
 
@@ -107,9 +107,10 @@ def test_the_config_is_locked_but_its_keys_stay_writable():
     assert cfg.model.rope_scaling.factor == 8.0
 
 
-def test_rope_scaling_with_string_values_is_one_sentence(capsys):
+def test_rope_scaling_with_string_values_is_one_sentence(tmp_path, capsys):
     scaling = "{'factor': '8', 'low_freq_factor': 1.0, 'high_freq_factor': 4.0, 'original_max_position': 8192}"
-    status, err = run_main(capsys, "configs/tiny_llama.py", f"--config.model.rope_scaling={scaling}")
+    status, err = run_main(capsys, "configs/tiny_llama.py", f"--config.model.rope_scaling={scaling}",
+                           f"--config.output_dir={tmp_path / 'run'}")
     assert_one_sentence(status, err, "model.rope_scaling.factor='8' is a str; it takes a number")
 
 
@@ -123,8 +124,9 @@ def test_sizes_that_cannot_fit_stop_before_allocating(tmp_path, capsys, key, val
     assert not (tmp_path / "run").exists() or snapshot(tmp_path / "run") == {}
 
 
-def test_data_epochs_below_zero_is_refused(capsys):
-    status, err = run_main(capsys, "configs/tiny_llama.py", "--config.data.epochs=-1")
+def test_data_epochs_below_zero_is_refused(tmp_path, capsys):
+    status, err = run_main(capsys, "configs/tiny_llama.py", "--config.data.epochs=-1",
+                           f"--config.output_dir={tmp_path / 'run'}")
     assert_one_sentence(status, err, "data.epochs=-1 is not valid")
 
 
@@ -216,7 +218,7 @@ def test_corrupt_or_truncated_parquet_is_one_sentence(tmp_path, capsys):
     scrambled = tmp_path / "scrambled.parquet"
     scrambled.write_bytes(data[:4] + bytes(len(data) - 8) + data[-4:])  # magic kept, contents zeroed
     for path in (cut, scrambled):
-        status, err = run_main(capsys, *files_args(path))
+        status, err = run_main(capsys, *files_args(path, f"--config.output_dir={tmp_path / 'run'}"))
         assert_one_sentence(status, err, str(path), "cannot be read as Parquet")
 
 
@@ -227,14 +229,14 @@ def test_corrupt_or_truncated_parquet_is_one_sentence(tmp_path, capsys):
 def test_binary_or_non_utf8_text_files_are_refused(tmp_path, capsys, content, message):
     path = tmp_path / "doc.txt"
     path.write_bytes(content)
-    status, err = run_main(capsys, *files_args(path))
+    status, err = run_main(capsys, *files_args(path, f"--config.output_dir={tmp_path / 'run'}"))
     assert_one_sentence(status, err, str(path), message)
 
 
 def test_non_utf8_jsonl_line_is_named(tmp_path, capsys):
     path = tmp_path / "latin.jsonl"
     path.write_bytes(b'{"text": "fine"}\n{"text": "caf\xe9"}\n')
-    status, err = run_main(capsys, *files_args(path))
+    status, err = run_main(capsys, *files_args(path, f"--config.output_dir={tmp_path / 'run'}"))
     assert_one_sentence(status, err, "latin.jsonl line 2 is not UTF-8 text")
 
 
