@@ -9,11 +9,18 @@ The names a notebook needs, re-exported:
     mr.generate(cfg, params, [prompt_ids], max_new_tokens=32, temperature=0.8, top_k=40)
 """
 
-from maxtext_rocm.config import ConfigError, UserError
-from maxtext_rocm.config import load as load_config
-from maxtext_rocm.models import build_model, count_active_params, count_params, forward
-from maxtext_rocm.api import init_params, load_params, loss, run_config
-from maxtext_rocm.generate import generate
+# `python -m maxtext_rocm.train`: a SIGTERM/SIGINT during the imports below (seconds of jax) and
+# the trainer's start-up exits with one line instead of silently or with a traceback.
+from maxtext_rocm import startup_signals as _startup_signals
+
+if _startup_signals.started_as_train_cli():
+    _startup_signals.arm()
+
+from maxtext_rocm.config import ConfigError, UserError  # noqa: E402
+from maxtext_rocm.config import load as load_config  # noqa: E402
+from maxtext_rocm.models import build_model, count_active_params, count_params, forward  # noqa: E402
+from maxtext_rocm.api import init_params, load_params, loss, run_config  # noqa: E402
+from maxtext_rocm.generate import generate  # noqa: E402
 
 # `python -m maxtext_rocm.generate` runs a module this package has already imported (for the
 # function of the same name); runpy's warning about that says nothing a user can act on.

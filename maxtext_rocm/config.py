@@ -14,6 +14,9 @@ from __future__ import annotations
 import ast
 import difflib
 import importlib.util
+import linecache
+import re
+import traceback
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
@@ -122,6 +125,14 @@ def defaults() -> ml_collections.ConfigDict:
         # compiled programs instead of compiling them again (maxtext_rocm/compilation.py):
         # "auto": $JAX_COMPILATION_CACHE_DIR if set, else output_dir/compilation_cache; "off"; or a directory.
         compilation_cache="auto",
+        # The hang watchdog (maxtext_rocm/watchdog.py): no step finished for this many seconds ->
+        # every thread's Python stack to stderr and output_dir/hang-*.txt, exit status 4, so a
+        # scheduler restarts the run from its last checkpoint; 0 = off. It must exceed the longest
+        # pause between two steps (an evaluation, the blocking part of a checkpoint save).
+        hang_timeout_s=0.0,
+        # The watchdog's limit from launch to the end of the first step (restore and compilation
+        # included, which take far longer than a step); 0: 10 x hang_timeout_s.
+        startup_timeout_s=0.0,
     )
     cfg.checkpoint = dict(
         enabled=True,
@@ -153,6 +164,10 @@ def defaults() -> ml_collections.ConfigDict:
         init_timeout_s=300,  # give up (exit 2) if the processes have not all met by then
         heartbeat_timeout_s=100,  # a process silent this long is dead and the others stop
     )
+    # Locked: a preset or a notebook that sets a key no part of the trainer reads (a typo such as
+    # `cfg.model.dmodel = ...`) fails at once instead of training with the default silently.
+    # Existing keys stay writable; `set_key` and `.unlocked()` are the way to add one on purpose.
+    cfg.lock()
     return cfg
 
 
@@ -191,19 +206,60 @@ def _resolve_preset(path: str) -> Path:
     )
 
 
+# Every preset file loaded so far: an error inside one is reported at its own line, the innermost
+# preset's (presets build on each other), not at the loader's.
+_PRESET_FILES: set[str] = set()
+
+
 def load_preset(spec: str) -> ml_collections.ConfigDict:
     """The config that `PATH.py[:VARIANT]` (or a preset name) defines, before overrides.
 
     Presets may build on each other: `configs/llama3_1_8b.py` starts from `load_preset("llama3_8b")`.
+    A preset that does not import, or whose get_config raises (an unknown key included), is a
+    ConfigError naming the file and the line.
     """
     path, _, variant = spec.partition(":")
     preset = _resolve_preset(path)
+    _PRESET_FILES.add(str(preset.resolve()))
     module_spec = importlib.util.spec_from_file_location(f"maxtext_rocm_preset_{preset.stem}", preset)
     module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    if not hasattr(module, "get_config"):
-        raise ConfigError(f"config file {str(preset)!r} does not define get_config(variant='')")
-    return module.get_config(variant)
+    try:
+        module_spec.loader.exec_module(module)
+        if not hasattr(module, "get_config"):
+            raise ConfigError(f"config file {str(preset)!r} does not define get_config(variant='')")
+        cfg = module.get_config(variant)
+    except ConfigError:
+        raise
+    except SyntaxError as error:  # the file itself: its line is in the error, not in a frame
+        raise ConfigError(f"config file {error.filename or str(preset)!r} line {error.lineno} is not valid "
+                          f"Python ({error.msg}); fix it or pass another preset") from None
+    except Exception as error:  # noqa: BLE001 - a preset is user code and may raise anything
+        raise _preset_error(preset, error) from None
+    if not isinstance(cfg, ml_collections.ConfigDict):
+        raise ConfigError(f"get_config in {str(preset)!r} returned a {type(cfg).__name__}, not the "
+                          "ConfigDict that config.defaults() starts")
+    cfg.lock()  # a preset that built its own ConfigDict is held to its keys from here on too
+    return cfg
+
+
+def _preset_error(preset: Path, error: Exception) -> ConfigError:
+    """One sentence for an exception raised while a preset ran: the file and line it came from (the
+    innermost preset frame), and for a locked-config error the unknown key with the close name."""
+    frames = [f for f in traceback.extract_tb(error.__traceback__)
+              if str(Path(f.filename).resolve()) in _PRESET_FILES]
+    where_file, line = (frames[-1].filename, frames[-1].lineno) if frames else (str(preset), None)
+    at = f"config file {where_file!r}" + (f" line {line}" if line else "")
+    text = str(error.args[0]) if error.args else ""
+    unknown = re.search(r'Key "([^"]+)" does not exist and cannot be added since the config is locked', text)
+    if unknown:
+        close = re.search(r'Did you mean "([^"]+)"', text)
+        source = linecache.getline(where_file, line).strip() if line else ""
+        return ConfigError(
+            f"{at} sets the unknown config key {unknown.group(1)!r}" + (f" ({source})" if source else "")
+            + (f"; did you mean {close.group(1)!r}?" if close else "; see config.defaults() for the keys"))
+    first = (text.strip().splitlines() or [""])[0][:300]
+    return ConfigError(f"{at} raised {type(error).__name__}" + (f": {first}" if first else "")
+                       + "; fix the preset or pass another one")
 
 
 def load(spec: str, overrides: Mapping[str, Any] | Iterable[str] | None = None):

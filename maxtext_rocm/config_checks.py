@@ -7,6 +7,7 @@ would be valid. `maxtext_rocm.config` re-exports `validate`, `mesh_shape`, `axis
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
@@ -80,6 +81,8 @@ def validate(cfg: ml_collections.ConfigDict, device_count: int | None = None,
     _positive(cfg, "train.steps", "train.per_device_batch_size", "train.seq_len", "train.grad_accum")
     _require(t.z_loss_weight >= 0, f"train.z_loss_weight must be >= 0, got {t.z_loss_weight}")
 
+    for key in ("hang_timeout_s", "startup_timeout_s"):
+        _require(t[key] >= 0, f"train.{key} must be >= 0 seconds (0: off), got {t[key]!r}")
     _one_of("train.on_nonfinite", t.on_nonfinite, NONFINITE_ACTIONS)
     _require(t.max_skipped_steps >= 1,
              f"train.max_skipped_steps must be >= 1 (bad steps in a row before the run stops), got {t.max_skipped_steps}")
@@ -97,6 +100,9 @@ def validate(cfg: ml_collections.ConfigDict, device_count: int | None = None,
              f"checkpoint.load_params_from={c.load_params_from!r} is not a directory")
 
     _one_of("data.source", cfg.data.source, DATA_SOURCES)
+    _require(isinstance(cfg.data.epochs, int) and cfg.data.epochs >= 0,
+             f"data.epochs={cfg.data.epochs!r} is not valid; use a number of passes >= 1, or 0 for no limit")
+    _require(cfg.data.prefetch >= 1, f"data.prefetch must be >= 1 (batches built ahead), got {cfg.data.prefetch}")
     _require(t.eval_every >= 0, f"train.eval_every must be >= 0 (0: no evaluation), got {t.eval_every}")
     _require(t.eval_steps >= 1, f"train.eval_steps must be >= 1, got {t.eval_steps}")
     if cfg.data.source == "files":
@@ -130,6 +136,9 @@ def validate(cfg: ml_collections.ConfigDict, device_count: int | None = None,
     _require(len(profile) == 2 and all(isinstance(s, int) for s in profile)
              and (profile == (0, 0) or 0 <= profile[0] < profile[1]),
              f"log.profile_steps must be (start, end) with 0 <= start < end, or (0, 0) for off; got {profile}")
+
+    if cfg.output_dir:
+        _validate_output_dir(cfg.output_dir)
 
     d = cfg.distributed
     _require(d.num_processes >= 0, f"distributed.num_processes must be >= 0 (0: detect), got {d.num_processes}")
@@ -184,11 +193,33 @@ def _validate_rope_scaling(scaling) -> None:
              f"model.rope_scaling needs exactly the keys {', '.join(keys)}"
              + (f"; missing {', '.join(missing)}" if missing else "")
              + (f"; unknown {', '.join(extra)}" if extra else ""))
+    for key in keys:  # numbers, before any comparison (a string here would be a TypeError below)
+        value = scaling[key]
+        wanted = int if key == "original_max_position" else (int, float)
+        _require(isinstance(value, wanted) and not isinstance(value, bool),
+                 f"model.rope_scaling.{key}={value!r} is a {type(value).__name__}; it takes "
+                 + ("an integer (a number of positions)" if wanted is int else "a number"))
     _require(scaling["factor"] >= 1, f"model.rope_scaling.factor must be >= 1, got {scaling['factor']}")
     _require(0 < scaling["low_freq_factor"] < scaling["high_freq_factor"],
              "model.rope_scaling needs 0 < low_freq_factor < high_freq_factor, got "
              f"{scaling['low_freq_factor']} and {scaling['high_freq_factor']}")
     _require(scaling["original_max_position"] > 0, "model.rope_scaling.original_max_position must be positive")
+
+
+def _validate_output_dir(output_dir: str) -> None:
+    """output_dir is, or can become, a writable directory: checked here, so the first thing that
+    writes into it (the compilation cache, a checkpoint) is not the one to fail, misleadingly."""
+    path = Path(output_dir).expanduser()
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"output_dir={output_dir!r} is a file, not a directory; set output_dir to a "
+                          "writable directory (a new or existing folder)")
+    existing = next((p for p in (path, *path.absolute().parents) if p.exists()), None)
+    if existing is not None and not existing.is_dir():
+        raise ConfigError(f"output_dir={output_dir!r} lies under {str(existing)!r}, which is a file; "
+                          "set output_dir to a writable directory")
+    if existing is not None and not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"output_dir={output_dir!r} cannot be written ({str(existing)!r} is not writable); "
+                          "set output_dir to a writable directory")
 
 
 def global_batch_size(cfg, device_count: int) -> int:

@@ -17,7 +17,8 @@ of a config group and an environment mapping, so the tests feed it faked environ
 Failure is bounded both ways: if the coordinator does not answer within `init_timeout_s`, the
 process prints one sentence naming it and exits with status 2; once running, a process that stops
 sending heartbeats for `heartbeat_timeout_s` is declared dead and the coordination service stops
-the others (JAX terminates them with a message that another task died).
+the others (JAX terminates them with a message that another task died). Before that, a process
+that dies is named by the survivors at once, exit status 5 (maxtext_rocm/peers.py).
 """
 
 from __future__ import annotations
@@ -282,4 +283,32 @@ def initialize(dist_cfg, env: Mapping[str, str] | None = None) -> Cluster | None
         raise UserError(f"jax.distributed could not start ({error}); start it before any JAX computation") from None
     finally:
         connected.set()
+    _watch_peers(cluster, dist_cfg)
     return cluster
+
+
+_peer_watch = None
+
+
+def _watch_peers(cluster: Cluster, dist_cfg) -> None:
+    """Starts naming dead peers (maxtext_rocm/peers.py); a run goes on without it if it cannot."""
+    global _peer_watch
+    from jax._src import distributed as jax_distributed  # the coordination service's key-value store
+
+    from maxtext_rocm.peers import PeerWatch
+
+    try:
+        _peer_watch = PeerWatch(jax_distributed.global_state.client, cluster.process_id, cluster.num_processes,
+                                cluster.coordinator.rsplit(":", 1)[0], timeout_s=dist_cfg.init_timeout_s,
+                                heartbeat_s=dist_cfg.heartbeat_timeout_s)
+    except Exception as error:  # noqa: BLE001 - a firewall or an old jax: the run itself is unaffected
+        first = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+        print(f"warning: process {cluster.process_id} cannot watch its peers ({first}); a dead process will "
+              "be reported by JAX's heartbeat instead (exit status 134)", file=sys.stderr, flush=True)
+
+
+def say_goodbye(status: int) -> None:
+    """Tells the other processes that this one ends with `status` (0: a normal end; else they stop
+    with a sentence naming it); nothing for a single process."""
+    if _peer_watch is not None:
+        _peer_watch.say_goodbye(status)

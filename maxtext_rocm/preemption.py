@@ -10,6 +10,8 @@ import threading
 import jax
 from jax.experimental import multihost_utils
 
+from maxtext_rocm import startup_signals
+
 
 class PreemptionGuard:
     """Turns SIGTERM/SIGINT into a request to stop after the current step; a second signal exits
@@ -22,6 +24,7 @@ class PreemptionGuard:
         self.signal, self._previous = None, {}
 
     def __enter__(self):
+        startup_signals.disarm()  # from here on a signal means: finish the step, checkpoint, stop
         if threading.current_thread() is threading.main_thread():  # signal handlers live there only
             self._previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
         return self

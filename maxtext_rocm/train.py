@@ -12,6 +12,7 @@ from concurrent.futures import Future
 import signal
 import sys
 import time
+from pathlib import Path
 
 import jax
 import jax.extend.core as jax_core
@@ -23,6 +24,8 @@ from maxtext_rocm import compilation
 from maxtext_rocm import config as config_lib
 from maxtext_rocm import fp8
 from maxtext_rocm import distributed
+from maxtext_rocm import memory_fit
+from maxtext_rocm import startup_signals
 from maxtext_rocm import metrics as metrics_lib
 from maxtext_rocm import optim
 from maxtext_rocm import run_lock
@@ -36,6 +39,7 @@ from maxtext_rocm.preemption import PreemptionGuard
 from maxtext_rocm.profiling import Profiler
 from maxtext_rocm.run_info import write_config_json
 from maxtext_rocm.step import create_state, eval_step, train_step
+from maxtext_rocm.watchdog import HangWatchdog
 
 USAGE = "usage: python -m maxtext_rocm.train CONFIG.py[:VARIANT] [--config.GROUP.KEY=VALUE ...]"
 
@@ -101,9 +105,11 @@ class Trainer:
         self._started = time.perf_counter()
         devices = list(jax.devices() if devices is None else devices)
         config_lib.validate(cfg, len(devices), len({d.process_index for d in devices}))
+        memory_fit.check_fits(cfg, devices)  # sizes that cannot fit stop here, before any allocation
         # Before anything is written: a second trainer on this output_dir stops here (run_lock.py).
         run_lock.acquire_for_run(cfg.output_dir, jax.process_index(), jax.process_count())
         self._holds_lock = jax.process_index() == 0
+        self.on_step = None  # called as on_step(step, metrics) at each dispatch (the hang watchdog)
         self.mesh = sharding.make_mesh(cfg.mesh, devices)
         self.n_devices = len(devices)
         self.is_logger = jax.process_index() == 0
@@ -137,6 +143,11 @@ class Trainer:
         # the step's compilation started 1.6 s after the Trainer did instead of 2.2 for the
         # dense model, 2.0 instead of 2.2 for the MoE one (2 cores, medians of 3-4 runs).
         resume = self.checkpointer.find_resume() if self.checkpointer else None
+        if resume and resume[1] > cfg.train.steps:
+            raise config_lib.ConfigError(
+                f"train.steps={cfg.train.steps} is below step {resume[1]} of the checkpoint this run resumes "
+                f"from in {cfg.output_dir}; raise train.steps above {resume[1]} to train on, or use "
+                "another output_dir to start afresh")
         if resume:
             made = compilation.in_thread(self._restore_state, resume, abstract)
         else:
@@ -177,13 +188,12 @@ class Trainer:
         self.flops_per_token = metrics_lib.train_flops_per_token(cfg.model, cfg.train.seq_len)
         self.peak_tflops = metrics_lib.peak_tflops(
             devices[0].device_kind, self.policy.name, cfg.log.peak_tflops)
-        if self.is_logger:
-            try:
-                write_config_json(cfg, self.mesh, f"{cfg.output_dir}/config.json")
-            except OSError as error:
-                raise config_lib.UserError(
-                    f"cannot write {cfg.output_dir}/config.json ({error.strerror}); "
-                    "set output_dir to a writable directory") from None
+        # The run record: a fresh directory gets it now; one that holds a previous launch's keeps
+        # that until this launch has something of its own there (its first checkpoint, or its end),
+        # so a launch that fails early leaves the directory as it found it.
+        self._record_pending = self.is_logger
+        if self.is_logger and not Path(cfg.output_dir, "config.json").exists():
+            self.commit_run_record()
         self.writer = metrics_lib.MetricsWriter(
             cfg.output_dir, enabled=self.is_logger, tensorboard=cfg.log.tensorboard,
             wandb_project=cfg.log.wandb_project, wandb_run_name=cfg.log.wandb_run_name, run_config=cfg.to_dict())
@@ -197,6 +207,18 @@ class Trainer:
         if self._holds_lock:
             self._holds_lock = False
             run_lock.release(self.cfg.output_dir)
+
+    def commit_run_record(self) -> None:
+        """Writes output_dir/config.json for this launch, once (atomically: write_config_json)."""
+        if not self._record_pending:
+            return
+        try:
+            write_config_json(self.cfg, self.mesh, f"{self.cfg.output_dir}/config.json")
+        except OSError as error:
+            raise config_lib.UserError(
+                f"cannot write {self.cfg.output_dir}/config.json ({error.strerror}); "
+                "set output_dir to a writable directory") from None
+        self._record_pending = False
 
     def context(self):
         """The mesh and logical-axis rules that the model's sharding constraints resolve against."""
@@ -239,6 +261,7 @@ class Trainer:
         the run (TrainingDiverged) if the state holds inf/NaN or the skipped-steps limit is hit."""
         from maxtext_rocm.checkpoint import NonFiniteState
 
+        self.commit_run_record()  # checkpoints of this launch's config: its record goes with them
         step, in_a_row = (int(x) for x in jax.device_get((self.state.step, self.state.skipped_in_a_row)))
         data_state = self.data.state() if hasattr(self.data, "state") else {}
         data_state = data_state if data_state.get("step") == step else {}  # else: replayed up to step
@@ -299,6 +322,8 @@ class Trainer:
         batch = self.device_batch(self.step_count)
         self.state, step_metrics = self.compiled_step(self.state, batch, self.hyperparameters)
         self.step_count += 1
+        if self.on_step is not None:
+            self.on_step(self.step_count, step_metrics)
         self.profiler.after_step(self.step_count, step_metrics)
         return step_metrics
 
@@ -423,17 +448,33 @@ class Trainer:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    status = _main(sys.argv[1:] if argv is None else argv)
+    distributed.say_goodbye(status)  # the other processes of a multi-process run learn how this one ended
+    return status
+
+
+def _main(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help") or argv[0].startswith("--"):
         print(USAGE, file=sys.stderr)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
+    # Until the training loop takes SIGTERM/SIGINT over (PreemptionGuard: finish the step, save),
+    # a signal exits at once with one line: there is nothing to save yet (maxtext_rocm/__init__.py
+    # armed this already, before the imports, when the process is `python -m maxtext_rocm.train`).
+    armed_here = startup_signals.arm()
+    watchdog = None
     try:
         cfg = config_lib.load(argv[0], argv[1:])
         distributed.initialize(cfg.distributed)  # before anything touches a device
+        if cfg.train.hang_timeout_s:
+            watchdog = HangWatchdog(cfg.train.hang_timeout_s, cfg.train.startup_timeout_s, cfg.output_dir,
+                                    cfg.train.steps, process_index=jax.process_index()).start()
         trainer = Trainer(cfg)
+        if watchdog is not None:
+            trainer.on_step = watchdog.dispatched
         if trainer.is_logger:
             print(trainer.describe(), flush=True)
         trainer.run()
+        trainer.commit_run_record()
         trainer.writer.close()
     except config_lib.UserError as error:
         print(f"error: {error}", file=sys.stderr)
@@ -441,6 +482,11 @@ def main(argv: list[str] | None = None) -> int:
     except TrainingDiverged as error:
         print(f"error: {error}", file=sys.stderr)
         return 3
+    finally:
+        if watchdog is not None:
+            watchdog.stop()
+        if armed_here:  # a caller in this process (a test) gets its signal handlers back
+            startup_signals.disarm()
     if trainer.stopped_by_signal is not None:
         print(f"stopped by signal {trainer.stopped_by_signal} at step {trainer.step_count}; "
               "checkpoint committed", file=sys.stderr)

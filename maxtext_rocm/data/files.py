@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from maxtext_rocm.errors import UserError
+from maxtext_rocm.data.checks import DataError, check_jsonl, check_text, json_text
 from maxtext_rocm.data.synthetic import local_rows
 from maxtext_rocm.data.tokenizer import check_vocab, load_tokenizer
 
@@ -36,10 +36,6 @@ JSONL, PARQUET, TEXT, ARRAYRECORD = "jsonl", "parquet", "text", "arrayrecord"
 SUFFIXES = {".jsonl": JSONL, ".json": JSONL, ".ndjson": JSONL, ".parquet": PARQUET,
             ".txt": TEXT, ".text": TEXT, ".md": TEXT, ".arrayrecord": ARRAYRECORD, ".array_record": ARRAYRECORD}
 META_SUFFIX = ".meta.json"  # beside an ArrayRecord file: the tokenizer it was written with
-
-
-class DataError(UserError):
-    """An input file that cannot be used: missing, empty, of an unknown kind, or without the text field."""
 
 
 def file_format(path: Path) -> str:
@@ -63,20 +59,6 @@ def expand_paths(spec, key: str = "data.paths") -> list[Path]:
             raise DataError(f"{key}: {pattern!r} matches no file")
         files += [Path(m) for m in matched if Path(m) not in files]
     return files
-
-
-def _json_text(line: bytes, field: str, path, number: int) -> str:
-    try:
-        record = json.loads(line)
-    except ValueError:
-        raise DataError(f"{path} line {number} is not valid JSON") from None
-    if not isinstance(record, dict) or field not in record:
-        raise DataError(f"{path} line {number} has no field {field!r} (data.text_field); "
-                        f"its fields are: {', '.join(record) if isinstance(record, dict) else 'none'}")
-    text = record[field]
-    if not isinstance(text, str):
-        raise DataError(f"{path} line {number}: field {field!r} (data.text_field) is not a string")
-    return text
 
 
 class Documents:
@@ -105,21 +87,33 @@ class Documents:
 
     def _read(self, kind: str, path: Path):
         if kind == JSONL:
-            lines = [line for line in path.read_bytes().splitlines() if line.strip()]
-            if not lines:
+            numbered = [(n, line) for n, line in enumerate(path.read_bytes().splitlines(), 1) if line.strip()]
+            if not numbered:
                 raise DataError(f"{path} is empty (no JSON lines); give it documents")
-            _json_text(lines[0], self.text_field, path, 1)  # a wrong field name fails now, not mid-run
-            return lines
+            check_jsonl(numbered, self.text_field, path)
+            return [line for _, line in numbered]
         if kind == TEXT:
+            check_text(path)
             return [path]
         if kind == PARQUET:
+            import pyarrow as pa
             import pyarrow.parquet as pq
 
-            schema = pq.read_schema(path)
-            if self.text_field not in schema.names:
-                raise DataError(f"{path} has no column {self.text_field!r} (data.text_field); "
-                                f"its columns are: {', '.join(schema.names)}")
-            column = pq.read_table(path, columns=[self.text_field]).column(0).to_pylist()
+            try:
+                schema = pq.read_schema(path)
+                if self.text_field not in schema.names:
+                    raise DataError(f"{path} has no column {self.text_field!r} (data.text_field); "
+                                    f"its columns are: {', '.join(schema.names)}")
+                column = pq.read_table(path, columns=[self.text_field]).column(0)
+                if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)
+                        or pa.types.is_null(column.type)):
+                    raise DataError(f"{path} column {self.text_field!r} (data.text_field) holds {column.type}, "
+                                    "not strings")
+                column = column.to_pylist()
+            except (pa.ArrowException, OSError) as error:
+                first = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+                raise DataError(f"{path} cannot be read as Parquet ({first}); it may be truncated or "
+                                "corrupt: write it again or leave it out of the data paths") from None
             if not column:
                 raise DataError(f"{path} has no rows; give it documents")
             return column
@@ -142,22 +136,39 @@ class Documents:
         local = index - (int(self._ends[part - 1]) if part else 0)
         item = items[local]
         if kind == JSONL:
-            return _json_text(item, self.text_field, path, local + 1)
+            return json_text(item, self.text_field, path, local + 1)
         if kind == TEXT:
-            return item.read_text(encoding="utf-8", errors="replace")
+            return item.read_text(encoding="utf-8")  # checked to be UTF-8 when it was listed
         if kind == PARQUET:
             return item if isinstance(item, str) else ("" if item is None else str(item))
         return np.frombuffer(item, dtype="<i4").astype(np.int32)
 
 
 def check_inputs(data_cfg, model_vocab_size: int) -> None:
-    """The cheap checks config validation runs before any device work: files exist and are not
-    empty, the text field is there, the tokenizer fits the model."""
-    Documents(expand_paths(data_cfg.paths, "data.paths"), data_cfg.text_field)
-    if data_cfg.get("eval_paths"):
-        Documents(expand_paths(data_cfg.eval_paths, "data.eval_paths"), data_cfg.text_field)
+    """The checks config validation runs before any device work: files exist, are not empty and
+    read as their format says (every JSON line, every text byte), the text field is there, the
+    tokenizer fits the model, and some document gives the model a token to predict."""
     spec = data_cfg.get("tokenizer", "byte")
-    check_vocab(load_tokenizer(spec), model_vocab_size, spec or "byte")
+    tokenizer = load_tokenizer(spec)
+    check_vocab(tokenizer, model_vocab_size, spec or "byte")
+    for key in ("paths", "eval_paths"):
+        if data_cfg.get(key):
+            files = expand_paths(data_cfg[key], f"data.{key}")
+            docs = Documents(files, data_cfg.text_field)
+            _check_yields_tokens(tokenized_dataset(docs, tokenizer, data_cfg.add_bos, data_cfg.add_eos),
+                                 files, f"data.{key}")
+
+
+def _check_yields_tokens(dataset, files: list[Path], key: str) -> None:
+    """At least one document has two tokens (one input, one target). Usually the first does, so
+    this costs one document's tokenization; a corpus of empty texts costs one pass, once."""
+    for index in range(len(dataset)):
+        if len(dataset[index]) >= 2:
+            return
+    names = ", ".join(str(f) for f in files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
+    raise DataError(f"no document of {key} ({names}) yields the two tokens a training pair needs (empty or "
+                    "one-token texts); give longer documents, or set data.add_bos=true / data.add_eos=true "
+                    "with a tokenizer that has them")
 
 
 def tokenized_dataset(docs: Documents, tokenizer, bos: bool, eos: bool):
@@ -181,8 +192,9 @@ class RowPacker:
     """
 
     def __init__(self, dataset, seq_len: int, seed: int, process_index: int, process_count: int,
-                 packing: bool = True, shuffle: bool = True, epochs: int = 0):
+                 packing: bool = True, shuffle: bool = True, epochs: int = 0, name: str = "the data"):
         self.dataset, self.seq_len, self.seed, self.packing = dataset, seq_len, seed, packing
+        self.name = name  # the files, for errors
         self.process_index, self.process_count, self.shuffle, self.epochs = (
             process_index, process_count, shuffle, epochs)
         self.num_docs = len(dataset)
@@ -225,13 +237,19 @@ class RowPacker:
         L = self.seq_len
         out = {"inputs": np.zeros(L, np.int32), "targets": np.zeros(L, np.int32),
                "positions": np.zeros(L, np.int32), "segment_ids": np.zeros(L, np.int32)}
-        fill, segment = 0, 0
+        fill, segment, skipped = 0, 0, 0
         while fill < L:
             doc = self._current()
             pairs = len(doc) - self.offset - 1
             if pairs < 1:  # a document of one token (or a spent one) predicts nothing
+                skipped += 1
+                if skipped > len(self.local_order(self.epoch)):  # a whole pass gave nothing: never will
+                    raise DataError(f"none of the {len(self.local_order(self.epoch))} documents of "
+                                    f"{self.name} that this process reads yields two tokens (empty or one-token "
+                                    "texts); give longer documents or more of them")
                 self._advance()
                 continue
+            skipped = 0
             if fill and pairs > L - fill and (pairs <= L or not self.packing):
                 break  # it fits a fresh row whole (or is a new unpacked row): pad this one
             take = min(pairs, L - fill)
@@ -291,7 +309,7 @@ class FilesSource:
         self._packer_args = dict(
             dataset=self.dataset, seq_len=seq_len, seed=data_cfg.seed, process_index=process_index,
             process_count=process_count, packing=self.packing, shuffle=split == "train",
-            epochs=data_cfg.get("epochs", 0) if split == "train" else 0)
+            epochs=data_cfg.get("epochs", 0) if split == "train" else 0, name=f"{key} ({', '.join(map(str, self.files[:3]))}{' ...' * (len(self.files) > 3)})")
         self._start = {"step": 0, "epoch": 0, "cursor": 0, "offset": 0}
         self._state = dict(self._start)
         self._thread = None

@@ -1,0 +1,77 @@
+"""What every input file is checked for before a run starts, so that a bad line or byte stops the
+run with one sentence at launch, not at the step that reaches it (data/files.py reads the files).
+
+Each check runs once per file version in a process: config validation, the train source and a
+restart in the same process share it.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from maxtext_rocm.errors import UserError
+
+
+class DataError(UserError):
+    """An input file that cannot be used: missing, empty, of an unknown kind, or without the text field."""
+
+
+def json_text(line: bytes, field: str, path, number: int) -> str:
+    try:
+        record = json.loads(line)
+    except UnicodeDecodeError as error:
+        raise DataError(f"{path} line {number} is not UTF-8 text (byte {error.start} of the line); "
+                        "JSON Lines files must be UTF-8") from None
+    except ValueError:
+        raise DataError(f"{path} line {number} is not valid JSON") from None
+    if not isinstance(record, dict) or field not in record:
+        raise DataError(f"{path} line {number} has no field {field!r} (data.text_field); "
+                        f"its fields are: {', '.join(record) if isinstance(record, dict) else 'none'}")
+    text = record[field]
+    if not isinstance(text, str):
+        raise DataError(f"{path} line {number}: field {field!r} (data.text_field) is not a string")
+    return text
+
+
+# Files whose every line (JSON Lines) or every byte (text) was checked in this process, by version:
+# config validation, the train source and a restart within one process check a file once.
+_CHECKED: set[tuple] = set()
+
+
+def _version(path: Path, *extra) -> tuple:
+    stat = path.stat()
+    return (str(path.resolve()), stat.st_size, stat.st_mtime_ns, *extra)
+
+
+def check_jsonl(numbered: list[tuple[int, bytes]], field: str, path: Path) -> None:
+    """Every line parses and holds a string `field`: checked before the run starts rather than at
+    the step that reaches a bad line. One pass of json.loads over the lines already in memory:
+    measured 23 MB/s (115 MB of 575-byte lines in 5.1 s) on a loaded 2-core machine, where reading
+    and splitting the same file took 2.2 s; pyarrow's JSON reader was no faster there (32 MB/s)
+    and lets invalid UTF-8 through. Corpora of many GB belong in pre-tokenized ArrayRecord files
+    (scripts/pretokenize.py), which are not scanned."""
+    key = _version(path, field)
+    if key in _CHECKED:
+        return
+    for number, line in numbered:
+        json_text(line, field, path, number)
+    _CHECKED.add(key)
+
+
+def check_text(path: Path) -> None:
+    """A text document is UTF-8 and not binary: a NUL byte or an invalid sequence would otherwise be
+    trained on as replacement characters."""
+    key = _version(path)
+    if key in _CHECKED:
+        return
+    data = path.read_bytes()
+    nul = data.find(b"\0")
+    if nul >= 0:
+        raise DataError(f"{path} holds a NUL byte at offset {nul}, so it is binary, not text; "
+                        "give .txt/.md files of UTF-8 text")
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise DataError(f"{path} is not UTF-8 text (invalid byte at offset {error.start}); "
+                        "convert it to UTF-8 or leave it out of the data paths") from None
+    _CHECKED.add(key)

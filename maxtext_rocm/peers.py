@@ -1,0 +1,149 @@
+"""A dead peer, named: the survivors of a multi-process run say which process went silent.
+
+Left to itself, a process whose peer dies learns it from below: a Gloo collective fails on a
+closed socket (a traceback, then an abort, exit status 134, with a C++ stack dump), or, after
+`distributed.heartbeat_timeout_s`, the coordination service declares the task dead and JAX
+aborts the others with a message about "another task". Neither names the process.
+
+So every process keeps one TCP connection to process 0 (a star; process 0 listens on a free port
+of the coordinator's host and publishes it in JAX's key-value store): a process that dies, for
+whatever reason, SIGKILL included, has its socket closed by the kernel at once, long before a
+heartbeat is missed. The side that sees the connection close without a goodbye prints one
+sentence naming the process (its id, pid and host) and exits with PEER_LOST_EXIT_STATUS, before
+JAX's own abort; process 0 first tells every other process which one it lost, so they name it
+too. A process that ends through `say_goodbye` (any exit of `train.main`) tells the others its
+exit status first: 0 is a normal end, anything else stops them with a sentence naming it.
+
+What this cannot see: a host that vanishes without closing its sockets (power loss, a network
+partition). TCP keepalive probes after `heartbeat_timeout_s / 2` cover part of that; the
+coordination service's heartbeat remains the bound, and JAX's abort (exit 134) the outcome there.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import threading
+import time
+
+PEER_LOST_EXIT_STATUS = 5
+KEY = "maxtext_rocm/peers/listener"
+
+
+def _keepalive(sock: socket.socket, timeout_s: float) -> None:
+    idle = max(1, int(timeout_s / 2))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (("TCP_KEEPIDLE", idle), ("TCP_KEEPINTVL", max(1, idle // 4)), ("TCP_KEEPCNT", 4)):
+        if hasattr(socket, name):
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+
+
+class PeerWatch:
+    """This process's end of the star: process 0 holds one connection per peer, the others one."""
+
+    def __init__(self, client, process_id: int, num_processes: int, coordinator_host: str,
+                 timeout_s: float, heartbeat_s: float, exit=os._exit, stream=None):
+        self.process_id, self.num_processes = process_id, num_processes
+        self._exit, self._stream = exit, stream
+        self._peers: dict[int, tuple[socket.socket, str]] = {}  # id -> (socket, "pid P on HOST")
+        self._lock = threading.Lock()
+        self._closing = False
+        me = f"{process_id} {os.getpid()} {socket.gethostname()}\n".encode()
+        if process_id == 0:
+            listener = socket.create_server(("", 0), backlog=num_processes)
+            client.key_value_set(KEY, f"{coordinator_host}:{listener.getsockname()[1]}")
+            listener.settimeout(timeout_s)
+            try:
+                for _ in range(num_processes - 1):
+                    conn, _ = listener.accept()
+                    conn.settimeout(timeout_s)
+                    peer_id, pid, host = self._readline(conn).split()
+                    conn.settimeout(None)
+                    conn.sendall(me)
+                    _keepalive(conn, heartbeat_s)
+                    self._peers[int(peer_id)] = (conn, f"pid {pid} on {host}")
+            finally:
+                listener.close()
+        else:
+            host, port = client.blocking_key_value_get(KEY, int(timeout_s * 1000)).rsplit(":", 1)
+            conn = socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s)
+            conn.sendall(me)
+            peer_id, pid, peer_host = self._readline(conn).split()
+            conn.settimeout(None)
+            _keepalive(conn, heartbeat_s)
+            self._peers[int(peer_id)] = (conn, f"pid {pid} on {peer_host}")
+        for peer_id, (conn, _) in self._peers.items():
+            threading.Thread(target=self._watch, args=(peer_id, conn), daemon=True,
+                             name=f"peer-watch-{peer_id}").start()
+
+    @staticmethod
+    def _readline(conn: socket.socket) -> str:
+        data = b""
+        while not data.endswith(b"\n"):
+            chunk = conn.recv(256)
+            if not chunk:
+                raise ConnectionError("closed during the greeting")
+            data += chunk
+        return data.decode()
+
+    def _watch(self, peer_id: int, conn: socket.socket) -> None:
+        """Reads the peer's messages until its connection closes; a close without a goodbye is a
+        death. Messages are tab-separated lines: `exit ID STATUS` (a goodbye) and, from process 0,
+        `lost ID DESCRIPTION WHAT` (a relay of what it saw)."""
+        buffer = b""
+        while True:
+            try:
+                chunk = conn.recv(256)
+            except OSError:
+                chunk = b""
+            if not chunk:
+                self._stop(peer_id, self._describe(peer_id), "went silent: its connection closed without "
+                           "a goodbye (the process died or its host went down)")
+                return
+            buffer += chunk
+            while b"\n" in buffer:
+                line, buffer = buffer.split(b"\n", 1)
+                words = line.decode(errors="replace").split("\t")
+                if words[0] == "exit" and len(words) == 3:
+                    who, status = int(words[1]), int(words[2])
+                    if status != 0:
+                        self._stop(who, self._describe(who), f"stopped with exit status {status} (its own "
+                                   "log says why)")
+                    return  # a goodbye: the close that follows is expected
+                if words[0] == "lost" and len(words) == 4:
+                    self._stop(int(words[1]), words[2], words[3])
+                    return
+
+    def _describe(self, peer_id: int) -> str:
+        detail = self._peers.get(peer_id, (None, ""))[1]
+        return f"process {peer_id} of {self.num_processes}" + (f" ({detail})" if detail else "")
+
+    def _stop(self, peer_id: int, who: str, what: str) -> None:
+        with self._lock:
+            if self._closing:
+                return
+            self._closing = True
+        if self.process_id == 0:  # the others hear it from here, with the name
+            self._broadcast(f"lost\t{peer_id}\t{who}\t{what}\n", skip=peer_id)
+        print(f"error: {who} {what}; process {self.process_id} stops too (exit status "
+              f"{PEER_LOST_EXIT_STATUS}) so the scheduler can restart the run from its last checkpoint",
+              file=self._stream or sys.stderr, flush=True)
+        self._exit(PEER_LOST_EXIT_STATUS)
+
+    def _broadcast(self, message: str, skip: int | None = None) -> None:
+        for peer_id, (conn, _) in self._peers.items():
+            if peer_id != skip:
+                try:
+                    conn.sendall(message.encode())
+                except OSError:
+                    pass
+
+    def say_goodbye(self, status: int) -> None:
+        """This process ends with `status`: the others learn it before its sockets close."""
+        with self._lock:
+            if self._closing:
+                return
+            self._closing = True
+        self._broadcast(f"exit\t{self.process_id}\t{status}\n")
+        time.sleep(0.05)  # let the message leave before the process (and its sockets) goes
