@@ -143,10 +143,11 @@ class Trainer:
         # the step's compilation started 1.6 s after the Trainer did instead of 2.2 for the
         # dense model, 2.0 instead of 2.2 for the MoE one (2 cores, medians of 3-4 runs).
         resume = self.checkpointer.find_resume() if self.checkpointer else None
-        if resume and resume[1] > cfg.train.steps:
+        if resume and resume.steps[0] > cfg.train.steps:  # the newest the resume may read
+            newest = resume.steps[0]
             raise config_lib.ConfigError(
-                f"train.steps={cfg.train.steps} is below step {resume[1]} of the checkpoint this run resumes "
-                f"from in {cfg.output_dir}; raise train.steps above {resume[1]} to train on, or use "
+                f"train.steps={cfg.train.steps} is below step {newest} of the checkpoint this run resumes "
+                f"from in {cfg.output_dir}; raise train.steps above {newest} to train on, or use "
                 "another output_dir to start afresh")
         if resume:
             made = compilation.in_thread(self._restore_state, resume, abstract)
