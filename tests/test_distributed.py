@@ -263,25 +263,32 @@ def test_two_processes_train_like_one(two_process_mesh, one_process_mesh, tmp_pa
     print(f"2-process run: {took:.1f} s")
 
 
-def test_a_dead_process_stops_the_other(tmp_path):
-    """Process 1 dies mid-training (SIGKILL: no goodbye); process 0 must exit non-zero in bounded time."""
-    heartbeat = 5
-    port, procs, logs = free_port(), [], []
+def start_pair_past_step_2(tmp_path, heartbeat, procs, logs):
+    """Two trainer processes of one long run (dcn.data=2), started into `procs` (their logs into
+    `logs`, so the caller's cleanup owns them), returned once process 0 has logged step 2."""
+    port = free_port()
     args = [sys.executable, "-m", "maxtext_rocm.train", "configs/tiny_llama.py:fp32", *SMALL,
             "--config.train.steps=100000", "--config.mesh.dcn.data=2", "--config.mesh.ici.fsdp=4",
             f"--config.distributed.heartbeat_timeout_s={heartbeat}", f"--config.output_dir={tmp_path}/run"]
+    for i in range(2):
+        logs.append(open(tmp_path / f"process_{i}.log", "w+"))
+        env = process_env(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2",
+                          JAX_PROCESS_ID=str(i))
+        env["XLA_FLAGS"] += " --xla_force_host_platform_device_count=4"
+        procs.append(subprocess.Popen(args, cwd=REPO, env=env, stdout=logs[i], stderr=subprocess.STDOUT))
+    deadline = time.monotonic() + 180
+    while "step      2/100000" not in (tmp_path / "process_0.log").read_text():
+        assert time.monotonic() < deadline, "the 2-process run never reached step 2"
+        assert procs[0].poll() is None and procs[1].poll() is None, (tmp_path / "process_0.log").read_text()
+        time.sleep(0.2)
+
+
+def test_a_dead_process_stops_the_other(tmp_path):
+    """Process 1 dies mid-training (SIGKILL: no goodbye); process 0 must exit non-zero in bounded time."""
+    heartbeat = 5
+    procs, logs = [], []
     try:
-        for i in range(2):
-            logs.append(open(tmp_path / f"process_{i}.log", "w+"))
-            env = process_env(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2",
-                              JAX_PROCESS_ID=str(i))
-            env["XLA_FLAGS"] += " --xla_force_host_platform_device_count=4"
-            procs.append(subprocess.Popen(args, cwd=REPO, env=env, stdout=logs[i], stderr=subprocess.STDOUT))
-        deadline = time.monotonic() + 180
-        while "step      2/100000" not in (tmp_path / "process_0.log").read_text():
-            assert time.monotonic() < deadline, "the 2-process run never reached step 2"
-            assert procs[0].poll() is None and procs[1].poll() is None, (tmp_path / "process_0.log").read_text()
-            time.sleep(0.2)
+        start_pair_past_step_2(tmp_path, heartbeat, procs, logs)
 
         procs[1].send_signal(signal.SIGKILL)
         killed = time.monotonic()
