@@ -86,7 +86,7 @@ def _fused(hidden, weight, targets, weights, vocab_start, z_loss_weight, chunk, 
         ce, z = _sums(log_z, target_logit, wt)
         return (carry[0] + ce, carry[1] + z), None
 
-    zero = jnp.zeros((), jnp.float32)
+    zero = varying.varying_like(jnp.zeros((), jnp.float32), hidden)  # per device under shard_map
     (ce, z), _ = jax.lax.scan(body, (zero, zero), _chunked(hidden, targets, weights, chunk))
     return ce + z_loss_weight * z, (ce, z)
 

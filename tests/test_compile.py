@@ -41,12 +41,15 @@ def test_llama3_8b_fsdp8_compiles_and_fits_mi355x(tmp_path):
 def test_mixtral_8x7b_expert8_compiles(tmp_path):
     out = tmp_path / "fit.json"
     result = fit_check("mixtral_8x7b", "--target=mi355x:8", "--config.mesh.ici.fsdp=1",
-                       "--config.mesh.ici.expert=8", f"--json={out}")
+                       "--config.mesh.ici.expert=8", "--comm", f"--json={out}")
     assert result.returncode == 0, result.stderr
     assert "mesh expert=8" in result.stdout and "verdict: FITS" in result.stdout
     report = json.loads(out.read_text())
     assert report["params_bytes"] == pytest.approx(46.7e9 * 4 / 8, rel=0.01)
-    assert report["xla_total_bytes"] > 0
+    # The GPU program's token exchange: XLA:CPU optimizes it but cannot emit its ragged
+    # all-to-all, so there are no XLA memory figures and the traffic comes from XLA's dump.
+    assert "xla_total_bytes" not in report and "ragged all-to-all" in report["xla_note"]
+    assert "ragged-all-to-all" in result.stdout
 
 
 def test_405b_on_one_h100_does_not_fit():

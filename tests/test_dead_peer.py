@@ -14,7 +14,7 @@ from maxtext_rocm.peers import PEER_LOST_EXIT_STATUS
 from test_distributed import start_pair_past_step_2
 
 
-@pytest.mark.parametrize("victim", [1, 0])  # a worker, and the coordinator itself
+@pytest.mark.parametrize("victim", [1, pytest.param(0, marks=pytest.mark.slow)])  # a worker; the coordinator
 def test_the_survivor_names_the_dead_process_and_exits_5(tmp_path, victim):
     heartbeat = 60  # far longer than the test waits: the coordination service is not what speaks
     procs, logs = [], []

@@ -56,7 +56,11 @@ CASES = {  # name: (seq, heads, kv_heads, head_dim, documents, window)
 }
 
 
-@pytest.mark.parametrize("case", CASES)
+# CI runs two cases that between them cover GQA, MQA, documents and windows; `-m slow` all.
+FAST_CASES = ("documents_gqa_d64", "documents_window_mqa_d128")
+
+
+@pytest.mark.parametrize("case", [c if c in FAST_CASES else pytest.param(c, marks=pytest.mark.slow) for c in CASES])
 def test_matches_xla_in_fp32(case):
     seq, heads, kv_heads, head_dim, documents, window = CASES[case]
     qkv, cotangent, segments = inputs(seq, heads, kv_heads, head_dim, jnp.float32, documents)
