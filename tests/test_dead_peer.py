@@ -11,7 +11,7 @@ import time
 import pytest
 
 from maxtext_rocm.peers import PEER_LOST_EXIT_STATUS
-from test_distributed import start_pair_past_step_2
+from test_distributed import start_pair_past_step_2, stop_pair
 
 
 @pytest.mark.parametrize("victim", [1, pytest.param(0, marks=pytest.mark.slow)])  # a worker; the coordinator
@@ -27,12 +27,7 @@ def test_the_survivor_names_the_dead_process_and_exits_5(tmp_path, victim):
         rc = procs[survivor].wait(timeout=30)
         took = time.monotonic() - killed
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        for f in logs:
-            f.close()
+        stop_pair(procs, logs)
     log = (tmp_path / f"process_{survivor}.log").read_text()
     assert rc == PEER_LOST_EXIT_STATUS, log[-3000:]
     errors = [line for line in log.splitlines() if line.startswith("error:")]

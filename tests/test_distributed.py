@@ -283,6 +283,16 @@ def start_pair_past_step_2(tmp_path, heartbeat, procs, logs):
         time.sleep(0.2)
 
 
+def stop_pair(procs, logs):
+    """Kills what start_pair_past_step_2 started and is still running, and closes its logs."""
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    for f in logs:
+        f.close()
+
+
 def test_a_dead_process_stops_the_other(tmp_path):
     """Process 1 dies mid-training (SIGKILL: no goodbye); process 0 must exit non-zero in bounded time."""
     heartbeat = 5
@@ -295,12 +305,7 @@ def test_a_dead_process_stops_the_other(tmp_path):
         rc = procs[0].wait(timeout=heartbeat + 30)
         took = time.monotonic() - killed
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        for f in logs:
-            f.close()
+        stop_pair(procs, logs)
     log0 = (tmp_path / "process_0.log").read_text()
     assert rc != 0, log0[-2000:]
     # Usually the coordination service reports the dead task; when the kill lands inside a
