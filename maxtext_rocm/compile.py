@@ -223,7 +223,7 @@ def analyse(cfg, kind: str, n_devices: int, usable: float = 0.92, compile_it: bo
     from maxtext_rocm import config as config_lib
     from maxtext_rocm import metrics, sharding
     from maxtext_rocm.models import build_model
-    from maxtext_rocm.parallel import experts
+    from maxtext_rocm.parallel import experts, pipeline
     from maxtext_rocm.precision import policy_from_config
     from maxtext_rocm.train import abstract_state, jit_train_step, optimizer_hyperparameters
 
@@ -242,7 +242,8 @@ def analyse(cfg, kind: str, n_devices: int, usable: float = 0.92, compile_it: bo
     elif cpu_model_cfg.attention == "pallas":  # on the CPU Pallas is an interpreter: the same
         cpu_model_cfg.attention = "blockwise"  # flash algorithm in XLA ops stands in for it
     # The target's program: a GPU's MoE exchange and grouped GEMMs, not the CPU's stand-ins.
-    model = build_model(cpu_model_cfg, policy, expert_exchange=experts.expert_exchange(cfg.model, mesh, "gpu"))
+    model = build_model(cpu_model_cfg, policy, expert_exchange=experts.expert_exchange(cfg.model, mesh, "gpu"),
+                        layer_stack=pipeline.layer_stack(cfg.pipeline, cfg.model, mesh))
     _, _, abstract, state_sharding = abstract_state(cfg, model, mesh)
     batch_sharding = sharding.batch_sharding(mesh)
 

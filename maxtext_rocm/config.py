@@ -26,7 +26,7 @@ import ml_collections
 # config_checks.py, data/ and sharding.py import them without importing this module.
 from maxtext_rocm.config_choices import (  # noqa: F401
     ATTENTION_IMPLEMENTATIONS, DATA_SOURCES, FP8_FORMATS, FP8_SCALINGS, MESH_AXES, MODEL_FAMILIES,
-    MOE_IMPLEMENTATIONS, NONFINITE_ACTIONS, PRECISION_POLICIES, PRECISION_VARIANTS, REMAT_POLICIES, SCHEDULES)
+    MOE_IMPLEMENTATIONS, NONFINITE_ACTIONS, PIPELINE_SCHEDULES, PRECISION_POLICIES, PRECISION_VARIANTS, REMAT_POLICIES, SCHEDULES)
 from maxtext_rocm.errors import CheckpointError, ConfigError, UserError  # noqa: F401
 # Validation lives in config_checks.py; its entry points are part of this module's interface.
 from maxtext_rocm.config_checks import axis_sizes, global_batch_size, mesh_shape, validate  # noqa: F401
@@ -75,6 +75,16 @@ def defaults() -> ml_collections.ConfigDict:
     cfg.mesh = dict(
         ici={axis: (-1 if axis == "fsdp" else 1) for axis in MESH_AXES},
         dcn={axis: 1 for axis in MESH_AXES},
+    )
+    # Pipeline parallelism over the `stage` mesh axis (maxtext_rocm/parallel/pipeline.py): the
+    # scanned layers split into mesh stage-many contiguous stages; each step's batch (per
+    # gradient-accumulation micro-batch) flows through them in `microbatches` pieces.
+    cfg.pipeline = dict(
+        # 0 (auto): as many as there are stages, the fewest that keep every stage busy at the
+        # schedule's peak; more shrink the bubble ((S-1)/(M+S-1) for gpipe) at more iterations.
+        microbatches=0,
+        schedule="gpipe",  # "gpipe": all microbatches forward, then all backward (autodiff of the loop)
+        repeats=1,  # virtual stages per device (for a circular schedule; gpipe takes 1)
     )
     cfg.precision = dict(
         policy="bf16",  # "fp32", "bf16", or "fp8" (bf16 with fp8 matmuls; see maxtext_rocm/fp8.py)

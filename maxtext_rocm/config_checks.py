@@ -15,7 +15,7 @@ import ml_collections
 
 from maxtext_rocm.config_choices import (
     ATTENTION_IMPLEMENTATIONS, DATA_SOURCES, FP8_FORMATS, FP8_SCALINGS, MESH_AXES, MODEL_FAMILIES,
-    MOE_IMPLEMENTATIONS, NONFINITE_ACTIONS, PRECISION_POLICIES, REMAT_POLICIES, SCHEDULES)
+    MOE_IMPLEMENTATIONS, NONFINITE_ACTIONS, PIPELINE_SCHEDULES, PRECISION_POLICIES, REMAT_POLICIES, SCHEDULES)
 from maxtext_rocm.errors import ConfigError
 from maxtext_rocm.mesh_sizes import axis_sizes, mesh_shape  # noqa: F401  (part of this module's interface)
 
@@ -64,6 +64,8 @@ def validate(cfg: ml_collections.ConfigDict, device_count: int | None = None,
     if m.rope_scaling is not None:
         _validate_rope_scaling(m.rope_scaling)
     _validate_moe(m)
+
+    _validate_pipeline(cfg.pipeline)
 
     p = cfg.precision
     _one_of("precision.policy", p.policy, PRECISION_POLICIES)
@@ -183,6 +185,37 @@ def _validate_moe(m) -> None:
         _require(m[key] >= 0, f"model.{key} must be >= 0, got {m[key]}")
 
 
+def _validate_pipeline(pipe) -> None:
+    _one_of("pipeline.schedule", pipe.schedule, PIPELINE_SCHEDULES)
+    _require(isinstance(pipe.microbatches, int) and pipe.microbatches >= 0,
+             f"pipeline.microbatches={pipe.microbatches!r} is not valid; use a count >= 1, or 0 for as many as stages")
+    _require(pipe.repeats == 1, f"pipeline.repeats={pipe.repeats} needs a circular schedule, which "
+             f"pipeline.schedule={pipe.schedule!r} is not; set pipeline.repeats=1")
+
+
+def pipeline_microbatches(pipe, stages: int) -> int:
+    """pipeline.microbatches resolved: 0 means one per stage."""
+    return pipe.microbatches or stages
+
+
+def _validate_pipeline_against_mesh(cfg, stages: int, micro_batch: int, batch_shards: int) -> None:
+    """A pipeline over `stages` devices: its layers, its microbatches, the parts it composes with."""
+    m, pipe = cfg.model, cfg.pipeline
+    layers_per = stages * pipe.repeats
+    _require(m.n_layers % layers_per == 0,
+             f"model.n_layers={m.n_layers} does not divide into mesh stage={stages} x pipeline.repeats="
+             f"{pipe.repeats} = {layers_per} equal stages; choose a stage count (and repeats) whose product divides it")
+    _require(m.scan_layers, "mesh stage > 1 pipelines the scanned layer stack; set model.scan_layers=True")
+    _require(cfg.precision.policy != "fp8" or cfg.precision.fp8_scaling == "current",
+             "precision.policy='fp8' with delayed scaling is not supported under a pipeline (mesh stage > 1) "
+             "yet; use precision.fp8_scaling='current', another policy, or mesh stage=1")
+    micro = pipeline_microbatches(pipe, stages)
+    _require(micro_batch % micro == 0 and (micro_batch // micro) % batch_shards == 0,
+             f"pipeline.microbatches={micro} does not divide the step's {micro_batch} sequences (per "
+             f"train.grad_accum micro-batch) into pieces that split over the {batch_shards} batch shards; "
+             f"choose a count that divides {micro_batch // batch_shards}")
+
+
 def _validate_rope_scaling(scaling) -> None:
     keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position")
     if not isinstance(scaling, Mapping) and not isinstance(scaling, ml_collections.ConfigDict):
@@ -241,6 +274,8 @@ def _validate_against_mesh(cfg, shape, device_count: int) -> None:
     _require(micro % batch_shards == 0,
              f"each micro-batch of {micro} sequences does not divide over the {batch_shards} batch shards "
              f"(mesh axes {' x '.join(batch_axes)}); raise train.per_device_batch_size or lower train.grad_accum")
+    if sizes["stage"] > 1:
+        _validate_pipeline_against_mesh(cfg, sizes["stage"], micro, batch_shards)
     _require(t.seq_len % sizes["sequence"] == 0,
              f"train.seq_len={t.seq_len} does not divide over mesh sequence={sizes['sequence']}")
     problem = check_param_divisibility(m, sizes)

@@ -8,6 +8,8 @@ file alone decides where each logical axis lives, so changing parallelism is a c
 - expert:    splits the experts of a MoE layer; dense parameters are FSDP-sharded over it.
 - sequence:  splits activations along the sequence; parameters are FSDP-sharded over it.
 - tensor:    Megatron-style tensor parallelism over heads, MLP and vocabulary.
+- stage:     pipeline parallelism: the stacked layers split into contiguous stages
+             (maxtext_rocm/parallel/pipeline.py); everything else is replicated over it.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     # only the other batch axes; moving tokens between the two layouts is the all-to-all.
     ("activation_exp", "expert"),
     ("activation_exp_batch", ("data", "fsdp")),
+    ("activation_stage", "stage"),  # the pipeline's per-stage state [stages, ...]
     # parameters
     ("vocab", "tensor"),
     ("embed", ("fsdp", "sequence", "expert")),
@@ -52,7 +55,9 @@ LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("exp", "expert"),  # the experts of a MoE layer
     ("exp_embed", ("fsdp", "sequence")),  # d_model of expert weights: FSDP, minus `expert`
     ("norm", None),
-    ("layers", None),
+    # Scanned layers [n_layers, ...]: a sharding, so the parameter tree is the same with and
+    # without a pipeline, and checkpoints restore across stage counts.
+    ("layers", "stage"),
 )
 
 # Which model dimension each sharded parameter axis carries, for the divisibility check.

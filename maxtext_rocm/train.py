@@ -33,7 +33,7 @@ from maxtext_rocm import sharding
 from maxtext_rocm.data import batch_spec, build_source
 from maxtext_rocm.models import build_model
 from maxtext_rocm.models.attention import resolve_implementation as resolve_attention
-from maxtext_rocm.parallel import experts
+from maxtext_rocm.parallel import experts, pipeline
 from maxtext_rocm.precision import policy_from_config
 from maxtext_rocm.preemption import PreemptionGuard
 from maxtext_rocm.profiling import Profiler
@@ -122,7 +122,8 @@ class Trainer:
             cfg.precision.fp8_format = self.policy.fp8_format  # "auto" resolved, for config.json
         cfg.model.attention = resolve_attention(cfg.model.attention, devices[0], self.policy.compute_dtype,
                                                 cfg.train.seq_len)
-        self.model = build_model(cfg.model, self.policy, expert_exchange=experts.expert_exchange(cfg.model, self.mesh))
+        self.model = build_model(cfg.model, self.policy, expert_exchange=experts.expert_exchange(cfg.model, self.mesh),
+                                 layer_stack=pipeline.layer_stack(cfg.pipeline, cfg.model, self.mesh))
         self.hyperparameters = optimizer_hyperparameters(cfg, self.mesh)
         self.global_batch = config_lib.global_batch_size(cfg, self.n_devices)
 
@@ -436,7 +437,7 @@ class Trainer:
         return "\n".join([
             f"run {cfg.name}: {count_params(cfg) / 1e6:,.1f}M parameters{moe}, {cfg.model.n_layers} layers, "
             f"policy {self.policy.name}{self._fp8_description()}, remat {cfg.model.remat}, "
-            f"attention {cfg.model.attention}",
+            f"attention {cfg.model.attention}; {pipeline.describe(cfg.pipeline, self.mesh.shape['stage'])}",
             f"devices: {self.n_devices} x {jax.devices()[0].device_kind} ({jax.default_backend()}), "
             f"mesh {sharding.describe(self.mesh)}",
             f"batch: {self.global_batch} x {cfg.train.seq_len} tokens"

@@ -88,6 +88,10 @@ class Decoder(nn.Module):
     block: type[nn.Module] = LlamaBlock
     decode: bool = False  # KV-cache decoding (generate.py): no remat, a "cache" collection per layer
     expert_exchange: Callable | None = None  # handed to the blocks (models/moe.py); None for dense
+    # Runs the scanned stack across devices (maxtext_rocm/parallel/pipeline.py) as
+    # layer_stack(stack, scanned, x, positions, segment_ids) -> (x, sown); None: in order, here.
+    # Parameters are created by the stack itself either way, so their tree never depends on it.
+    layer_stack: Callable | None = None
 
     @nn.compact
     def __call__(self, tokens: Array, positions: Array | None = None,
@@ -106,12 +110,25 @@ class Decoder(nn.Module):
         if m.scan_layers:
             # Router losses sown by MoE layers and fp8 scaling state stack over layers like the
             # parameters.
-            stack = nn.scan(
-                block, variable_axes={"params": 0, AUX_LOSSES: 0, FP8_COLLECTION: 0, CACHE: 0},
-                split_rngs={"params": True},
-                in_axes=(nn.broadcast, nn.broadcast), length=m.n_layers,
-                metadata_params={nn.PARTITION_NAME: "layers"})
-            x, _ = stack(m, self.policy, self.decode, self.expert_exchange, name="layers")(x, positions, segment_ids)
+            def scanned(length: int, **kwargs) -> nn.Module:
+                stack = nn.scan(
+                    block, variable_axes={"params": 0, AUX_LOSSES: 0, FP8_COLLECTION: 0, CACHE: 0},
+                    split_rngs={"params": True},
+                    in_axes=(nn.broadcast, nn.broadcast), length=length,
+                    metadata_params={nn.PARTITION_NAME: "layers"})
+                return stack(m, self.policy, self.decode, self.expert_exchange, **kwargs)
+
+            stack = scanned(m.n_layers, name="layers")
+            if self.layer_stack is None or self.decode or self.is_initializing():
+                x, _ = stack(x, positions, segment_ids)
+            else:
+                # The strategy runs the stack's own variables through `scanned` stacks of its
+                # choosing (unbound: scanned(length, parent=None)); what their layers sowed comes
+                # back as {collection: tree}, kept here beside the stack's (unused) own.
+                x, sown = self.layer_stack(stack, scanned, x, positions, segment_ids)
+                for collection, tree in sown.items():
+                    if self.is_mutable_collection(collection):
+                        self.put_variable(collection, "layers_pipelined", tree)
         else:
             for i in range(m.n_layers):
                 x, _ = block(m, self.policy, self.decode, self.expert_exchange, name=f"layers_{i}")(
