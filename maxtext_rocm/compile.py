@@ -281,6 +281,8 @@ def analyse(cfg, kind: str, n_devices: int, usable: float = 0.92, compile_it: bo
     if cfg.model.n_experts > 1:
         from maxtext_rocm.models.moe import resolve_implementation
         report["moe_impl"] = resolve_implementation(cfg.model.moe_impl)
+    if sizes["stage"] > 1:  # schedule, microbatches, bubble (the analytic memory is not yet per stage)
+        report["pipeline"] = pipeline.describe(cfg.pipeline, sizes["stage"])
     if not compile_it:
         return report
 
@@ -390,7 +392,8 @@ def format_report(r: dict) -> str:
         f"{r['config']} on {r['target']} ({r['target'].split(':')[0].upper()}: {cap / GIB:.0f} GiB each, "
         f"{100 * r['usable_fraction']:.0f}% usable); mesh {r['mesh']}; policy {r['policy']}"
         + (f" ({r['fp8_format']})" if r.get("fp8_format") else "")
-        + (f"; moe_impl {r['moe_impl']}" if r.get("moe_impl") else ""),
+        + (f"; moe_impl {r['moe_impl']}" if r.get("moe_impl") else "")
+        + (f"; {r['pipeline']}" if r.get("pipeline") else ""),
         f"batch {r['per_device_batch_size']}/device x {r['seq_len']} tokens"
         + (f" in {r['grad_accum']} micro-batches" if r["grad_accum"] > 1 else "") + f"; remat {r['remat']}"
         + (f"; compiled in {r['compile_s']:.1f} s" if "compile_s" in r else ""),

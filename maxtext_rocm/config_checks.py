@@ -209,6 +209,12 @@ def _validate_pipeline_against_mesh(cfg, stages: int, micro_batch: int, batch_sh
     _require(cfg.precision.policy != "fp8" or cfg.precision.fp8_scaling == "current",
              "precision.policy='fp8' with delayed scaling is not supported under a pipeline (mesh stage > 1) "
              "yet; use precision.fp8_scaling='current', another policy, or mesh stage=1")
+    if m.family == "mixtral":
+        _require(m.moe_impl in ("capacity", "dense"),
+                 f"model.moe_impl={m.moe_impl!r} (the dropless expert exchange) is not supported under a "
+                 "pipeline (mesh stage > 1) yet: its shard_map does not run inside the stages' vmap in this "
+                 "JAX; use model.moe_impl='capacity' (with model.moe_capacity_factor >= n_experts / "
+                 "experts_per_token to drop nothing) or 'dense'")
     micro = pipeline_microbatches(pipe, stages)
     _require(micro_batch % micro == 0 and (micro_batch // micro) % batch_shards == 0,
              f"pipeline.microbatches={micro} does not divide the step's {micro_batch} sequences (per "

@@ -233,7 +233,7 @@ def test_expert_parallel_mesh_matches_single_device(mesh, impl, single_device_mi
     # [layers, experts, d_model, mlp]: experts split over `expert`, d_model FSDP-sharded over the
     # other FSDP axes only, mlp over `tensor` (Linen names mesh axes of size 1 too).
     gate = trainer.state.params["layers"]["moe"]["gate"]
-    assert gate.sharding.spec == P(None, "expert", ("fsdp", "sequence"), "tensor")
+    assert gate.sharding.spec == P("stage", "expert", ("fsdp", "sequence"), "tensor")
     assert not gate.sharding.is_fully_replicated
     assert_close(loss, ref_loss)
     assert_close(grads, ref_grads)

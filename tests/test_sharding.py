@@ -48,9 +48,9 @@ def test_tensor_parallel_shards_heads_and_mlp(devices, tmp_path):
     _, _, trainer = loss_and_grads(cfg, devices)
     layers = trainer.state.params["layers"]
     fsdp = ("fsdp", "sequence", "expert")  # the embed axis is FSDP-sharded over all three
-    # Scanned kernels carry a leading "layers" axis, which stays unsharded.
-    assert layers["attention"]["q"]["kernel"].sharding.spec == P(None, fsdp, "tensor", None)
-    assert layers["mlp"]["down"]["kernel"].sharding.spec == P(None, "tensor", fsdp)
+    # Scanned kernels carry a leading "layers" axis, over `stage` (of size 1 here: no pipeline).
+    assert layers["attention"]["q"]["kernel"].sharding.spec == P("stage", fsdp, "tensor", None)
+    assert layers["mlp"]["down"]["kernel"].sharding.spec == P("stage", "tensor", fsdp)
     assert trainer.state.params["lm_head"]["kernel"].sharding.spec == P(fsdp, "tensor")
     adam_mu = trainer.state.opt_state[1][0].mu["lm_head"]["kernel"]
     assert adam_mu.sharding.spec == P(fsdp, "tensor"), "optimizer state must follow the parameters"

@@ -85,11 +85,12 @@ def merge_microbatches(x: Array) -> Array:
 
 def _shift(tree, first_stage_input):
     """Each stage's output to the next stage; stage 0 takes `first_stage_input` instead. The
-    slice-and-concatenate along the stage-sharded axis is a collective-permute in the HLO."""
+    slice-and-concatenate along the stage-sharded axis is a collective-permute in the HLO, s to
+    s + 1 only: a rotation would also send the last stage's output back to stage 0 for nothing."""
     def one(state, new):
         if state is None:
             return None
-        shifted = jnp.concatenate([state[-1:], state[:-1]], axis=0)
+        shifted = jnp.concatenate([jnp.zeros_like(state[:1]), state[:-1]], axis=0)
         is_first = (jnp.arange(state.shape[0]) == 0).reshape(-1, *(1,) * (state.ndim - 1))
         return jnp.where(is_first, new[None], shifted)
     return jax.tree_util.tree_map(one, tree, first_stage_input, is_leaf=lambda v: v is None)
