@@ -59,6 +59,20 @@ def test_pipeline_matches_one_device(mesh, one_device, devices, tmp_path):
     assert_close(grads, ref_grads)
 
 
+@pytest.mark.slow  # four more compilations of the same check
+@pytest.mark.parametrize("mesh, overrides", [
+    ({"stage": 2, "fsdp": 2, "tensor": 2}, {"train.grad_accum": 2}),  # a pipeline per accumulated micro-batch
+    ({"stage": 2, "fsdp": 4}, {"model.remat": "minimal"}),
+    ({"stage": 2, "fsdp": 4}, {"model.remat": "save_dots"}),
+    ({"stage": 4, "fsdp": 2}, {"model.remat": "none", "pipeline.microbatches": 2}),
+])
+def test_pipeline_composes_with_accumulation_and_remat(mesh, overrides, one_device, devices, tmp_path):
+    loss, grads, _ = loss_and_grads(on_mesh(llama, mesh, tmp_path, **overrides), devices)
+    ref_loss, ref_grads, _ = one_device
+    assert_close(loss, ref_loss)
+    assert_close(grads, ref_grads)
+
+
 def test_stages_exchange_activations_by_collective_permute(devices, tmp_path):
     cfg = on_mesh(llama, {"stage": 2, "fsdp": 4}, tmp_path, **{"pipeline.microbatches": 4, "train.per_device_batch_size": 2})
     trainer = Trainer(cfg, devices=devices, log=lambda *_: None)
