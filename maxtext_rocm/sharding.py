@@ -120,6 +120,19 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, spec)
 
 
+def batch_rows_of_process(mesh: Mesh, global_batch: int, seq_len: int) -> tuple[int, int]:
+    """(index, count): this process's devices hold block `index` of `count` equal blocks of the
+    batch's rows. `count` is the process count when every process holds its own rows; processes
+    that differ only along axes the batch is not split over (`stage` across hosts) hold the same
+    rows, and load the same block."""
+    rows = {(s[0].start or 0, global_batch if s[0].stop is None else s[0].stop)
+            for s in batch_sharding(mesh).addressable_devices_indices_map((global_batch, seq_len)).values()}
+    low, high = min(a for a, _ in rows), max(b for _, b in rows)
+    if sum(b - a for a, b in rows) != high - low or global_batch % (high - low) or low % (high - low):
+        raise ValueError(f"this process's batch rows {sorted(rows)} are not one block of the batch")
+    return low // (high - low), global_batch // (high - low)
+
+
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 

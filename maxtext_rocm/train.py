@@ -168,18 +168,18 @@ class Trainer:
             if moved:
                 self.log(f"checkpoints newer than step {self.step_count} moved to {moved[0].parent}: "
                          + ", ".join(p.name for p in moved))
+        # The block of rows this process's devices hold (all processes of a pipeline's stages hold the same).
+        rows_index, rows_count = sharding.batch_rows_of_process(self.mesh, self.global_batch, cfg.train.seq_len)
         self.data = build_source(
             cfg.data, vocab_size=cfg.model.vocab_size, global_batch=self.global_batch,
-            seq_len=cfg.train.seq_len, process_index=jax.process_index(),
-            process_count=jax.process_count())
+            seq_len=cfg.train.seq_len, process_index=rows_index, process_count=rows_count)
         if resumed_data_state and hasattr(self.data, "restore"):  # the files source continues from it
             self.data.restore(resumed_data_state)
         self.eval_data, self._eval_step = None, None
         if cfg.train.eval_every:
             self.eval_data = build_source(
                 cfg.data, vocab_size=cfg.model.vocab_size, global_batch=self.global_batch,
-                seq_len=cfg.train.seq_len, process_index=jax.process_index(),
-                process_count=jax.process_count(), split="eval")
+                seq_len=cfg.train.seq_len, process_index=rows_index, process_count=rows_count, split="eval")
             self._eval_step = jax.jit(
                 lambda params, batch, fp8_state: eval_step(params, batch, model=self.model, fp8_state=fp8_state),
                 in_shardings=(self.state_sharding.params, self.batch_sharding, self.state_sharding.fp8),
@@ -304,7 +304,8 @@ class Trainer:
 
     def _to_device(self, host: dict) -> dict[str, jax.Array]:
         """This process's rows of a batch, assembled into one global sharded array each."""
-        return {k: jax.make_array_from_process_local_data(self.batch_sharding, np.asarray(v, self._batch_dtypes[k]))
+        return {k: jax.make_array_from_process_local_data(self.batch_sharding, np.asarray(v, self._batch_dtypes[k]),
+                                                          (self.global_batch, *np.shape(v)[1:]))
                 for k, v in host.items()}
 
     def device_batch(self, step: int) -> dict[str, jax.Array]:

@@ -235,6 +235,10 @@ def reference_rows(overrides, tmp_path):
     pytest.param(["--config.mesh.dcn.data=2", "--config.mesh.ici.fsdp=4"],
                  ["--config.mesh.ici.data=2", "--config.mesh.ici.fsdp=4"], id="dcn_data2_ici_fsdp4",
                  marks=pytest.mark.slow),
+    # A pipeline stage per process (maxtext_rocm/parallel/pipeline.py): activations cross processes.
+    pytest.param(["--config.mesh.dcn.stage=2", "--config.mesh.ici.fsdp=4"],
+                 ["--config.mesh.ici.stage=2", "--config.mesh.ici.fsdp=4"], id="dcn_stage2_ici_fsdp4",
+                 marks=pytest.mark.slow),
 ])
 def test_two_processes_train_like_one(two_process_mesh, one_process_mesh, tmp_path, devices):
     out, logs = tmp_path / "two", tmp_path / "logs"
