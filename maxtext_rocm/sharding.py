@@ -12,6 +12,7 @@ file alone decides where each logical axis lives, so changing parallelism is a c
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import jax
@@ -113,6 +114,15 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
     """Sequences split over the batch axes, tokens over `sequence`."""
     spec = nn.logical_to_mesh_axes(("activation_batch", "activation_length"), LOGICAL_RULES)
     return NamedSharding(mesh, spec)
+
+
+def rules_context(mesh: Mesh) -> contextlib.ExitStack:
+    """The mesh and the logical-axis rules that the models' sharding constraints resolve against,
+    as one context (tracing the step reads both)."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(jax.set_mesh(mesh))
+    stack.enter_context(nn.logical_axis_rules(LOGICAL_RULES))
+    return stack
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
