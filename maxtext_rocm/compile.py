@@ -3,7 +3,7 @@
     python -m maxtext_rocm.compile CONFIG.py[:VARIANT] --target=mi355x:8 [--search] [--comm] [--json OUT]
                                    [--config.GROUP.KEY=VALUE ...]
 
-The train step (`train.jit_train_step`, the one the Trainer runs) is lowered and compiled against
+The train step (`launch.jit_train_step`, the one the Trainer runs) is lowered and compiled against
 abstract arrays (`jax.ShapeDtypeStruct` with their shardings) on N fake CPU devices, so nothing
 is allocated. Printed per device:
 
@@ -54,102 +54,18 @@ from __future__ import annotations
 import copy
 import json
 import math
-import os
 import sys
 import time
 
-# Target -> (memory in GiB, the device_kind substring metrics.PEAK_TFLOPS knows it by).
-TARGETS = {
-    "mi300x": 192, "mi325x": 256, "mi355x": 288, "mi350x": 288,
-    "h100": 80, "h200": 141, "b200": 180,
-}
-FNUZ_TARGETS = ("mi300x", "mi325x")  # gfx942: fp8 "auto" resolves to FNUZ there
-NVIDIA_PREFIXES = ("h100", "h200", "b200")
+from maxtext_rocm.targets import (FNUZ_TARGETS, TARGETS, cluster_mesh, dumped_optimized_hlo, flash_attention_for,
+                                  force_host_devices, parse_target, target_nodes)
+
 GIB = 2 ** 30
 USAGE = ("usage: python -m maxtext_rocm.compile CONFIG.py[:VARIANT] --target=KIND:N|KIND:NODESxGPUS "
          f"[--search] [--comm] [--max-compiles=K] [--usable=0.92] [--json OUT] [--config.KEY=VALUE ...]; "
          f"KIND is one of {', '.join(TARGETS)}")
 # Least recomputation first: the first policy that fits is the fastest one that fits.
 REMAT_ORDER = ("none", "save_dots", "minimal", "full")
-
-
-def parse_target(text: str) -> tuple[str, int]:
-    """(kind, device count) of `KIND:N`, or of `KIND:NODESxGPUS` (NODES*GPUS devices; see target_nodes)."""
-    kind, _, count = text.lower().partition(":")
-    nodes, _, gpus = (count or "1").rpartition("x")
-    if kind not in TARGETS or not gpus.isdigit() or not (nodes or "1").isdigit() or int(gpus) < 1 \
-            or int(nodes or 1) < 1:
-        raise ValueError(f"--target={text!r} is not valid; use KIND:N or KIND:NODESxGPUS with KIND one of "
-                         f"{', '.join(TARGETS)}, e.g. mi355x:8 or mi355x:2x8")
-    return kind, int(nodes or 1) * int(gpus)
-
-
-def target_nodes(text: str) -> int:
-    """NODES of `KIND:NODESxGPUS` (1 for `KIND:N`): the processes a cluster run would have."""
-    count = text.lower().partition(":")[2]
-    return int(count.partition("x")[0]) if "x" in count else 1
-
-
-def cluster_mesh(mesh_cfg, devices, nodes: int):
-    """The mesh a run on `nodes` hosts would build (sharding.make_mesh with one process per host),
-    from fake devices of one process: node n holds devices n*G..(n+1)*G-1, an axis's DCN part is
-    its major factor, as mesh_utils.create_hybrid_device_mesh lays it out."""
-    import numpy as np
-    from jax.sharding import AxisType, Mesh
-
-    from maxtext_rocm import config as config_lib
-
-    shape = config_lib.mesh_shape(mesh_cfg, len(devices), nodes)
-    ici = [shape["ici"][a] for a in config_lib.MESH_AXES]
-    dcn = [shape["dcn"][a] for a in config_lib.MESH_AXES]
-    grid = np.asarray(devices, dtype=object).reshape(*dcn, *ici)  # node-major, then the node's mesh
-    k = len(ici)
-    interleaved = grid.transpose([x for a in range(k) for x in (a, k + a)])  # (dcn_0, ici_0, dcn_1, ...)
-    return Mesh(interleaved.reshape([i * d for i, d in zip(ici, dcn)]), config_lib.MESH_AXES,
-                axis_types=(AxisType.Auto,) * k)
-
-
-def force_host_devices(n: int, dump_hlo: bool = False) -> None:
-    """N fake CPU devices. XLA reads the flag when JAX first starts a backend, which importing the
-    package (it imports jax) does not do; if a backend already started, re-run this process.
-    `dump_hlo`: XLA also writes the train step's optimized HLO to a directory (`hlo_dump_dir`),
-    which is all there is of a GPU program that XLA:CPU cannot finish compiling."""
-    flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
-             if not f.startswith("--xla_force_host_platform_device_count")]
-    flags.append(f"--xla_force_host_platform_device_count={n}")
-    if dump_hlo and not hlo_dump_dir():
-        import tempfile
-        flags += [f"--xla_dump_to={tempfile.mkdtemp(prefix='maxtext_rocm_hlo_')}", "--xla_dump_hlo_as_text",
-                  "--xla_dump_hlo_module_re=.*train_step.*"]
-    os.environ["XLA_FLAGS"] = " ".join(flags)
-    os.environ["JAX_PLATFORMS"] = "cpu"
-    if "jax" in sys.modules:
-        import jax
-        from jax._src import xla_bridge
-
-        if getattr(xla_bridge, "_backends", None):  # started: the flag comes too late here
-            if jax.default_backend() == "cpu" and jax.device_count() == n:
-                return
-            os.execv(sys.executable, [sys.executable, "-m", "maxtext_rocm.compile", *sys.argv[1:]])
-        jax.config.update("jax_platforms", "cpu")
-
-
-def hlo_dump_dir() -> str | None:
-    for flag in os.environ.get("XLA_FLAGS", "").split():
-        if flag.startswith("--xla_dump_to="):
-            return flag.split("=", 1)[1]
-    return None
-
-
-def _dumped_optimized_hlo() -> str | None:
-    """The newest optimized train-step HLO that XLA dumped (see force_host_devices)."""
-    import glob
-    directory = hlo_dump_dir()
-    files = glob.glob(os.path.join(directory, "*train_step*after_optimizations.txt")) if directory else []
-    if not files:
-        return None
-    with open(max(files, key=os.path.getmtime)) as f:
-        return f.read()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -218,14 +134,13 @@ def analyse(cfg, kind: str, n_devices: int, usable: float = 0.92, compile_it: bo
     returns a report."""
     import jax
     import jax.numpy as jnp
-    from flax import linen as nn
 
     from maxtext_rocm import config as config_lib
     from maxtext_rocm import metrics, sharding
     from maxtext_rocm.models import build_model
     from maxtext_rocm.parallel import experts, pipeline
     from maxtext_rocm.precision import policy_from_config
-    from maxtext_rocm.train import abstract_state, jit_train_step, optimizer_hyperparameters
+    from maxtext_rocm.launch import abstract_state, jit_train_step, optimizer_hyperparameters
 
     if cfg.precision.policy == "fp8" and cfg.precision.fp8_format == "auto":
         cfg.precision.fp8_format = "fnuz" if kind in FNUZ_TARGETS else "ocp"
@@ -293,7 +208,7 @@ def analyse(cfg, kind: str, n_devices: int, usable: float = 0.92, compile_it: bo
              for name, dtype in (("inputs", jnp.int32), ("targets", jnp.int32), ("weights", jnp.float32))}
     step = jit_train_step(cfg, model, mesh, state_sharding, batch_sharding)
     started = time.perf_counter()
-    with jax.set_mesh(mesh), nn.logical_axis_rules(sharding.LOGICAL_RULES):
+    with sharding.rules_context(mesh):
         lowered = step.lower(abstract, batch, optimizer_hyperparameters(cfg, mesh, abstract=True))
         try:
             compiled = lowered.compile()
@@ -303,7 +218,7 @@ def analyse(cfg, kind: str, n_devices: int, usable: float = 0.92, compile_it: bo
                 raise
             # The GPU's expert exchange: XLA optimizes and partitions the whole program, then
             # XLA:CPU cannot emit code for the ragged all-to-all. The optimized HLO is what counts.
-            compiled, hlo = None, _dumped_optimized_hlo() if comm else None
+            compiled, hlo = None, dumped_optimized_hlo() if comm else None
             report["xla_note"] = ("XLA:CPU cannot finish compiling the GPU program (its ragged all-to-all has "
                                   "no CPU code): no XLA memory figures" +
                                   ("; communication counted on XLA's dump of the optimized program" if hlo else ""))
@@ -323,12 +238,6 @@ def analyse(cfg, kind: str, n_devices: int, usable: float = 0.92, compile_it: bo
                       xla_activations_bytes=max(temp - grads, 0))
         report["xla_fits"] = report["xla_total_bytes"] <= usable * capacity
     return report
-
-
-def flash_attention_for(kind: str) -> str:
-    """The attention that keeps no [seq, seq] scores on a target: cuDNN's fused kernel on NVIDIA
-    GPUs, the blockwise XLA attention elsewhere (ROCm)."""
-    return "cudnn" if kind.startswith(NVIDIA_PREFIXES) else "blockwise"
 
 
 def search(cfg, kind: str, n_devices: int, usable: float, max_compiles: int, log=print, nodes: int = 1) -> dict:

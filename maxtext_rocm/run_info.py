@@ -10,6 +10,8 @@ from pathlib import Path
 
 import jax
 
+from maxtext_rocm.errors import UserError
+
 PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "ml-collections")
 
 
@@ -44,10 +46,14 @@ def environment(mesh) -> dict:
 
 
 def write_config_json(cfg, mesh, path: str | os.PathLike) -> None:
-    """Writes config + environment atomically, so a crash never leaves half a file."""
+    """Writes config + environment atomically, so a crash never leaves half a file; a directory
+    that cannot be written is the user's to fix (UserError)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     record = {"config": cfg.to_dict(), "environment": environment(mesh)}
     tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(record, indent=2, default=str) + "\n")
-    os.replace(tmp, path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(record, indent=2, default=str) + "\n")
+        os.replace(tmp, path)
+    except OSError as error:
+        raise UserError(f"cannot write {path} ({error.strerror}); set output_dir to a writable directory") from None

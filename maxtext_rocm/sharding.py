@@ -14,6 +14,7 @@ file alone decides where each logical axis lives, so changing parallelism is a c
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import jax
@@ -131,6 +132,15 @@ def batch_rows_of_process(mesh: Mesh, global_batch: int, seq_len: int) -> tuple[
     if sum(b - a for a, b in rows) != high - low or global_batch % (high - low) or low % (high - low):
         raise ValueError(f"this process's batch rows {sorted(rows)} are not one block of the batch")
     return low // (high - low), global_batch // (high - low)
+
+
+def rules_context(mesh: Mesh) -> contextlib.ExitStack:
+    """The mesh and the logical-axis rules that the models' sharding constraints resolve against,
+    as one context (tracing the step reads both)."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(jax.set_mesh(mesh))
+    stack.enter_context(nn.logical_axis_rules(LOGICAL_RULES))
+    return stack
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

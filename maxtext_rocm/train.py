@@ -1,13 +1,12 @@
 """The training entry point: `python -m maxtext_rocm.train CONFIG.py[:VARIANT] [--config.KEY=VALUE ...]`.
 
-Reads top to bottom: build the mesh, the model, the optimizer and the sharded state; then loop
-over steps, fetching metrics from the device only every `log.every` steps.
+Reads top to bottom: the Trainer builds the mesh and the model, has launch.py make the sharded
+state and compile the step (overlapped), then loops over steps, fetching metrics from the device
+only every `log.every` steps.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
 from concurrent.futures import Future
 import signal
 import sys
@@ -15,82 +14,20 @@ import time
 from pathlib import Path
 
 import jax
-import jax.extend.core as jax_core
-import ml_collections
 import numpy as np
-from flax import linen as nn
 
-from maxtext_rocm import compilation
+from maxtext_rocm import compilation, distributed, divergence, memory_fit, run_lock, run_report, sharding, startup_signals
 from maxtext_rocm import config as config_lib
-from maxtext_rocm import fp8
-from maxtext_rocm import distributed
-from maxtext_rocm import memory_fit
-from maxtext_rocm import startup_signals
 from maxtext_rocm import metrics as metrics_lib
-from maxtext_rocm import optim
-from maxtext_rocm import run_lock
-from maxtext_rocm import sharding
-from maxtext_rocm.data import batch_spec, build_source
-from maxtext_rocm.models import build_model
-from maxtext_rocm.models.attention import resolve_implementation as resolve_attention
-from maxtext_rocm.parallel import experts, pipeline
-from maxtext_rocm.precision import policy_from_config
+from maxtext_rocm.divergence import TrainingDiverged  # noqa: F401 - where callers have imported it from
+from maxtext_rocm.launch import data_sources, jit_eval_step, launch, optimizer_hyperparameters, run_model
+from maxtext_rocm.data import batch_spec
 from maxtext_rocm.preemption import PreemptionGuard
 from maxtext_rocm.profiling import Profiler
 from maxtext_rocm.run_info import write_config_json
-from maxtext_rocm.step import create_state, eval_step, train_step
 from maxtext_rocm.watchdog import HangWatchdog
 
 USAGE = "usage: python -m maxtext_rocm.train CONFIG.py[:VARIANT] [--config.GROUP.KEY=VALUE ...]"
-
-
-class TrainingDiverged(RuntimeError):
-    """The loss or gradients became inf/NaN under train.on_nonfinite='stop', or for
-    train.max_skipped_steps steps in a row under 'skip'."""
-
-
-def abstract_state(cfg, model, mesh):
-    """(init fn, its key, the state as ShapeDtypeStructs carrying their shardings, the shardings):
-    the state's layout without allocating it (the Trainer and the AOT fit check share it)."""
-    # The optimizer state's layout depends on whether it clips, not on the numbers (optim.py).
-    tx = optim.build_optimizer(optim.hyperparameters(cfg.optimizer, cfg.train.steps), optim.clips(cfg.optimizer))
-    create = functools.partial(create_state, model=model, tx=tx, batch_shape=(1, min(cfg.train.seq_len, 8)))
-    key = jax.random.key(cfg.train.seed)
-    # Flax traces the model's init once, here; `init` replays the recorded program (re-tracing the
-    # model cost 0.3-0.5 s of launch at the reference comparison's size).
-    jaxpr, abstract = jax.make_jaxpr(create, return_shape=True)(key)
-    out_tree = jax.tree_util.tree_structure(abstract)
-
-    def init(k):
-        return jax.tree_util.tree_unflatten(out_tree, jax_core.jaxpr_as_fun(jaxpr)(k))
-
-    state_sharding = sharding.logical_to_sharding(nn.get_partition_spec(abstract), mesh)
-    abstract = jax.tree_util.tree_map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                                      nn.meta.unbox(abstract), state_sharding)
-    return init, key, abstract, state_sharding
-
-
-def jit_train_step(cfg, model, mesh, state_sharding, batch_sharding):
-    """The jitted train step, state donated (maxtext_rocm/compile.py lowers this same function).
-    Called as step(state, batch, hyperparameters): see `optimizer_hyperparameters`."""
-    return jax.jit(
-        functools.partial(train_step, model=model, clip=optim.clips(cfg.optimizer),
-                          train_cfg=ml_collections.FrozenConfigDict(cfg.train)),
-        in_shardings=(state_sharding, batch_sharding, sharding.replicated(mesh)),
-        out_shardings=(state_sharding, sharding.replicated(mesh)),
-        donate_argnums=0,
-        compiler_options=compilation.step_compiler_options(cfg.precision.policy, mesh.devices.flat[0].platform))
-
-
-def optimizer_hyperparameters(cfg, mesh, abstract: bool = False) -> dict:
-    """The train step's third argument, optim.hyperparameters of the run: fp32 scalars replicated
-    over the mesh, made once (every process holds the same values); `abstract`: their shapes only."""
-    replicated = sharding.replicated(mesh)
-    values = optim.hyperparameters(cfg.optimizer, cfg.train.steps)
-    if abstract:
-        return {name: jax.ShapeDtypeStruct((), np.float32, sharding=replicated) for name in values}
-    return {name: jax.make_array_from_callback((), replicated, lambda _, v=value: v)
-            for name, value in values.items()}
 
 
 class Trainer:
@@ -100,7 +37,7 @@ class Trainer:
     at a time and inspect `.state` in between.
     """
 
-    def __init__(self, cfg: ml_collections.ConfigDict, devices=None, log=print):
+    def __init__(self, cfg, devices=None, log=print):
         self.cfg, self.log = cfg, log
         self._started = time.perf_counter()
         devices = list(jax.devices() if devices is None else devices)
@@ -117,13 +54,7 @@ class Trainer:
             self.log = lambda *_: None  # process 0 speaks for every process
         self.compilation_cache = compilation.use_persistent_cache(cfg.train.compilation_cache, cfg.output_dir)
         self._cache_hits_before = compilation.cache_hits()
-        self.policy = policy_from_config(cfg.precision, devices[0])
-        if self.policy.fp8_format:
-            cfg.precision.fp8_format = self.policy.fp8_format  # "auto" resolved, for config.json
-        cfg.model.attention = resolve_attention(cfg.model.attention, devices[0], self.policy.compute_dtype,
-                                                cfg.train.seq_len)
-        self.model = build_model(cfg.model, self.policy, expert_exchange=experts.expert_exchange(cfg.model, self.mesh),
-                                 layer_stack=pipeline.layer_stack(cfg.pipeline, cfg.model, self.mesh))
+        self.policy, self.model = run_model(cfg, self.mesh, devices[0])
         self.hyperparameters = optimizer_hyperparameters(cfg, self.mesh)
         self.global_batch = config_lib.global_batch_size(cfg, self.n_devices)
 
@@ -132,58 +63,20 @@ class Trainer:
             from maxtext_rocm.checkpoint import Checkpointer
 
             self.checkpointer = Checkpointer(cfg.checkpoint, cfg.output_dir)
-        init, key, abstract, self.state_sharding = abstract_state(cfg, self.model, self.mesh)
         self.batch_sharding = sharding.batch_sharding(self.mesh)
         self._batch_dtypes = batch_spec(cfg.data)
-        self._train_step = jit_train_step(cfg, self.model, self.mesh, self.state_sharding, self.batch_sharding)
-        # The state is made (or restored) in a thread while this one traces and lowers the step:
-        # XLA compiles and runs the init program without holding the GIL, and tracing is Python.
-        # The init program is lowered here first, since lowering is Python too: lowered in the
-        # thread, it and the step's tracing took turns on the GIL and its compilation started
-        # late (reference comparison's MoE model: 0.9 s to lower instead of 0.2). Lowered here,
-        # the step's compilation started 1.6 s after the Trainer did instead of 2.2 for the
-        # dense model, 2.0 instead of 2.2 for the MoE one (2 cores, medians of 3-4 runs).
-        resume = self.checkpointer.find_resume() if self.checkpointer else None
-        if resume and resume.steps[0] > cfg.train.steps:  # the newest the resume may read
-            newest = resume.steps[0]
-            raise config_lib.ConfigError(
-                f"train.steps={cfg.train.steps} is below step {newest} of the checkpoint this run resumes "
-                f"from in {cfg.output_dir}; raise train.steps above {newest} to train on, or use "
-                "another output_dir to start afresh")
-        if resume:
-            made = compilation.in_thread(self._restore_state, resume, abstract)
-        else:
-            init_jit = jax.jit(lambda k: nn.meta.unbox(init(k)), out_shardings=self.state_sharding)
-            made = compilation.in_thread(self._fresh_state, compilation.lower_init(init_jit, key), key, abstract)
-        lowered = self._lower_step(abstract)
-        if compilation.compile_overlaps_init():
-            self._compiled_step = compilation.in_thread(lowered.compile)
-            self.state, self.step_count, resumed_data_state = made.result()
-        else:
-            self.state, self.step_count, resumed_data_state = made.result()
-            self._compiled_step = lowered.compile()
-            compilation.release_freed_host_memory()
-        if resume:  # checkpoints it skipped or passed over move out of the way of this run's saves
+        launched = launch(cfg, self.model, self.mesh, self.batch_sharding, self._batch_dtypes,
+                          self.checkpointer, self.context, self.log)
+        self.state, self.step_count, resumed_data_state = launched.state, launched.step_count, launched.data_state
+        self._compiled_step, self.state_sharding = launched.compiled_step, launched.state_sharding
+        if resumed_data_state is not None:  # resumed: checkpoints it skipped or passed over move aside
             moved = self.checkpointer.set_aside(self.step_count)
             if moved:
                 self.log(f"checkpoints newer than step {self.step_count} moved to {moved[0].parent}: "
                          + ", ".join(p.name for p in moved))
-        # The block of rows this process's devices hold (all processes of a pipeline's stages hold the same).
-        rows_index, rows_count = sharding.batch_rows_of_process(self.mesh, self.global_batch, cfg.train.seq_len)
-        self.data = build_source(
-            cfg.data, vocab_size=cfg.model.vocab_size, global_batch=self.global_batch,
-            seq_len=cfg.train.seq_len, process_index=rows_index, process_count=rows_count)
-        if resumed_data_state and hasattr(self.data, "restore"):  # the files source continues from it
-            self.data.restore(resumed_data_state)
-        self.eval_data, self._eval_step = None, None
-        if cfg.train.eval_every:
-            self.eval_data = build_source(
-                cfg.data, vocab_size=cfg.model.vocab_size, global_batch=self.global_batch,
-                seq_len=cfg.train.seq_len, process_index=rows_index, process_count=rows_count, split="eval")
-            self._eval_step = jax.jit(
-                lambda params, batch, fp8_state: eval_step(params, batch, model=self.model, fp8_state=fp8_state),
-                in_shardings=(self.state_sharding.params, self.batch_sharding, self.state_sharding.fp8),
-                out_shardings=sharding.replicated(self.mesh))
+        self.data, self.eval_data = data_sources(cfg, self.global_batch, resumed_data_state, self.mesh)
+        self._eval_step = (jit_eval_step(self.model, self.mesh, self.state_sharding, self.batch_sharding)
+                           if self.eval_data is not None else None)
         self.stopped_by_signal = None
         self.profiler = Profiler(cfg.log.profile_steps, cfg.output_dir, enabled=self.is_logger)
 
@@ -214,49 +107,12 @@ class Trainer:
         """Writes output_dir/config.json for this launch, once (atomically: write_config_json)."""
         if not self._record_pending:
             return
-        try:
-            write_config_json(self.cfg, self.mesh, f"{self.cfg.output_dir}/config.json")
-        except OSError as error:
-            raise config_lib.UserError(
-                f"cannot write {self.cfg.output_dir}/config.json ({error.strerror}); "
-                "set output_dir to a writable directory") from None
+        write_config_json(self.cfg, self.mesh, f"{self.cfg.output_dir}/config.json")
         self._record_pending = False
 
     def context(self):
         """The mesh and logical-axis rules that the model's sharding constraints resolve against."""
-        stack = contextlib.ExitStack()
-        stack.enter_context(jax.set_mesh(self.mesh))
-        stack.enter_context(nn.logical_axis_rules(sharding.LOGICAL_RULES))
-        return stack
-
-    def _lower_step(self, abstract):
-        """The train step lowered from shapes alone (no state needed yet); tracing reads this
-        thread's mesh context, so it happens here."""
-        shape = (self.global_batch, self.cfg.train.seq_len)
-        batch = {k: jax.ShapeDtypeStruct(shape, dtype, sharding=self.batch_sharding)
-                 for k, dtype in self._batch_dtypes.items()}
-        with self.context():
-            return self._train_step.lower(abstract, batch,
-                                          optimizer_hyperparameters(self.cfg, self.mesh, abstract=True))
-
-    def _restore_state(self, resume, abstract):
-        """(state, its step, the data position saved with it) from checkpoint `resume`, each array
-        directly in its sharding."""
-        state, data_state, step = self.checkpointer.restore(resume, abstract)
-        self.log(f"resumed from {resume.manager.directory}/{step}")
-        return state, int(data_state["step"]), data_state
-
-    def _fresh_state(self, init_lowered, key, abstract):
-        """(state, 0, None): the lowered init program compiled and run (every array made in its
-        sharding), optionally with parameters from another run."""
-        n_values = sum(x.size for x in jax.tree_util.tree_leaves(abstract.params))
-        state = compilation.run_init(init_lowered, key, n_values)
-        if self.cfg.checkpoint.load_params_from:
-            from maxtext_rocm.checkpoint import restore_params
-
-            state = state.replace(params=restore_params(self.cfg.checkpoint.load_params_from, abstract.params))
-            self.log(f"parameters from {self.cfg.checkpoint.load_params_from}; fresh optimizer at step 0")
-        return state, 0, None
+        return sharding.rules_context(self.mesh)
 
     def save_checkpoint(self) -> None:
         """Starts an asynchronous save of the current state (all processes must call it); stops
@@ -270,23 +126,10 @@ class Trainer:
         try:
             self.checkpointer.save(step, self.state, {**data_state, "step": step}, self.cfg.model)
         except NonFiniteState as error:
-            newest = self.checkpointer.manager.latest_step()
-            raise TrainingDiverged(f"{error}; " + (f"checkpoint {newest} is the newest good one" if newest is not None
-                                                   else "no checkpoint was written before")) from None
-        if self._skip_limit_reached(in_a_row):  # saved above: the frozen state is the last good one
+            raise divergence.bad_checkpoint(error, self.checkpointer.manager.latest_step()) from None
+        if divergence.skip_limit_reached(self.cfg.train, in_a_row):  # saved: the frozen state is the last good one
             self.checkpointer.wait()
-            raise self._skipped_too_many(step)
-
-    def _skip_limit_reached(self, in_a_row: int) -> bool:
-        return self.cfg.train.on_nonfinite == "skip" and in_a_row >= self.cfg.train.max_skipped_steps
-
-    def _skipped_too_many(self, step: int) -> TrainingDiverged:
-        limit = self.cfg.train.max_skipped_steps
-        saved = f"checkpoint {step} holds the last good state" if self.checkpointer else "nothing was saved"
-        return TrainingDiverged(
-            f"the loss or gradients were inf/NaN in {limit} steps in a row (steps {step - limit + 1}-{step}, "
-            f"train.max_skipped_steps={limit}); {saved} (lower optimizer.lr and resume from an earlier "
-            "checkpoint, or raise train.max_skipped_steps to skip on)")
+            raise divergence.skipped_too_many(self.cfg.train, step, saved=True)
 
     def evaluate(self) -> dict:
         """Token-mean loss and perplexity over train.eval_steps batches of the eval split (the same
@@ -346,13 +189,7 @@ class Trainer:
                 if mark_time is None:
                     # Time from the end of this call's first step (the Trainer's first includes compilation).
                     jax.block_until_ready(step_metrics)
-                    if self._started is not None:
-                        loaded = compilation.cache_hits() - self._cache_hits_before
-                        how = (f"{loaded} compiled program{'s' * (loaded > 1)} loaded from {self.compilation_cache}"
-                               if loaded else "includes compilation")
-                        self.log(f"first step done {time.perf_counter() - self._started:.1f}s after the "
-                                 f"trainer started ({how})")
-                        self._started = None
+                    self._log_first_step()
                     mark_time, mark_step = time.perf_counter(), self.step_count
                 stopping = preemption.requested(self.step_count)
                 if self.checkpointer and (
@@ -372,16 +209,17 @@ class Trainer:
                 now, timed_steps = time.perf_counter(), self.step_count - mark_step
                 step_time = (now - mark_time) / timed_steps if timed_steps else None
                 mark_time, mark_step = now, self.step_count
-                logged = self._summarise(fetched, step_time)
+                logged = run_report.logged_row(self.cfg, fetched, step_time, self.global_batch, self.n_devices,
+                                              self.flops_per_token, self.peak_tflops)
                 self.writer.write(self.step_count, logged)
                 if self.is_logger:
                     self.log(metrics_lib.format_line(self.step_count, self.cfg.train.steps, logged))
                 if fetched["nonfinite_steps"] and self.cfg.train.on_nonfinite == "stop":
                     self._stop_on_nonfinite()
-                if self._skip_limit_reached(int(fetched["skipped_in_a_row"])):
+                if divergence.skip_limit_reached(self.cfg.train, int(fetched["skipped_in_a_row"])):
                     if self.checkpointer:
                         self.save_checkpoint()  # raises, once the last good state is saved
-                    raise self._skipped_too_many(int(jax.device_get(self.state.step)))
+                    raise divergence.skipped_too_many(self.cfg.train, int(jax.device_get(self.state.step)), saved=False)
             self.stopped_by_signal = preemption.signal
         self.profiler.stop(self.state)  # a trace still open when the run ends early
         if self.checkpointer:
@@ -390,64 +228,26 @@ class Trainer:
             self.checkpointer.wait()
         return logged
 
+    def _log_first_step(self) -> None:
+        """Once per Trainer: how long launch to the first finished step took, and why."""
+        if self._started is None:
+            return
+        loaded = compilation.cache_hits() - self._cache_hits_before
+        how = (f"{loaded} compiled program{'s' * (loaded > 1)} loaded from {self.compilation_cache}"
+               if loaded else "includes compilation")
+        self.log(f"first step done {time.perf_counter() - self._started:.1f}s after the trainer started ({how})")
+        self._started = None
+
     def _stop_on_nonfinite(self):
         """The state froze at the last good step (see step.train_step): keep it and stop."""
         good_step = int(jax.device_get(self.state.step))
         if self.checkpointer:
             self.save_checkpoint()
             self.checkpointer.wait()
-        raise TrainingDiverged(
-            f"the loss or gradients became inf/NaN after step {good_step}; "
-            + (f"checkpoint {good_step} holds the last good state" if self.checkpointer else "nothing was saved")
-            + " (train.on_nonfinite='skip' would drop such steps and go on)")
-
-    def _summarise(self, step_metrics: dict, step_time: float | None) -> dict:
-        """The logged row for the step just taken."""
-        tokens_per_s = tflops = None
-        if step_time:
-            tokens_per_s = self.global_batch * self.cfg.train.seq_len / step_time / self.n_devices
-            tflops = self.flops_per_token * tokens_per_s / 1e12
-        row = {
-            "loss": float(step_metrics["loss"]), "lr": float(step_metrics["lr"]),
-            "grad_norm": float(step_metrics["grad_norm"]), "step_time_s": step_time,
-            "tokens_per_s_per_device": tokens_per_s, "tflops_per_s_per_device": tflops,
-            "mfu": metrics_lib.mfu(tflops, self.peak_tflops) if tflops else None,
-            "nonfinite_steps": int(step_metrics["nonfinite_steps"]),
-        }
-        if self.cfg.train.z_loss_weight:
-            row["z_loss"] = float(step_metrics["z_loss"])
-        if self.cfg.model.n_experts > 1:  # router losses, unweighted (a dense model has none)
-            row["moe_aux_loss"] = float(step_metrics["moe_aux_loss"])
-            row["moe_z_loss"] = float(step_metrics["moe_z_loss"])
-        return row
-
-    def _fp8_description(self) -> str:
-        if not self.policy.fp8_format:
-            return ""
-        e4m3, e5m2 = (jax.numpy.dtype(t).name for t in fp8.FORMATS[self.policy.fp8_format])
-        return f" ({self.policy.fp8_format}: {e4m3}/{e5m2}, {self.cfg.precision.fp8_scaling} scaling)"
+        raise divergence.became_nonfinite(good_step, saved=self.checkpointer is not None)
 
     def describe(self) -> str:
-        from maxtext_rocm.models import count_active_params, count_params
-        from maxtext_rocm.models.moe import resolve_implementation
-
-        cfg = self.cfg
-        moe = (f" ({count_active_params(cfg) / 1e6:,.1f}M active; {cfg.model.n_experts} experts, "
-               f"top {cfg.model.experts_per_token}, moe_impl {resolve_implementation(cfg.model.moe_impl)})"
-               if cfg.model.n_experts > 1 else "")
-        return "\n".join([
-            f"run {cfg.name}: {count_params(cfg) / 1e6:,.1f}M parameters{moe}, {cfg.model.n_layers} layers, "
-            f"policy {self.policy.name}{self._fp8_description()}, remat {cfg.model.remat}, "
-            f"attention {cfg.model.attention}; {pipeline.describe(cfg.pipeline, self.mesh.shape['stage'])}",
-            f"devices: {self.n_devices} x {jax.devices()[0].device_kind} ({jax.default_backend()}), "
-            f"mesh {sharding.describe(self.mesh)}",
-            f"batch: {self.global_batch} x {cfg.train.seq_len} tokens"
-            f"{f' in {cfg.train.grad_accum} micro-batches' if cfg.train.grad_accum > 1 else ''}; "
-            f"data: {self.data.describe()}",
-            f"FLOPs: {self.flops_per_token / 1e9:.3f} GFLOP/token; {metrics_lib.FLOPS_CONVENTION}",
-            f"MFU peak: {f'{self.peak_tflops} TFLOP/s/device' if self.peak_tflops else 'unknown for this device (set log.peak_tflops)'}",
-            f"output: {cfg.output_dir}; compilation cache: {self.compilation_cache or 'off'}",
-        ])
+        return run_report.describe(self)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from maxtext_rocm import config as config_lib
-from maxtext_rocm import train
+from maxtext_rocm import launch, train
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # tiny_llama shrunk to compile in a few seconds on 8 fake CPU devices.
@@ -284,7 +284,7 @@ def test_memory_lower_bounds_stay_below_what_the_run_holds(preset, devices):
     bounds = memory_fit.lower_bounds(cfg, len(devices))
     mesh = sharding.make_mesh(cfg.mesh, devices)
     model = build_model(cfg.model, policy_from_config(cfg.precision, devices[0]))
-    _, _, abstract, _ = train.abstract_state(cfg, model, mesh)
+    _, _, abstract, _ = launch.abstract_state(cfg, model, mesh)
     state_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(abstract))
     assert 0.95 * state_bytes <= bounds["state"] <= state_bytes  # what is left out: norms, fp8 scales
     shape = config_lib.mesh_shape(cfg.mesh, len(devices))

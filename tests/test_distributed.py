@@ -216,35 +216,43 @@ def read_rows(path):
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def reference_rows(overrides, tmp_path):
+def reference_rows(overrides, tmp_path, preset="configs/tiny_llama.py:fp32"):
     """The same run in this process on 8 devices: one process, no DCN."""
     from maxtext_rocm.train import Trainer
 
-    cfg = config_lib.load("configs/tiny_llama.py:fp32", SMALL + overrides + [f"--config.output_dir={tmp_path}/one"])
+    cfg = config_lib.load(preset, SMALL + overrides + [f"--config.output_dir={tmp_path}/one"])
     trainer = Trainer(cfg, log=lambda *_: None)
     trainer.run()
     trainer.writer.close()
     return read_rows(tmp_path / "one" / "metrics.jsonl")
 
 
-@pytest.mark.parametrize("two_process_mesh, one_process_mesh", [
-    # Parameters sharded across the processes and tensor parallelism within each: the harder case,
-    # run by default. Pure data parallelism across processes costs another ~30 s: marked slow.
-    pytest.param(["--config.mesh.dcn.fsdp=2", "--config.mesh.ici.fsdp=2", "--config.mesh.ici.tensor=2"],
+MIXTRAL = "configs/tiny_mixtral.py:fp32"
+
+
+@pytest.mark.parametrize("preset, two_process_mesh, one_process_mesh", [
+    # Parameters sharded across the processes and tensor parallelism within each: the harder dense
+    # case, run by default. Pure data parallelism across processes costs another ~30 s: marked slow.
+    pytest.param(TINY := "configs/tiny_llama.py:fp32",
+                 ["--config.mesh.dcn.fsdp=2", "--config.mesh.ici.fsdp=2", "--config.mesh.ici.tensor=2"],
                  ["--config.mesh.ici.fsdp=4", "--config.mesh.ici.tensor=2"], id="dcn_fsdp2_ici_fsdp2_tensor2"),
-    pytest.param(["--config.mesh.dcn.data=2", "--config.mesh.ici.fsdp=4"],
+    pytest.param(TINY, ["--config.mesh.dcn.data=2", "--config.mesh.ici.fsdp=4"],
                  ["--config.mesh.ici.data=2", "--config.mesh.ici.fsdp=4"], id="dcn_data2_ici_fsdp4",
                  marks=pytest.mark.slow),
     # A pipeline stage per process (maxtext_rocm/parallel/pipeline.py): activations cross processes.
-    pytest.param(["--config.mesh.dcn.stage=2", "--config.mesh.ici.fsdp=4"],
+    pytest.param(TINY, ["--config.mesh.dcn.stage=2", "--config.mesh.ici.fsdp=4"],
                  ["--config.mesh.ici.stage=2", "--config.mesh.ici.fsdp=4"], id="dcn_stage2_ici_fsdp4",
                  marks=pytest.mark.slow),
+    # Dropless MoE with its expert exchange across the processes (all-to-alls over gloo) and FSDP
+    # within each: the default moe_impl, 8 experts, 4 per process.
+    pytest.param(MIXTRAL, ["--config.mesh.dcn.expert=2", "--config.mesh.ici.fsdp=4"],
+                 ["--config.mesh.ici.expert=2", "--config.mesh.ici.fsdp=4"], id="moe_dcn_expert2_ici_fsdp4"),
 ])
-def test_two_processes_train_like_one(two_process_mesh, one_process_mesh, tmp_path, devices):
+def test_two_processes_train_like_one(preset, two_process_mesh, one_process_mesh, tmp_path, devices):
     out, logs = tmp_path / "two", tmp_path / "logs"
     started = time.perf_counter()
     result = subprocess.run(
-        ["bash", "scripts/launch_local.sh", "2", "configs/tiny_llama.py:fp32", *SMALL, *two_process_mesh,
+        ["bash", "scripts/launch_local.sh", "2", preset, *SMALL, *two_process_mesh,
          f"--config.output_dir={out}"],
         cwd=REPO, env=process_env(LOG_DIR=str(logs), DEVICES="8", PYTHON=sys.executable),
         capture_output=True, text=True, timeout=240)
@@ -259,7 +267,7 @@ def test_two_processes_train_like_one(two_process_mesh, one_process_mesh, tmp_pa
     two = read_rows(out / "metrics.jsonl")
     assert [r["step"] for r in two] == [1, 2, 3]  # written once, by process 0
 
-    one = reference_rows(one_process_mesh, tmp_path)
+    one = reference_rows(one_process_mesh, tmp_path, preset)
     for a, b in zip(two, one):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-5), (a, b)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5, abs=1e-5), (a, b)

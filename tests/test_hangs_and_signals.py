@@ -28,6 +28,14 @@ def wrapped(patch: str, args: list[str]) -> subprocess.Popen:
                             stderr=subprocess.PIPE, text=True)
 
 
+def wrap(target: str, before: str = "", after: str = "") -> str:
+    """A patch for `wrapped`: `target` (a function reached from `train` or `launch`) replaced by one
+    that runs the statement `before`, calls the original with the same `args`, then runs `after`."""
+    return (f"from maxtext_rocm import launch\noriginal = {target}\n"
+            f"def wrapper(*args):\n    {before or 'pass'}\n    out = original(*args)\n"
+            f"    {after or 'pass'}\n    return out\n{target} = wrapper\n")
+
+
 def wait_for_line(process: subprocess.Popen, marker: str, timeout: float = 240) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -60,12 +68,7 @@ def test_a_signal_during_the_imports_exits_with_one_line(tmp_path, sig):
 def test_sigterm_while_the_step_compiles_exits_promptly_with_one_line(tmp_path):
     # The marker comes right after the step is lowered: the main thread then compiles it in C++
     # (or waits for the thread that does), where no Python signal handler runs.
-    patch = ("lower = train.Trainer._lower_step\n"
-             "def marked(self, abstract):\n"
-             "    out = lower(self, abstract)\n"
-             "    print('LOWERED', flush=True)\n"
-             "    return out\n"
-             "train.Trainer._lower_step = marked\n")
+    patch = wrap("launch.lower_step", after="print('LOWERED', flush=True)")
     run = tmp_path / "run"
     process = wrapped(patch, ["configs/tiny_llama.py", *SMALL, "--config.train.steps=3",
                               f"--config.output_dir={run}", "--config.train.compilation_cache=off"])
@@ -159,12 +162,7 @@ def test_watchdog_stands_down_after_the_last_step(tmp_path):
 
 def test_a_stalled_run_dumps_every_stack_and_exits_4(tmp_path):
     # The loader stalls at step 2 (the main thread sleeps where the batch should come from).
-    patch = ("batch = train.Trainer.device_batch\n"
-             "def stalled(self, step):\n"
-             "    if step == 2:\n"
-             "        time.sleep(3600)\n"
-             "    return batch(self, step)\n"
-             "train.Trainer.device_batch = stalled\n")
+    patch = wrap("train.Trainer.device_batch", before="if args[1] == 2: time.sleep(3600)")
     run = tmp_path / "run"
     process = wrapped(patch, ["configs/tiny_llama.py", *SMALL, "--config.train.steps=5",
                               f"--config.output_dir={run}", "--config.train.hang_timeout_s=3",
@@ -174,7 +172,7 @@ def test_a_stalled_run_dumps_every_stack_and_exits_4(tmp_path):
     first = err.splitlines()[0]
     assert first.startswith("error: no training step finished for 3 s since step 2 finished"), err
     assert "train.hang_timeout_s" in first and "exiting with status 4" in first
-    assert "in stalled" in err  # the stack of the main thread, where it hangs
+    assert "in wrapper" in err  # the stack of the main thread, where it hangs
     dumps = list(run.glob("hang-p0-*.txt"))
-    assert len(dumps) == 1 and "in stalled" in dumps[0].read_text()
+    assert len(dumps) == 1 and "in wrapper" in dumps[0].read_text()
     assert "step 2/5" in out

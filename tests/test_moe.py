@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 from maxtext_rocm import config as config_lib
 from maxtext_rocm import metrics
-from maxtext_rocm.models import build_model, count_active_params, count_params, moe
+from maxtext_rocm.models import blocked_experts, build_model, count_active_params, count_params, moe
 from maxtext_rocm.models.attention import attention_mask
 from maxtext_rocm.precision import policy_from_config
 from maxtext_rocm.step import summed_loss
@@ -94,10 +94,10 @@ def test_blocked_dropless_equals_dense(block, skewed):
 
 
 def test_dropless_block_size():
-    assert moe.dropless_block(8192, 8, "cpu") == 128
-    assert moe.dropless_block(144, 8, "cpu") == 8
-    assert moe.dropless_block(4, 8, "cpu") == 8
-    assert moe.dropless_block(8192, 8, "gpu") == 0  # ragged_dot, a grouped GEMM
+    assert blocked_experts.dropless_block(8192, 8, "cpu") == 128
+    assert blocked_experts.dropless_block(144, 8, "cpu") == 8
+    assert blocked_experts.dropless_block(4, 8, "cpu") == 8
+    assert blocked_experts.dropless_block(8192, 8, "gpu") == 0  # ragged_dot, a grouped GEMM
 
 
 def test_take_rows_gradient_is_a_gather_equal_to_the_scatter_add():
@@ -109,15 +109,15 @@ def test_take_rows_gradient_is_a_gather_equal_to_the_scatter_add():
     for dtype in (jnp.float32, jnp.bfloat16):
         x = jax.random.normal(jax.random.key(0), (5, 3), dtype)
         readout = jax.random.normal(jax.random.key(1), (5, 3), dtype)
-        grad = jax.grad(lambda x: jnp.sum(moe.take_rows(x, index, sources) * readout).astype(jnp.float32))(x)
+        grad = jax.grad(lambda x: jnp.sum(blocked_experts.take_rows(x, index, sources) * readout).astype(jnp.float32))(x)
         expected = jnp.take(x, index, axis=0, mode="fill", fill_value=0)
         expected_grad = jax.grad(lambda x: jnp.sum(jnp.take(x, index, axis=0, mode="fill", fill_value=0)
                                                    * readout).astype(jnp.float32))(x)
-        np.testing.assert_array_equal(moe.take_rows(x, index, sources), expected)
+        np.testing.assert_array_equal(blocked_experts.take_rows(x, index, sources), expected)
         np.testing.assert_array_equal(grad, expected_grad)
         np.testing.assert_array_equal(grad[1], 0.0)
         assert "scatter" not in str(jax.make_jaxpr(jax.grad(
-            lambda x: jnp.sum(moe.take_rows(x, index, sources)).astype(jnp.float32)))(x))
+            lambda x: jnp.sum(blocked_experts.take_rows(x, index, sources)).astype(jnp.float32)))(x))
 
 
 @pytest.mark.parametrize("block", [0, 8])

@@ -26,7 +26,6 @@ expert dimension is the logical axis "exp", mapped to a mesh axis by sharding.py
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from typing import Callable, Mapping
 
@@ -34,8 +33,9 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
+from maxtext_rocm.models.blocked_experts import blocked_groups, blocked_swiglu, dropless_block, take_rows
+from maxtext_rocm.models.blocked_experts import swiglu as _swiglu
 from maxtext_rocm.models.layers import Dense
-from maxtext_rocm import varying
 from maxtext_rocm.precision import Policy, without_fp8
 
 Array = jax.Array
@@ -113,10 +113,6 @@ def weighted_router_loss(losses: Mapping[str, Array], model_cfg) -> Array:
 # Expert computation: x [batch, seq, d], weights and experts [batch, seq, k] -> [batch, seq, d]
 
 
-def _swiglu(gate: Array, up: Array) -> Array:
-    return nn.silu(gate) * up
-
-
 def _dots(dots: Mapping | None) -> dict:
     """The dot_general of each expert weight: the given ones (the policy's) or XLA's."""
     return {name: (dots or {}).get(name, jax.lax.dot_general) for name in ("gate", "up", "down")}
@@ -172,7 +168,7 @@ def grouped_swiglu(rows: Array, group_sizes: Array, gate: Array, up: Array, down
     if not block:
         hidden = _swiglu(jax.lax.ragged_dot(rows, gate, group_sizes), jax.lax.ragged_dot(rows, up, group_sizes))
         return jax.lax.ragged_dot(hidden, down, group_sizes)
-    grouped = _blocked_groups(group_sizes, rows.shape[0], block, row_expert)
+    grouped = blocked_groups(group_sizes, rows.shape[0], block, row_expert)
     return grouped.unpad(blocked_swiglu(grouped.pad(rows), grouped.block_expert, grouped.n_used,
                                         gate, up, down, block))
 
@@ -186,153 +182,6 @@ def dropless_experts(x: Array, weights: Array, experts: Array, gate: Array, up: 
     rows, group_sizes, row_expert, unsort = sort_by_expert(x, experts, gate.shape[0])
     out = unsort(grouped_swiglu(rows, group_sizes, gate, up, down, block, row_expert))
     return jnp.einsum("bskd,bsk->bsd", out, weights.astype(x.dtype))
-
-
-@jax.custom_vjp
-def take_rows(x: Array, index: Array, sources: Array) -> Array:
-    """x[index] over rows (an index out of range gives a row of zeros) where the inverse is known:
-    `sources[r]` lists the rows of the result that row r of x went to, out of range for none.
-    The gradient is then the same kind of gather the other way round, each row's cotangents
-    summed in fp32. JAX's own transpose of a gather is a scatter-add, whose accumulation order a
-    GPU leaves to atomics: not reproducible from run to run."""
-    return jnp.take(x, index, axis=0, mode="fill", fill_value=0)
-
-
-def _take_rows_fwd(x, index, sources):
-    return take_rows(x, index, sources), sources
-
-
-def _take_rows_bwd(sources, d_out):
-    d_x = jnp.take(d_out, sources.reshape(-1), axis=0, mode="fill", fill_value=0)
-    d_x = d_x.reshape(*sources.shape, *d_out.shape[1:])
-    if sources.shape[1] > 1:
-        d_x = jnp.sum(d_x, axis=1, dtype=jnp.float32).astype(d_out.dtype)
-    else:
-        d_x = d_x[:, 0]
-    return d_x, None, None
-
-
-take_rows.defvjp(_take_rows_fwd, _take_rows_bwd)
-
-
-@dataclasses.dataclass(frozen=True)
-class _BlockedGroups:
-    """Expert-sorted rows laid out so that each `block` rows belong to one expert."""
-
-    dest: Array  # [rows]: each sorted row's place in the padded layout
-    source: Array  # [n_padded]: the sorted row at each place, out of range (n rows) for padding
-    block_expert: Array  # [padded rows / block]: the expert of each block
-    n_used: Array  # how many leading blocks hold rows (the rest is the static bound's slack)
-
-    def pad(self, rows: Array) -> Array:
-        return take_rows(rows, self.source, self.dest[:, None])
-
-    def unpad(self, padded: Array) -> Array:
-        return take_rows(padded, self.dest, self.source[:, None])
-
-
-def _blocked_groups(group_sizes: Array, n_rows: int, block: int, row_expert: Array | None = None) -> _BlockedGroups:
-    """The padded layout of `n_rows` expert-sorted rows with these group sizes: at most block - 1
-    rows of padding per expert. Rows past sum(group_sizes) (an exchange buffer's slack) get no
-    place: they are dropped by `pad` and come back as zeros from `unpad`."""
-    n_experts = group_sizes.shape[0]
-    padded_sizes = (group_sizes + block - 1) // block * block
-    padded_ends, ends = jnp.cumsum(padded_sizes), jnp.cumsum(group_sizes)
-    padded_starts, starts = padded_ends - padded_sizes, ends - group_sizes
-    n_padded = -(-n_rows // block) * block + n_experts * block  # a static bound on sum(padded_sizes)
-    row = jnp.arange(n_rows)
-    if row_expert is None:
-        row_expert = jnp.minimum(jnp.searchsorted(ends, row, side="right", method="compare_all"), n_experts - 1)
-    dest = jnp.where(row < ends[-1], padded_starts[row_expert] + row - starts[row_expert], n_padded)
-    # A few dozen blocks against a handful of experts: comparing all pairs is one small kernel,
-    # where the default binary search is a loop.
-    block_expert = jnp.minimum(jnp.searchsorted(padded_ends, jnp.arange(0, n_padded, block), side="right",
-                                                method="compare_all"), n_experts - 1)
-    # Each place's row, computed from the layout rather than scattered from `dest`: a place holds
-    # the rank-th row of its block's expert if that expert has that many rows (past the last
-    # expert's blocks the clamped expert has none that far).
-    place_expert = jnp.repeat(block_expert, block)
-    rank = jnp.arange(n_padded) - padded_starts[place_expert]
-    source = jnp.where(rank < group_sizes[place_expert], starts[place_expert] + rank, n_rows)
-    return _BlockedGroups(dest, source, block_expert, padded_ends[-1] // block)
-
-
-def _row_block(a: Array, i: Array, block: int) -> Array:
-    return jax.lax.dynamic_slice_in_dim(a, i * block, block)
-
-
-def _dot_f32(a: Array, b: Array) -> Array:
-    """a @ b accumulated and returned in fp32. The blocked loop runs on the CPU only, whose bf16
-    dots are fast only with an fp32 result (see precision.f32_accumulating_dot_general)."""
-    return jnp.dot(a, b, preferred_element_type=jnp.float32)
-
-
-def _add_at(acc: Array, e: Array, delta: Array) -> Array:
-    """acc[e] += delta, written as an in-place update of the loop's accumulator."""
-    current = jax.lax.dynamic_index_in_dim(acc, e, keepdims=False)
-    return jax.lax.dynamic_update_index_in_dim(acc, current + delta, e, 0)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def blocked_swiglu(padded: Array, block_expert: Array, n_used: Array, gate: Array, up: Array,
-                   down: Array, block: int) -> Array:
-    """SwiGLU experts over rows laid out in blocks of one expert each: [n_padded, d] -> [n_padded, d].
-
-    A loop over the `n_used` blocks in use, each block through its own expert's weights indexed in
-    place: neither a copy of the weights per block nor the blocks of padding that the static bound
-    allows are ever made. The backward pass (below) loops the same way, adding each block's weight
-    gradients into its expert's fp32 accumulator.
-    """
-
-    def body(i, out):
-        e, rows = block_expert[i], _row_block(padded, i, block)
-        hidden = _swiglu(_dot_f32(rows, gate[e]), _dot_f32(rows, up[e])).astype(rows.dtype)
-        return jax.lax.dynamic_update_slice_in_dim(out, _dot_f32(hidden, down[e]).astype(out.dtype), i * block, 0)
-
-    return jax.lax.fori_loop(0, n_used, body, varying.varying_like(jnp.zeros_like(padded), padded, gate, up, down))
-
-
-def _blocked_swiglu_fwd(padded, block_expert, n_used, gate, up, down, block):
-    out = blocked_swiglu(padded, block_expert, n_used, gate, up, down, block)
-    return out, (padded, block_expert, n_used, gate, up, down)
-
-
-def _blocked_swiglu_bwd(block, residuals, d_out):
-    padded, block_expert, n_used, gate, up, down = residuals
-    f32 = jnp.float32
-
-    def body(i, carry):
-        d_rows, d_gate, d_up, d_down = carry
-        e, rows, dy = block_expert[i], _row_block(padded, i, block), _row_block(d_out, i, block)
-        g, u = _dot_f32(rows, gate[e]), _dot_f32(rows, up[e])  # recomputed, not stored
-        silu_g = nn.silu(g)
-        d_down = _add_at(d_down, e, _dot_f32((silu_g * u).astype(dy.dtype).T, dy))
-        dh = _dot_f32(dy, down[e].T)
-        sigmoid_g = jax.nn.sigmoid(g)
-        dg = (dh * u * sigmoid_g * (1 + g * (1 - sigmoid_g))).astype(rows.dtype)  # silu'(g)
-        du = (dh * silu_g).astype(rows.dtype)
-        d_gate = _add_at(d_gate, e, _dot_f32(rows.T, dg))
-        d_up = _add_at(d_up, e, _dot_f32(rows.T, du))
-        dx = (_dot_f32(dg, gate[e].T) + _dot_f32(du, up[e].T)).astype(d_rows.dtype)
-        return jax.lax.dynamic_update_slice_in_dim(d_rows, dx, i * block, 0), d_gate, d_up, d_down
-
-    zeros = tuple(varying.varying_like(z, padded, d_out, gate, up, down) for z in
-                  (jnp.zeros_like(padded), *(jnp.zeros(w.shape, f32) for w in (gate, up, down))))
-    d_rows, d_gate, d_up, d_down = jax.lax.fori_loop(0, n_used, body, zeros)
-    return (varying.summed_like(d_rows, padded), None, None, varying.summed_like(d_gate.astype(gate.dtype), gate),
-            varying.summed_like(d_up.astype(up.dtype), up), varying.summed_like(d_down.astype(down.dtype), down))
-
-
-blocked_swiglu.defvjp(_blocked_swiglu_fwd, _blocked_swiglu_bwd)
-
-
-def dropless_block(n_rows: int, n_experts: int, backend: str | None = None) -> int:
-    """The CPU's block size for dropless_experts (0 elsewhere: ragged_dot): a power of two near half
-    an even share of the rows, 8 to 128, so padding stays small against the rows themselves."""
-    if (backend or jax.default_backend()) != "cpu":
-        return 0
-    share = max(1, n_rows // (2 * n_experts))
-    return int(min(128, max(8, 2 ** int(math.log2(share)))))
 
 
 def expert_capacity(seq_len: int, n_experts: int, k: int, factor: float) -> int:

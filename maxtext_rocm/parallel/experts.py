@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
 from maxtext_rocm import sharding, varying
-from maxtext_rocm.models import moe
+from maxtext_rocm.models import blocked_experts, moe
 
 Array = jax.Array
 
@@ -181,7 +181,7 @@ def _expert_parallel_dropless(x, weights, experts, gate, up, down, *, mesh: Mesh
             x.shape[1] % math.prod(mesh.shape[a] for a in length_axes):
         # A batch the mesh cannot split (the parameters' init traces one sequence): the same
         # values computed without the exchange.
-        block = moe.dropless_block(x.shape[0] * x.shape[1] * experts.shape[-1], gate.shape[0], backend)
+        block = blocked_experts.dropless_block(x.shape[0] * x.shape[1] * experts.shape[-1], gate.shape[0], backend)
         return moe.dropless_experts(x, weights, experts, gate, up, down, block)
 
     def local(x, weights, experts, gate, up, down):
@@ -200,11 +200,11 @@ def _expert_parallel_dropless(x, weights, experts, gate, up, down, *, mesh: Mesh
             # Every row of every peer may choose this device's experts: the exact bound.
             buffer_rows = n_shards * n_rows
             expert_rows = dispatch(rows, plan, buffer_rows, exchange, expert_axis)
-            block = moe.dropless_block(n_rows, n_experts, backend)
+            block = blocked_experts.dropless_block(n_rows, n_experts, backend)
             out = moe.grouped_swiglu(expert_rows, plan["local_group_sizes"], gate, up, down, block)
             out = combine(out, plan, n_rows, exchange, expert_axis)
         else:
-            block = moe.dropless_block(n_rows, n_experts, backend)
+            block = blocked_experts.dropless_block(n_rows, n_experts, backend)
             out = moe.grouped_swiglu(rows, group_sizes, gate, up, down, block, row_expert)
         y = jnp.einsum("bskd,bsk->bsd", unsort(out), weights.astype(x.dtype))
         # Each tensor shard holds a slice of every expert's hidden units: partial sums.

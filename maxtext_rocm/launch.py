@@ -1,0 +1,188 @@
+"""How a run starts: the sharded state, the jitted train step and its compilation, made in an order
+that overlaps them (the Trainer's launch choreography; maxtext_rocm/compile.py lowers the same step).
+
+The state is made (or restored) in a thread while the main thread traces and lowers the step: XLA
+compiles and runs the init program without holding the GIL, and tracing is Python. The init
+program is lowered on the main thread first, since lowering is Python too: lowered in the thread,
+it and the step's tracing took turns on the GIL and its compilation started late (reference
+comparison's MoE model: 0.9 s to lower instead of 0.2). Lowered first, the step's compilation
+started 1.6 s after the Trainer did instead of 2.2 for the dense model, 2.0 instead of 2.2 for the
+MoE one (2 cores, medians of 3-4 runs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from concurrent.futures import Future
+
+import jax
+import jax.extend.core as jax_core
+import ml_collections
+import numpy as np
+from flax import linen as nn
+
+from maxtext_rocm import compilation, optim, sharding
+from maxtext_rocm.config import ConfigError
+from maxtext_rocm.step import create_state, train_step
+
+
+def run_model(cfg, mesh, device):
+    """(precision policy, model) of the run on devices like `device`. Where the config says "auto"
+    (fp8 format, attention) it is resolved in `cfg`, so config.json records what ran."""
+    from maxtext_rocm.models import build_model
+    from maxtext_rocm.models.attention import resolve_implementation
+    from maxtext_rocm.parallel import experts, pipeline
+    from maxtext_rocm.precision import policy_from_config
+
+    policy = policy_from_config(cfg.precision, device)
+    if policy.fp8_format:
+        cfg.precision.fp8_format = policy.fp8_format
+    cfg.model.attention = resolve_implementation(cfg.model.attention, device, policy.compute_dtype, cfg.train.seq_len)
+    return policy, build_model(cfg.model, policy, expert_exchange=experts.expert_exchange(cfg.model, mesh),
+                               layer_stack=pipeline.layer_stack(cfg.pipeline, cfg.model, mesh))
+
+
+def abstract_state(cfg, model, mesh):
+    """(init fn, its key, the state as ShapeDtypeStructs carrying their shardings, the shardings):
+    the state's layout without allocating it (the Trainer and the AOT fit check share it)."""
+    # The optimizer state's layout depends on whether it clips, not on the numbers (optim.py).
+    tx = optim.build_optimizer(optim.hyperparameters(cfg.optimizer, cfg.train.steps), optim.clips(cfg.optimizer))
+    create = functools.partial(create_state, model=model, tx=tx, batch_shape=(1, min(cfg.train.seq_len, 8)))
+    key = jax.random.key(cfg.train.seed)
+    # Flax traces the model's init once, here; `init` replays the recorded program (re-tracing the
+    # model cost 0.3-0.5 s of launch at the reference comparison's size).
+    jaxpr, abstract = jax.make_jaxpr(create, return_shape=True)(key)
+    out_tree = jax.tree_util.tree_structure(abstract)
+
+    def init(k):
+        return jax.tree_util.tree_unflatten(out_tree, jax_core.jaxpr_as_fun(jaxpr)(k))
+
+    state_sharding = sharding.logical_to_sharding(nn.get_partition_spec(abstract), mesh)
+    abstract = jax.tree_util.tree_map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                                      nn.meta.unbox(abstract), state_sharding)
+    return init, key, abstract, state_sharding
+
+
+def jit_train_step(cfg, model, mesh, state_sharding, batch_sharding):
+    """The jitted train step, state donated. Called as step(state, batch, hyperparameters): see
+    `optimizer_hyperparameters`."""
+    return jax.jit(
+        functools.partial(train_step, model=model, clip=optim.clips(cfg.optimizer),
+                          train_cfg=ml_collections.FrozenConfigDict(cfg.train)),
+        in_shardings=(state_sharding, batch_sharding, sharding.replicated(mesh)),
+        out_shardings=(state_sharding, sharding.replicated(mesh)),
+        donate_argnums=0,
+        compiler_options=compilation.step_compiler_options(cfg.precision.policy, mesh.devices.flat[0].platform))
+
+
+def optimizer_hyperparameters(cfg, mesh, abstract: bool = False) -> dict:
+    """The train step's third argument, optim.hyperparameters of the run: fp32 scalars replicated
+    over the mesh, made once (every process holds the same values); `abstract`: their shapes only."""
+    replicated = sharding.replicated(mesh)
+    values = optim.hyperparameters(cfg.optimizer, cfg.train.steps)
+    if abstract:
+        return {name: jax.ShapeDtypeStruct((), np.float32, sharding=replicated) for name in values}
+    return {name: jax.make_array_from_callback((), replicated, lambda _, v=value: v)
+            for name, value in values.items()}
+
+
+@dataclasses.dataclass
+class Launched:
+    """What `launch` made: the state at `step_count` (with the data position saved beside it, when
+    resumed), and the train step, compiled or (on accelerators) still compiling in a thread."""
+
+    state: object
+    step_count: int
+    data_state: dict | None
+    compiled_step: jax.stages.Compiled | Future
+    state_sharding: object
+
+
+def launch(cfg, model, mesh, batch_sharding, batch_dtypes, checkpointer, context, log) -> Launched:
+    """Makes or restores the state and compiles the train step, overlapped (see the module's
+    docstring). `context()`: the mesh and logical-rule context that tracing reads."""
+    init, key, abstract, state_sharding = abstract_state(cfg, model, mesh)
+    step = jit_train_step(cfg, model, mesh, state_sharding, batch_sharding)
+    resume = checkpointer.find_resume() if checkpointer else None
+    if resume and resume.steps[0] > cfg.train.steps:  # the newest the resume may read
+        newest = resume.steps[0]
+        raise ConfigError(
+            f"train.steps={cfg.train.steps} is below step {newest} of the checkpoint this run resumes "
+            f"from in {cfg.output_dir}; raise train.steps above {newest} to train on, or use "
+            "another output_dir to start afresh")
+    if resume:
+        made = compilation.in_thread(restored_state, checkpointer, resume, abstract, log)
+    else:
+        init_jit = jax.jit(lambda k: nn.meta.unbox(init(k)), out_shardings=state_sharding)
+        made = compilation.in_thread(fresh_state, cfg.checkpoint, compilation.lower_init(init_jit, key), key,
+                                     abstract, log)
+    with context():
+        lowered = lower_step(step, cfg, mesh, abstract, batch_sharding, batch_dtypes)
+    if compilation.compile_overlaps_init():
+        compiled = compilation.in_thread(lowered.compile)
+        state, step_count, data_state = made.result()
+    else:
+        state, step_count, data_state = made.result()
+        compiled = lowered.compile()
+        compilation.release_freed_host_memory()
+    return Launched(state, step_count, data_state, compiled, state_sharding)
+
+
+def lower_step(step, cfg, mesh, abstract, batch_sharding, batch_dtypes) -> jax.stages.Lowered:
+    """The train step lowered from shapes alone (no state needed yet)."""
+    from maxtext_rocm.config import global_batch_size
+
+    shape = (global_batch_size(cfg, mesh.size), cfg.train.seq_len)
+    batch = {k: jax.ShapeDtypeStruct(shape, dtype, sharding=batch_sharding) for k, dtype in batch_dtypes.items()}
+    return step.lower(abstract, batch, optimizer_hyperparameters(cfg, mesh, abstract=True))
+
+
+def restored_state(checkpointer, resume, abstract, log):
+    """(state, its step, the data position saved with it) from checkpoint `resume`, each array
+    directly in its sharding."""
+    state, data_state, step = checkpointer.restore(resume, abstract)
+    log(f"resumed from {resume.manager.directory}/{step}")
+    return state, int(data_state["step"]), data_state
+
+
+def fresh_state(checkpoint_cfg, init_lowered, key, abstract, log):
+    """(state, 0, None): the lowered init program compiled and run (every array made in its
+    sharding), optionally with parameters from another run (checkpoint.load_params_from)."""
+    n_values = sum(x.size for x in jax.tree_util.tree_leaves(abstract.params))
+    state = compilation.run_init(init_lowered, key, n_values)
+    if checkpoint_cfg.load_params_from:
+        from maxtext_rocm.checkpoint import restore_params
+
+        state = state.replace(params=restore_params(checkpoint_cfg.load_params_from, abstract.params))
+        log(f"parameters from {checkpoint_cfg.load_params_from}; fresh optimizer at step 0")
+    return state, 0, None
+
+
+def data_sources(cfg, global_batch: int, resumed_data_state: dict | None, mesh=None):
+    """(train source, eval source or None) for this process; the train source continues from the
+    data position saved with the checkpoint the run resumed from (the files source can). On `mesh`
+    a process loads the block of rows its devices hold: processes that differ only in pipeline
+    stage (mesh.dcn.stage) hold, and load, the same rows."""
+    from maxtext_rocm.data import build_source
+
+    rows = ((jax.process_index(), jax.process_count()) if mesh is None
+            else sharding.batch_rows_of_process(mesh, global_batch, cfg.train.seq_len))
+
+    def source(split):
+        return build_source(cfg.data, vocab_size=cfg.model.vocab_size, global_batch=global_batch,
+                            seq_len=cfg.train.seq_len, process_index=rows[0], process_count=rows[1], split=split)
+
+    data = source("train")
+    if resumed_data_state and hasattr(data, "restore"):
+        data.restore(resumed_data_state)
+    return data, (source("eval") if cfg.train.eval_every else None)
+
+
+def jit_eval_step(model, mesh, state_sharding, batch_sharding):
+    """The jitted eval step: (params, batch, fp8 state) -> token-mean loss and token count."""
+    from maxtext_rocm.step import eval_step
+
+    return jax.jit(lambda params, batch, fp8_state: eval_step(params, batch, model=model, fp8_state=fp8_state),
+                   in_shardings=(state_sharding.params, batch_sharding, state_sharding.fp8),
+                   out_shardings=sharding.replicated(mesh))

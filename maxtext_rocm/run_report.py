@@ -1,0 +1,66 @@
+"""What a run says about itself: the description printed before the first step, and the row of
+scalars logged at each logging step (to the console, metrics.jsonl, TensorBoard and W&B)."""
+
+from __future__ import annotations
+
+import jax
+
+from maxtext_rocm import fp8
+from maxtext_rocm import metrics as metrics_lib
+from maxtext_rocm import sharding
+from maxtext_rocm.parallel import pipeline
+
+
+def logged_row(cfg, step_metrics: dict, step_time: float | None, global_batch: int, n_devices: int,
+               flops_per_token: float, peak_tflops: float | None) -> dict:
+    """The logged row for the step just taken, from its fetched metrics and its time per step."""
+    tokens_per_s = tflops = None
+    if step_time:
+        tokens_per_s = global_batch * cfg.train.seq_len / step_time / n_devices
+        tflops = flops_per_token * tokens_per_s / 1e12
+    row = {
+        "loss": float(step_metrics["loss"]), "lr": float(step_metrics["lr"]),
+        "grad_norm": float(step_metrics["grad_norm"]), "step_time_s": step_time,
+        "tokens_per_s_per_device": tokens_per_s, "tflops_per_s_per_device": tflops,
+        "mfu": metrics_lib.mfu(tflops, peak_tflops) if tflops else None,
+        "nonfinite_steps": int(step_metrics["nonfinite_steps"]),
+    }
+    if cfg.train.z_loss_weight:
+        row["z_loss"] = float(step_metrics["z_loss"])
+    if cfg.model.n_experts > 1:  # router losses, unweighted (a dense model has none)
+        row["moe_aux_loss"] = float(step_metrics["moe_aux_loss"])
+        row["moe_z_loss"] = float(step_metrics["moe_z_loss"])
+    return row
+
+
+def fp8_description(policy, fp8_scaling: str) -> str:
+    if not policy.fp8_format:
+        return ""
+    e4m3, e5m2 = (jax.numpy.dtype(t).name for t in fp8.FORMATS[policy.fp8_format])
+    return f" ({policy.fp8_format}: {e4m3}/{e5m2}, {fp8_scaling} scaling)"
+
+
+def describe(trainer) -> str:
+    """The run's description: model, precision, devices and mesh, batch, FLOPs, output."""
+    from maxtext_rocm.models import count_active_params, count_params
+    from maxtext_rocm.models.moe import resolve_implementation
+
+    cfg = trainer.cfg
+    moe = (f" ({count_active_params(cfg) / 1e6:,.1f}M active; {cfg.model.n_experts} experts, "
+           f"top {cfg.model.experts_per_token}, moe_impl {resolve_implementation(cfg.model.moe_impl)})"
+           if cfg.model.n_experts > 1 else "")
+    peak = (f"{trainer.peak_tflops} TFLOP/s/device" if trainer.peak_tflops
+            else "unknown for this device (set log.peak_tflops)")
+    accum = f" in {cfg.train.grad_accum} micro-batches" if cfg.train.grad_accum > 1 else ""
+    return "\n".join([
+        f"run {cfg.name}: {count_params(cfg) / 1e6:,.1f}M parameters{moe}, {cfg.model.n_layers} layers, "
+        f"policy {trainer.policy.name}{fp8_description(trainer.policy, cfg.precision.fp8_scaling)}, "
+        f"remat {cfg.model.remat}, attention {cfg.model.attention}; "
+        f"{pipeline.describe(cfg.pipeline, trainer.mesh.shape['stage'])}",
+        f"devices: {trainer.n_devices} x {jax.devices()[0].device_kind} ({jax.default_backend()}), "
+        f"mesh {sharding.describe(trainer.mesh)}",
+        f"batch: {trainer.global_batch} x {cfg.train.seq_len} tokens{accum}; data: {trainer.data.describe()}",
+        f"FLOPs: {trainer.flops_per_token / 1e9:.3f} GFLOP/token; {metrics_lib.FLOPS_CONVENTION}",
+        f"MFU peak: {peak}",
+        f"output: {cfg.output_dir}; compilation cache: {trainer.compilation_cache or 'off'}",
+    ])
