@@ -122,16 +122,21 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
 
 
 def batch_rows_of_process(mesh: Mesh, global_batch: int, seq_len: int) -> tuple[int, int]:
-    """(index, count): this process's devices hold block `index` of `count` equal blocks of the
-    batch's rows. `count` is the process count when every process holds its own rows; processes
-    that differ only along axes the batch is not split over (`stage` across hosts) hold the same
-    rows, and load the same block."""
-    rows = {(s[0].start or 0, global_batch if s[0].stop is None else s[0].stop)
-            for s in batch_sharding(mesh).addressable_devices_indices_map((global_batch, seq_len)).values()}
-    low, high = min(a for a, _ in rows), max(b for _, b in rows)
-    if sum(b - a for a, b in rows) != high - low or global_batch % (high - low) or low % (high - low):
-        raise ValueError(f"this process's batch rows {sorted(rows)} are not one block of the batch")
-    return low // (high - low), global_batch // (high - low)
+    """(index, count) for this process's data source: the processes fall into `count` groups by
+    the set of batch rows their devices hold, and this one is in group `index` (groups ordered by
+    their first row). Usually every process holds rows of its own (count = the process count);
+    processes that differ only along axes the batch is not split over (a pipeline's `stage`
+    across hosts) hold the same rows, so they must load the same data."""
+    rows_of = {}
+    for device, index in batch_sharding(mesh).devices_indices_map((global_batch, seq_len)).items():
+        rows = index[0]
+        rows_of.setdefault(device.process_index, set()).add(
+            (rows.start or 0, global_batch if rows.stop is None else rows.stop))
+    groups = sorted({frozenset(r) for r in rows_of.values()}, key=min)
+    mine = frozenset(rows_of[jax.process_index()])
+    if sum(b - a for a, b in mine) * len(groups) != global_batch:
+        raise ValueError(f"the processes' batch rows do not split the batch of {global_batch} evenly: {groups}")
+    return groups.index(mine), len(groups)
 
 
 def rules_context(mesh: Mesh) -> contextlib.ExitStack:
