@@ -63,7 +63,7 @@ def validate(cfg: ml_collections.ConfigDict, device_count: int | None = None,
     _require(m.loss_chunk_len >= 0, f"model.loss_chunk_len must be >= 0 (0: unchunked), got {m.loss_chunk_len}")
     if m.rope_scaling is not None:
         _validate_rope_scaling(m.rope_scaling)
-    _validate_moe(m)
+    _validate_moe(m, cfg.train.seq_len)
 
     _validate_pipeline(cfg.pipeline)
 
@@ -163,7 +163,7 @@ def validate(cfg: ml_collections.ConfigDict, device_count: int | None = None,
         _validate_against_mesh(cfg, shape, device_count)
 
 
-def _validate_moe(m) -> None:
+def _validate_moe(m, seq_len: int) -> None:
     """Mixture-of-experts keys (and the sliding window, which any family may use)."""
     window = m.sliding_window
     _require(window is None or (isinstance(window, int) and window >= 0),
@@ -181,6 +181,14 @@ def _validate_moe(m) -> None:
     _one_of("model.moe_impl", m.moe_impl, MOE_IMPLEMENTATIONS)
     _require(m.moe_capacity_factor > 0,
              f"model.moe_capacity_factor must be positive, got {m.moe_capacity_factor}")
+    # Under "capacity" each expert takes factor * seq_len * k / E tokens of a sequence; below one
+    # slot the layer could not hold a single token (models/moe.py, expert_capacity).
+    slots = m.moe_capacity_factor * seq_len * m.experts_per_token / m.n_experts
+    _require(m.moe_impl != "capacity" or slots >= 1,
+             f"model.moe_capacity_factor={m.moe_capacity_factor} gives each expert {slots:.3g} slots per "
+             f"sequence of train.seq_len={seq_len} (factor * seq_len * experts_per_token / n_experts), less "
+             f"than one token; use model.moe_capacity_factor >= "
+             f"{m.n_experts / (seq_len * m.experts_per_token):.3g} or model.moe_impl='dropless'")
     for key in ("moe_aux_loss_weight", "moe_router_z_loss_weight"):
         _require(m[key] >= 0, f"model.{key} must be >= 0, got {m[key]}")
 

@@ -1,6 +1,6 @@
 """Bytes per device per step of each parallel layout against its analytic minimum (issue 21's table).
 
-    python scripts/comm_layouts.py [--target=h100:8] [--json OUT]
+    python scripts/comm_layouts.py [--target=h100:8] [--layouts MoE] [--json OUT]
 
 Each layout is compiled by `python -m maxtext_rocm.compile ... --comm` in its own process (XLA reads
 its flags once per process) on 8 fake CPU devices, at the issue's dimensions: d_model 256, 4
@@ -13,6 +13,7 @@ mistake in maxtext_rocm/comm.py shows as a disagreement.
 
 from __future__ import annotations
 
+import argparse
 import glob
 import json
 import os
@@ -211,18 +212,20 @@ def run_layout(name: str, args: list[str], target: str) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    target = next((a.split("=", 1)[1] for a in argv if a.startswith("--target=")), "h100:8")
-    out = next((a.split("=", 1)[1] for a in argv if a.startswith("--json=")), None)
-    unknown = [a for a in argv if not a.startswith(("--target=", "--json="))]
-    if unknown:
-        print(f"error: unexpected argument {unknown[0]!r}; use --target=KIND:8 and --json=OUT", file=sys.stderr)
-        return 2
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", default="h100:8", help="KIND:8, as maxtext_rocm.compile takes it")
+    parser.add_argument("--layouts", help="only layouts whose name contains this (case-insensitive)")
+    parser.add_argument("--json", dest="out", help="write the rows here")
+    args = parser.parse_args(argv)
+    target, out = args.target, args.out
     mib = 2 ** 20
     print(f"{'layout':<34}{'measured MiB':>14}{'minimum MiB':>13}{'ratio':>7}{'dump MiB':>11}"
           f"{'agree':>7}  re-counted / unknown-trip loops")
     rows = []
-    for name, args in LAYOUTS.items():
-        row = run_layout(name, args, target)
+    for name, layout_args in LAYOUTS.items():
+        if args.layouts and args.layouts.lower() not in name.lower():
+            continue
+        row = run_layout(name, layout_args, target)
         rows.append(row)
         if "error" in row:
             print(f"{name:<34}error: {row['error']}", flush=True)

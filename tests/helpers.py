@@ -1,20 +1,45 @@
-"""Shared by the numerical tests: build a Trainer and take the loss and gradients of a batch."""
+"""Shared by the numerical tests: a run's initial state and the loss and gradients of a batch."""
+
+import types
 
 import jax
 import numpy as np
+from flax import linen as nn
 
+from maxtext_rocm import config as config_lib
+from maxtext_rocm import launch, sharding
+from maxtext_rocm.data import batch_spec
 from maxtext_rocm.step import gradients
-from maxtext_rocm.train import Trainer
+
+
+def initial_run(cfg, devices) -> types.SimpleNamespace:
+    """A run at initialisation, made as the Trainer makes it (launch.py's model, state layout and
+    data sources) without compiling the train step, which the numerical tests never run:
+    .mesh, .model, .state, .batch(step) (a sharded device batch) and .context() (for tracing)."""
+    config_lib.validate(cfg, len(devices), 1)
+    mesh = sharding.make_mesh(cfg.mesh, devices)
+    _, model = launch.run_model(cfg, mesh, devices[0])
+    init, key, _, state_sharding = launch.abstract_state(cfg, model, mesh)
+    state = jax.jit(lambda k: nn.meta.unbox(init(k)), out_shardings=state_sharding)(key)
+    data, _ = launch.data_sources(cfg, config_lib.global_batch_size(cfg, len(devices)), None)
+    batch_sharding, dtypes = sharding.batch_sharding(mesh), batch_spec(cfg.data)
+
+    def batch(step):
+        return {k: jax.make_array_from_process_local_data(batch_sharding, np.asarray(v, dtypes[k]))
+                for k, v in data.batch(step).items()}
+
+    return types.SimpleNamespace(mesh=mesh, model=model, state=state, batch=batch,
+                                 context=lambda: sharding.rules_context(mesh))
 
 
 def loss_and_grads(cfg, devices, step=0):
-    """(loss, gradients as host numpy, trainer) of the trainer's batch `step` at initialisation."""
-    trainer = Trainer(cfg, devices=devices, log=lambda *_: None)
-    batch = trainer.device_batch(step)
-    grad_fn = jax.jit(lambda p, b: gradients(p, trainer.model, b, cfg.train.grad_accum, cfg.train.z_loss_weight))
-    with trainer.context():
-        grads, _, sums = grad_fn(trainer.state.params, batch)
-    return float(sums["loss"]), jax.tree_util.tree_map(np.asarray, grads), trainer
+    """(loss, gradients as host numpy, the run of `initial_run` with the step's summed metrics as
+    .sums) of batch `step` at initialisation, with the config's accumulation and z-loss."""
+    run = initial_run(cfg, devices)
+    grad_fn = jax.jit(lambda p, b: gradients(p, run.model, b, cfg.train.grad_accum, cfg.train.z_loss_weight))
+    with run.context():
+        grads, _, run.sums = grad_fn(run.state.params, run.batch(step))
+    return float(run.sums["loss"]), jax.tree_util.tree_map(np.asarray, grads), run
 
 
 def assert_trees_close(a, b, atol, rtol=1e-5):

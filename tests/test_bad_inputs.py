@@ -290,3 +290,19 @@ def test_memory_lower_bounds_stay_below_what_the_run_holds(preset, devices):
     shape = config_lib.mesh_shape(cfg.mesh, len(devices))
     estimate = compile_lib.analytic_activations(cfg, config_lib.axis_sizes(shape), len(devices))
     assert bounds["activations"] <= estimate["layers"] * len(devices)
+
+
+# ----------------------------------------------------------------------------------------------
+# Layouts the expert exchange cannot serve
+
+
+@pytest.mark.parametrize("overrides, fragments", [
+    (["--config.mesh.ici.expert=8", "--config.model.n_experts=4", "--config.model.experts_per_token=2"],
+     ["model.n_experts=4 does not divide"]),
+    (["--config.model.moe_impl=capacity", "--config.model.moe_capacity_factor=0.01"],
+     ["model.moe_capacity_factor=0.01 gives each expert 0.08 slots", "model.moe_impl='dropless'"]),
+])
+def test_a_layout_the_expert_layer_cannot_serve_is_one_sentence(capsys, tmp_path, overrides, fragments):
+    status, err = run_main(capsys, "configs/tiny_mixtral.py", *SMALL, *overrides, f"--config.output_dir={tmp_path / 'run'}")
+    assert_one_sentence(status, err, *fragments)
+    assert not (tmp_path / "run").exists()  # before anything runs or is written

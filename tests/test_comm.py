@@ -2,6 +2,10 @@
 of a program with known collectives, and a tiny model's report against a minimum worked by hand."""
 
 import json
+import os
+import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -284,6 +288,30 @@ def test_tiny_model_report_and_minimum_by_hand(tmp_path):
     assert {(row["axes"], row["link"]) for row in r["rows"]} == {("fsdp", "DCN")}
     assert r["unknown_trip_count_loops"] == []
     assert r["minimum_seconds"] == pytest.approx(r["minimum"]["cpu_bytes"] / 50e9)  # a 400 Gb/s NIC, one way
+
+
+def test_bf16_weights_cross_the_links_in_bf16(tmp_path):
+    """Under bf16 every weight is cast before it is gathered (the head too, parallel/loss.py), so
+    it crosses the links in bf16. XLA:CPU's float normalization later makes every bf16 collective
+    an f32 one, which is why the CPU's byte counts cannot show it; the program right after SPMD
+    partitioning, before that pass, can."""
+    dump = tmp_path / "dump"
+    flags = (f"--xla_dump_to={dump} --xla_dump_hlo_as_text --xla_dump_hlo_pass_re=spmd-partitioning "
+             "--xla_dump_hlo_module_re=.*train_step.*")
+    result = subprocess.run(
+        [sys.executable, "-m", "maxtext_rocm.compile", "tiny_llama", "--target=h100:2", "--config.mesh.ici.fsdp=2",
+         "--config.precision.policy=bf16", "--config.model.tie_embeddings=false", "--config.model.vocab_size=128",
+         "--config.model.d_model=64", "--config.model.n_layers=2", "--config.model.n_heads=4",
+         "--config.model.n_kv_heads=2", "--config.model.head_dim=16", "--config.model.mlp_dim=128",
+         "--config.data.source=synthetic", "--config.train.seq_len=32", "--config.train.per_device_batch_size=1"],
+        env={**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True,
+        timeout=300, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert result.returncode == 0, result.stderr[-2000:]
+    (partitioned,) = dump.glob("*jit_train_step*after_spmd-partitioning*.txt")
+    gathers = set(re.findall(r"= (\w+)\[([\d,]*)\]\S* all-gather\(", partitioned.read_text()))
+    floats = {(dtype, shape) for dtype, shape in gathers if dtype in ("f32", "bf16")}
+    assert ("bf16", "64,128") in floats  # the LM head [d_model, vocab]
+    assert len(floats) >= 5 and {dtype for dtype, _ in floats} == {"bf16"}, gathers
 
 
 def test_cluster_targets(devices):

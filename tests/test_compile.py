@@ -52,6 +52,7 @@ def test_mixtral_8x7b_expert8_compiles(tmp_path):
     assert "ragged-all-to-all" in result.stdout
 
 
+@pytest.mark.slow  # CI budget (~30 s): a bounded search over every remat policy
 def test_405b_on_one_h100_does_not_fit():
     result = fit_check("llama3_1_405b", "--target=h100:1")
     assert result.returncode == 0, result.stderr

@@ -9,7 +9,7 @@ import pytest
 from maxtext_rocm import cross_entropy
 
 from conftest import small_config
-from helpers import assert_close
+from helpers import assert_close, loss_and_grads
 
 
 def reference(hidden, weight, targets, weights, vocab_axis, z_loss_weight):
@@ -92,21 +92,12 @@ def test_chunk_length_divides_sequence():
 @pytest.mark.parametrize("tie", [False, True])
 def test_train_step_gradients_equal_unchunked(tie, tmp_path):
     """The model's loss with the fused head equals the model's own logits path (fp32), with z-loss."""
-    import maxtext_rocm as mr
-    from maxtext_rocm.step import gradients
-
     cfgs = [small_config(**{"model.tie_embeddings": tie, "model.loss_chunk_len": chunk,
                             "precision.policy": "fp32", "train.z_loss_weight": 1e-3,
                             "output_dir": str(tmp_path / str(chunk))})
             for chunk in (0, 4)]
-    trainers = [mr.Trainer(cfg, devices=jax.devices()[:1], log=lambda *_: None) for cfg in cfgs]
-    batch = trainers[0].device_batch(0)
-    results = []
-    for trainer in trainers:
-        with trainer.context():
-            results.append(jax.jit(lambda p, b, t=trainer: gradients(p, t.model, b, 1, 1e-3))(
-                trainer.state.params, batch))
-    (g0, _, m0), (g1, _, m1) = results
+    (_, g0, run0), (_, g1, run1) = (loss_and_grads(cfg, jax.devices()[:1]) for cfg in cfgs)
+    m0, m1 = run0.sums, run1.sums
     for key in ("loss", "z_loss"):
         np.testing.assert_allclose(m1[key], m0[key], rtol=1e-5)
     assert_close(g1, g0)

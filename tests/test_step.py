@@ -13,7 +13,7 @@ from maxtext_rocm.optim import build_optimizer, decay_mask, hyperparameters, lea
 from maxtext_rocm.train import Trainer
 
 from conftest import small_config
-from helpers import assert_close, assert_trees_close, loss_and_grads
+from helpers import assert_close, assert_trees_close, initial_run, loss_and_grads
 
 ONE_DEVICE = {f"mesh.ici.{a}": 1 for a in ("data", "fsdp", "expert", "sequence", "tensor")}
 
@@ -31,14 +31,14 @@ def test_grad_accum_weights_tokens_not_micro_batches(devices, tmp_path):
     from maxtext_rocm.step import gradients
 
     cfg = small_config(**ONE_DEVICE, **{"train.per_device_batch_size": 4, "output_dir": str(tmp_path)})
-    trainer = Trainer(cfg, devices=devices[:1], log=lambda *_: None)
-    batch = dict(trainer.device_batch(0))
+    run = initial_run(cfg, devices[:1])
+    batch = dict(run.batch(0))
     weights = np.ones((4, 32), np.float32)
     weights[0, 5:] = 0  # the first row is mostly padding
     batch["weights"] = jax.numpy.asarray(weights)
-    with trainer.context():
-        g1, _, s1 = jax.jit(lambda p, b: gradients(p, trainer.model, b, 1, 0.0))(trainer.state.params, batch)
-        g2, _, s2 = jax.jit(lambda p, b: gradients(p, trainer.model, b, 2, 0.0))(trainer.state.params, batch)
+    with run.context():
+        g1, _, s1 = jax.jit(lambda p, b: gradients(p, run.model, b, 1, 0.0))(run.state.params, batch)
+        g2, _, s2 = jax.jit(lambda p, b: gradients(p, run.model, b, 2, 0.0))(run.state.params, batch)
     assert float(s1["tokens"]) == float(s2["tokens"]) == 3 * 32 + 5
     assert_close(float(s2["loss"]), float(s1["loss"]))
     assert_close(g2, g1)
@@ -60,8 +60,7 @@ def test_every_remat_policy_gives_the_same_gradients(scan, devices, tmp_path):
 
 def test_weight_decay_skips_norm_scales(devices, tmp_path):
     cfg = small_config(**ONE_DEVICE, **{"output_dir": str(tmp_path)})
-    trainer = Trainer(cfg, devices=devices[:1], log=lambda *_: None)
-    mask = decay_mask(trainer.state.params)
+    mask = decay_mask(initial_run(cfg, devices[:1]).state.params)
     assert mask["final_norm"]["scale"] is False
     assert mask["layers"]["attention_norm"]["scale"] is False  # stacked [layers, d] but still a norm
     assert mask["layers"]["mlp"]["up"]["kernel"] is True

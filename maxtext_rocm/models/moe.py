@@ -138,10 +138,11 @@ def dense_experts(x: Array, weights: Array, experts: Array, gate: Array, up: Arr
     return dot["down"](hidden * combine[..., None], down, (((2, 3), (0, 1)), ((), ())))  # bsef,efd->bsd
 
 
-def sort_by_expert(x: Array, experts: Array, n_experts: int):
+def sort_by_expert(x: Array, experts: Array, n_experts: int, weights: Array | None = None):
     """The (token, choice) rows of `x` [batch, seq, d] sorted by expert (stable, so token order
     within an expert), with what it takes to undo it: (rows [T*k, d], group sizes [E], each
-    row's expert [T*k], `unsort` mapping rows in this order back to [batch, seq, k, d])."""
+    row's expert [T*k], `unsort` mapping rows in this order back to [batch, seq, k, d]).
+    With `weights` [batch, seq, k] (the router's), a fifth element: each row's weight [T*k, 1]."""
     batch, seq, d = x.shape
     k = experts.shape[-1]
     flat = experts.reshape(-1)  # [T*k], token-major
@@ -154,7 +155,9 @@ def sort_by_expert(x: Array, experts: Array, n_experts: int):
     def unsort(out: Array) -> Array:
         return take_rows(out, position, order[:, None]).reshape(batch, seq, k, out.shape[-1])
 
-    return rows, group_sizes, flat[order], unsort
+    if weights is None:
+        return rows, group_sizes, flat[order], unsort
+    return rows, group_sizes, flat[order], unsort, take_rows(weights.reshape(-1, 1), order, position.reshape(-1, 1))
 
 
 def grouped_swiglu(rows: Array, group_sizes: Array, gate: Array, up: Array, down: Array,

@@ -267,10 +267,12 @@ def _dkv_kernel(*refs, plan: _Plan, segmented: bool, groups: int, n_q: int):
 # ----------------------------------------------------------------------------------------------
 # pallas_call wrappers. `interpret`: run in Pallas' interpreter (the CPU) instead of Triton.
 
-def _forward_call(q, k, v, segments, *, plan: _Plan, interpret: bool):
-    batch, seq, heads, head_dim = q.shape
+def _query_row_inputs(q, k, v, segments, bq: int):
+    """Block specs and arguments of a kernel whose grid runs over blocks of `bq` query rows (per
+    batch row and head), each seeing its kv head's whole K and V (and both sides' segment ids):
+    (the query rows' spec, the input specs, the arguments)."""
+    _, seq, heads, head_dim = q.shape
     groups = heads // k.shape[2]
-    bq = plan.block_q
     row = pl.BlockSpec((None, bq, None, head_dim), lambda i, b, h: (b, i, h, 0))
     whole_kv = pl.BlockSpec((None, seq, None, head_dim), lambda i, b, h: (b, 0, h // groups, 0))
     in_specs, args = [row, whole_kv, whole_kv], [q, k, v]
@@ -278,6 +280,13 @@ def _forward_call(q, k, v, segments, *, plan: _Plan, interpret: bool):
         in_specs += [pl.BlockSpec((None, bq), lambda i, b, h: (b, i)),
                      pl.BlockSpec((None, seq), lambda i, b, h: (b, 0))]
         args += [segments, segments]
+    return row, in_specs, args
+
+
+def _forward_call(q, k, v, segments, *, plan: _Plan, interpret: bool):
+    batch, seq, heads, head_dim = q.shape
+    bq = plan.block_q
+    row, in_specs, args = _query_row_inputs(q, k, v, segments, bq)
     return pl.pallas_call(
         functools.partial(_forward_kernel, plan=plan, segmented=segments is not None),
         grid=(seq // bq, batch, heads),
@@ -292,16 +301,9 @@ def _forward_call(q, k, v, segments, *, plan: _Plan, interpret: bool):
 
 def _dq_call(q, k, v, segments, d_out, lse, delta, *, plan: _Plan, interpret: bool):
     batch, seq, heads, head_dim = q.shape
-    groups = heads // k.shape[2]
     bq = plan.bwd_q
-    row = pl.BlockSpec((None, bq, None, head_dim), lambda i, b, h: (b, i, h, 0))
-    whole_kv = pl.BlockSpec((None, seq, None, head_dim), lambda i, b, h: (b, 0, h // groups, 0))
+    row, in_specs, args = _query_row_inputs(q, k, v, segments, bq)
     stats = pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))
-    in_specs, args = [row, whole_kv, whole_kv], [q, k, v]
-    if segments is not None:
-        in_specs += [pl.BlockSpec((None, bq), lambda i, b, h: (b, i)),
-                     pl.BlockSpec((None, seq), lambda i, b, h: (b, 0))]
-        args += [segments, segments]
     return pl.pallas_call(
         functools.partial(_dq_kernel, plan=plan, segmented=segments is not None),
         grid=(seq // bq, batch, heads),

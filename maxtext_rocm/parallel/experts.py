@@ -12,7 +12,8 @@ whole mesh, each device on its own tokens:
    where on the receiver it lands, so that the received rows are already grouped by local expert;
 3. dispatch: a ragged all-to-all over the `expert` axis sends each slice once;
 4. the local experts on their rows (`grouped_swiglu`: ragged_dot on GPUs, blocks on the CPU);
-5. combine: the ragged all-to-all back, unsort, weigh by the router. Under `tensor` each device
+5. each output row weighed by its router weight (dispatched with the row), then combine: the
+   ragged all-to-all back, unsort, sum over the token's choices. Under `tensor` each device
    holds a slice of every expert's hidden units, so the combined output is summed over `tensor`.
 
 Each expert's d_model axis stays FSDP-sharded over the other FSDP axes (`exp_embed`) and is
@@ -193,20 +194,27 @@ def _expert_parallel_dropless(x, weights, experts, gate, up, down, *, mesh: Mesh
             gate, up = (jax.lax.all_gather(w, fsdp_axes, axis=1, tiled=True) for w in (gate, up))
             down = jax.lax.all_gather(down, fsdp_axes, axis=2, tiled=True)
         n_experts = gate.shape[0] * n_shards
-        rows, group_sizes, row_expert, unsort = moe.sort_by_expert(x, experts, n_experts)
+        rows, group_sizes, row_expert, unsort, row_weights = moe.sort_by_expert(
+            x, experts, n_experts, weights.astype(jnp.float32))
         n_rows = rows.shape[0]
+        block = blocked_experts.dropless_block(n_rows, n_experts, backend)
         if n_shards > 1:
             plan = exchange_plan(group_sizes, n_shards, jax.lax.axis_index(expert_axis), expert_axis)
             # Every row of every peer may choose this device's experts: the exact bound.
             buffer_rows = n_shards * n_rows
             expert_rows = dispatch(rows, plan, buffer_rows, exchange, expert_axis)
-            block = blocked_experts.dropless_block(n_rows, n_experts, backend)
+            # Each row's router weight travels with it (one fp32 scalar) and is applied on the
+            # expert's device: what the combine returns is then summed linearly, so the backward
+            # needs nothing of it and the recomputation under remat leaves the combine out (5
+            # exchanges of rows per layer and step instead of 6; the weights' gradient comes
+            # back as a scalar per row through the dispatch's transpose).
+            expert_weights = dispatch(row_weights, plan, buffer_rows, exchange, expert_axis)
             out = moe.grouped_swiglu(expert_rows, plan["local_group_sizes"], gate, up, down, block)
-            out = combine(out, plan, n_rows, exchange, expert_axis)
+            out = combine((out * expert_weights).astype(out.dtype), plan, n_rows, exchange, expert_axis)
         else:
-            block = blocked_experts.dropless_block(n_rows, n_experts, backend)
             out = moe.grouped_swiglu(rows, group_sizes, gate, up, down, block, row_expert)
-        y = jnp.einsum("bskd,bsk->bsd", unsort(out), weights.astype(x.dtype))
+            out = (out * row_weights).astype(out.dtype)
+        y = jnp.sum(unsort(out), axis=2, dtype=jnp.float32).astype(x.dtype)
         # Each tensor shard holds a slice of every expert's hidden units: partial sums.
         return jax.lax.psum(y, tensor_axes) if tensor_axes else y
 

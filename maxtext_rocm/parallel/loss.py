@@ -7,8 +7,8 @@ tokens per device, 8 all-reduces of the 2 GiB fp32 head gradient per step where 
 reduce-scatter does. Here, under `shard_map` over the whole mesh:
 
 - the head is all-gathered over its FSDP axes once (its `embed` axis; the vocabulary stays split
-  over `tensor`), and its gradient leaves by the transpose of that gather, one reduce-scatter
-  (plus the all-reduce over `data`, which does not shard parameters);
+  over `tensor`), in the compute dtype, and its gradient leaves by the transpose of that gather,
+  one reduce-scatter (plus the all-reduce over `data`, which does not shard parameters);
 - the running d(head) sum stays on the device through all the chunks;
 - under `tensor` the log-partition and the target logit are reduced over the vocabulary slices
   ([tokens] values), and the hidden states' gradient is summed over them once, after the chunks;
@@ -54,6 +54,9 @@ def head_loss(hidden: Array, weight: Array, targets: Array, weights: Array, *, v
     d_axis = 1 - vocab_axis
 
     def local(hidden, weight, targets, weights):
+        # The head crosses the links in the compute dtype (bf16 under bf16 and fp8), as the layers'
+        # weights do under GSPMD: cast before the gather, not after (cross_entropy casts it anyway).
+        weight = weight.astype(hidden.dtype)
         if embed:  # the transpose of this gather is the head gradient's one reduce-scatter
             weight = jax.lax.all_gather(weight, embed, axis=d_axis, tiled=True)
         vocab_start = jax.lax.axis_index(vocab) * weight.shape[vocab_axis] if vocab else 0
