@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax.linen import fp8_ops
 
-from maxtext_rocm import fp8
+from maxtext_rocm import fp8, launch
 from maxtext_rocm.step import eval_step
 from maxtext_rocm.train import Trainer
 
@@ -217,8 +217,10 @@ def test_delayed_state_survives_a_checkpoint(devices, tmp_path):
 def test_train_step_hlo_has_the_fp8_types(fmt, types_, devices, tmp_path):
     trainer = Trainer(fp8_config(tmp_path, **{"precision.fp8_format": fmt}), devices=devices[:1],
                       log=lambda *_: None)
+    # The jitted step the Trainer compiled (launch.jit_train_step), lowered again for its text.
+    step = launch.jit_train_step(trainer.cfg, trainer.model, trainer.mesh, trainer.state_sharding, trainer.batch_sharding)
     with trainer.context():
-        hlo = trainer._train_step.lower(trainer.state, trainer.device_batch(0), trainer.hyperparameters).as_text()
+        hlo = step.lower(trainer.state, trainer.device_batch(0), trainer.hyperparameters).as_text()
     for name in types_:
         assert name.lower() in hlo.lower(), name
     if fmt == "fnuz":
