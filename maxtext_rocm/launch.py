@@ -32,14 +32,15 @@ def run_model(cfg, mesh, device):
     (fp8 format, attention) it is resolved in `cfg`, so config.json records what ran."""
     from maxtext_rocm.models import build_model
     from maxtext_rocm.models.attention import resolve_implementation
-    from maxtext_rocm.parallel import experts
+    from maxtext_rocm.parallel import context, experts
     from maxtext_rocm.precision import policy_from_config
 
     policy = policy_from_config(cfg.precision, device)
     if policy.fp8_format:
         cfg.precision.fp8_format = policy.fp8_format
     cfg.model.attention = resolve_implementation(cfg.model.attention, device, policy.compute_dtype, cfg.train.seq_len)
-    return policy, build_model(cfg.model, policy, expert_exchange=experts.expert_exchange(cfg.model, mesh))
+    return policy, build_model(cfg.model, policy, expert_exchange=experts.expert_exchange(cfg.model, mesh),
+                               context_attention=context.context_attention(cfg.model, mesh))
 
 
 def abstract_state(cfg, model, mesh):

@@ -62,12 +62,14 @@ class LlamaBlock(nn.Module):
     policy: Policy
     decode: bool = False  # attention keeps a KV cache (generate.py)
     expert_exchange: Callable | None = None  # a Mixtral block's MoE across devices (models/moe.py)
+    context_attention: Callable | None = None  # attention over a sequence-split batch (models/attention.py)
 
     @nn.compact
     def __call__(self, x: Array, positions: Array, segment_ids: Array | None):
         m = self.cfg
         attn_in = RMSNorm(m.norm_eps, self.policy, name="attention_norm")(x)
-        x = x + Attention(m, self.policy, self.decode, name="attention")(attn_in, positions, segment_ids)
+        attention = Attention(m, self.policy, self.decode, self.context_attention, name="attention")
+        x = x + attention(attn_in, positions, segment_ids)
         mlp_in = RMSNorm(m.norm_eps, self.policy, name="mlp_norm")(x)
         x = x + self.feed_forward()(mlp_in)
         # (carry, per-layer output): the signature nn.scan expects.
@@ -88,6 +90,7 @@ class Decoder(nn.Module):
     block: type[nn.Module] = LlamaBlock
     decode: bool = False  # KV-cache decoding (generate.py): no remat, a "cache" collection per layer
     expert_exchange: Callable | None = None  # handed to the blocks (models/moe.py); None for dense
+    context_attention: Callable | None = None  # handed to the blocks' attention; None: its own
 
     @nn.compact
     def __call__(self, tokens: Array, positions: Array | None = None,
@@ -111,10 +114,12 @@ class Decoder(nn.Module):
                 split_rngs={"params": True},
                 in_axes=(nn.broadcast, nn.broadcast), length=m.n_layers,
                 metadata_params={nn.PARTITION_NAME: "layers"})
-            x, _ = stack(m, self.policy, self.decode, self.expert_exchange, name="layers")(x, positions, segment_ids)
+            x, _ = stack(m, self.policy, self.decode, self.expert_exchange, self.context_attention,
+                         name="layers")(x, positions, segment_ids)
         else:
             for i in range(m.n_layers):
-                x, _ = block(m, self.policy, self.decode, self.expert_exchange, name=f"layers_{i}")(
+                x, _ = block(m, self.policy, self.decode, self.expert_exchange, self.context_attention,
+                             name=f"layers_{i}")(
                     x, positions, segment_ids)
 
         x = RMSNorm(m.norm_eps, self.policy, name="final_norm")(x)
