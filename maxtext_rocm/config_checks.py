@@ -260,7 +260,8 @@ def _validate_against_mesh(cfg, shape, device_count: int) -> None:
     micro = batch // t.grad_accum
     _require(micro % batch_shards == 0,
              f"each micro-batch of {micro} sequences does not divide over the {batch_shards} batch shards "
-             f"(mesh axes {' x '.join(batch_axes)}); raise train.per_device_batch_size or lower train.grad_accum")
+             f"(mesh axes {' x '.join(batch_axes)}); raise train.per_device_batch_size, lower train.grad_accum, "
+             "or split each sequence over mesh.ici.sequence instead")
     _require(t.seq_len % sizes["sequence"] == 0,
              f"train.seq_len={t.seq_len} does not divide over mesh sequence={sizes['sequence']}")
     if sizes["sequence"] > 1 and m.context_load_balance:
