@@ -193,6 +193,7 @@ def test_packed_windowed_model_matches_one_device(mesh, mode, packed_reference, 
     assert_close(grads, ref_grads)
 
 
+@SLOW  # ~50 s on 2 busy cores: two trainers; the packed test above covers a Trainer's layout by default
 def test_one_sequence_on_eight_devices_through_the_trainers_own_batches(devices, tmp_path):
     """train.per_device_batch_size=0.125: one synthetic sequence split 8 ways, laid out by the
     Trainer itself (positions added to a source that has none), against one device."""

@@ -98,8 +98,9 @@ def forward(q, k, v, q_start, k_start, q_seg, k_seg, carry, block: int, window: 
             k_seg_j = None if k_seg is None else _slice(k_seg, j, block)
             s, mask = _scores(q_i, _slice(k, j, block), qa, k_start + j * block, q_seg_i, k_seg_j, window, scale)
             m_new = jnp.maximum(m, s.max(-1))
-            # A row that sees no key of this block (or of this range) must add nothing: without the
-            # where, exp(NEG - NEG) = 1 would count every masked key once.
+            # A row that has seen no key yet (m = NEG) would count every masked key once as
+            # exp(NEG - NEG) = 1; the first real key's correction would wipe that again, but with
+            # the where the carry is right after every block, whatever order the ranges arrive in.
             p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
             correction = jnp.exp(m - m_new)
             pv = jnp.einsum("bkgqs,bskd->bkgqd", p.astype(v.dtype), _slice(v, j, block),
