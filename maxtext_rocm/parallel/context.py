@@ -44,7 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
-from maxtext_rocm import sharding
+from maxtext_rocm import sharding, varying
 from maxtext_rocm.models.blockwise_attention import block_size
 from maxtext_rocm.parallel import context_blocks as blocks
 
@@ -151,8 +151,7 @@ def _sharded_attention(q, k, v, segment_ids, *, mesh: Mesh, layout: Layout, mode
     axes = functools.partial(sharding.present_axes, mesh)
     batch_axes, head_axes, kv_axes = axes("activation_batch"), axes("activation_heads"), axes("activation_kv_heads")
     S = mesh.shape[AXIS]
-    batch, seq, heads, head_dim = q.shape
-    kv_heads = k.shape[2]
+    batch, seq = q.shape[:2]
     local_len = seq // S
     if batch % math.prod(mesh.shape[a] for a in batch_axes) or seq % (S * layout.chunks):
         # A batch the mesh cannot split: only the parameters' init traces one (a single 8-token
@@ -178,7 +177,6 @@ def _sharded_attention(q, k, v, segment_ids, *, mesh: Mesh, layout: Layout, mode
 
     args = (q, k, v) if segment_ids is None else (q, k, v, segment_ids)
     specs = (q_spec, kv_spec, kv_spec) + (() if segment_ids is None else (tokens,))
-    del kv_heads, heads, head_dim, batch
     return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=q_spec)(*args)
 
 
@@ -332,7 +330,9 @@ def _ring_bwd(layout: Layout, block: int, window: int, residuals, d_out):
         return kv, grads, dq
 
     operands = (q, k, v, d_out, lse, shard)
-    zeros = lambda x: blocks.varying.varying_like(jnp.zeros(x.shape, jnp.float32), *operands)  # noqa: E731
+    def zeros(x):
+        return varying.varying_like(jnp.zeros(x.shape, jnp.float32), *operands)
+
     grads = (zeros(k), zeros(v))
     dq = tuple(zeros(p) for p in q_parts)
     kv, grads, dq = jax.lax.fori_loop(0, S - 1, body, ((k, v, k_seg), grads, dq))
