@@ -77,7 +77,7 @@ def test_causal_attention_work_is_balanced_within_5_percent(n_shards, seq_len):
 # The attention function alone, against the 1-device attention
 
 
-def attention_case(mesh_sizes, mode, window, segmented, balanced=True, seq_len=256):
+def attention_case(mesh_sizes, mode, window, segmented, balanced=True, seq_len=256, b=2):
     cfg = config_lib.defaults()
     for axis in cfg.mesh.ici:
         cfg.mesh.ici[axis] = mesh_sizes.get(axis, 1)
@@ -88,7 +88,7 @@ def attention_case(mesh_sizes, mode, window, segmented, balanced=True, seq_len=2
     attend = context.context_attention(model_cfg, mesh)
     lay = context.mesh_layout(model_cfg, mesh)
     rng = np.random.default_rng(0)
-    b, heads, kv_heads, head_dim = 2, 4, 2, 16
+    heads, kv_heads, head_dim = 4, 2, 16
     q, k, v, w = (rng.standard_normal((b, seq_len, h, head_dim)).astype(np.float32)
                   for h in (heads, kv_heads, kv_heads, heads))
     seg = packed_segments(b, seq_len, 1)[0] if segmented else None
@@ -120,6 +120,18 @@ def attention_case(mesh_sizes, mode, window, segmented, balanced=True, seq_len=2
 ])
 def test_attention_matches_one_device(mesh_sizes, mode, window, segmented):
     got, want = attention_case(mesh_sizes, mode, window, segmented)
+    assert_close(got, want)
+
+
+@SLOW
+def test_batch_split_over_expert_too_matches_one_device():
+    got, want = attention_case({"sequence": 2, "expert": 2, "fsdp": 2}, "ring", 40, True, b=4)
+    assert_close(got, want)
+
+
+def test_a_batch_the_mesh_cannot_split_is_still_exact():
+    """2 rows over 4 batch shards: the fallback (GSPMD's attention under the true indices' mask)."""
+    got, want = attention_case({"sequence": 2, "expert": 2, "fsdp": 2}, "ring", 40, True, b=2)
     assert_close(got, want)
 
 

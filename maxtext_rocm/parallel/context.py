@@ -154,11 +154,7 @@ def _sharded_attention(q, k, v, segment_ids, *, mesh: Mesh, layout: Layout, mode
     batch, seq = q.shape[:2]
     local_len = seq // S
     if batch % math.prod(mesh.shape[a] for a in batch_axes) or seq % (S * layout.chunks):
-        # A batch the mesh cannot split: only the parameters' init traces one (a single 8-token
-        # row); its values are never used, so the plain attention stands in.
-        from maxtext_rocm.models.attention import dot_product_attention
-
-        return dot_product_attention(q, k, v, segment_ids=segment_ids, implementation="xla", sliding_window=window)
+        return _unsplit_attention(q, k, v, segment_ids, layout, window)
     block = block_size(local_len // layout.chunks)
     tokens = PartitionSpec(batch_axes, AXIS)
     q_spec = PartitionSpec(batch_axes, AXIS, head_axes, None)
@@ -178,6 +174,23 @@ def _sharded_attention(q, k, v, segment_ids, *, mesh: Mesh, layout: Layout, mode
     args = (q, k, v) if segment_ids is None else (q, k, v, segment_ids)
     specs = (q_spec, kv_spec, kv_spec) + (() if segment_ids is None else (tokens,))
     return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=q_spec)(*args)
+
+
+def _unsplit_attention(q, k, v, segment_ids, layout: Layout, window: int):
+    """A batch the mesh cannot split (the parameters' init traces one 8-token row; the config
+    checks keep the train and eval batches splittable): the plain attention, left to GSPMD, under
+    the mask of the tokens' true indices, so the values stay exact in any layout."""
+    from maxtext_rocm.models.attention import dot_product_attention, masked_attention, position_mask
+
+    seq = q.shape[1]
+    if layout.chunks == 1 or seq % (layout.n_shards * layout.chunks):
+        # Contiguous: the natural causal mask. Not laid out at all (a shorter row): likewise.
+        return dot_product_attention(q, k, v, segment_ids=segment_ids, implementation="xla", sliding_window=window)
+    true_index = jnp.asarray(layout.permutation(seq), jnp.int32)[None]
+    mask = position_mask(true_index, true_index, window)
+    if segment_ids is not None:
+        mask = mask & (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
+    return masked_attention(q, k, v, mask)
 
 
 def _chunks(x, n, axis=1):
