@@ -206,15 +206,15 @@ def test_packed_windowed_model_matches_one_device(mesh, mode, packed_reference, 
 
 
 @SLOW  # ~50 s on 2 busy cores: two trainers; the packed test above covers a Trainer's layout by default
-def test_one_sequence_on_eight_devices_through_the_trainers_own_batches(devices, tmp_path):
-    """train.per_device_batch_size=0.125: one synthetic sequence split 8 ways, laid out by the
-    Trainer itself (positions added to a source that has none), against one device."""
+def test_one_sequence_on_eight_devices_through_the_runs_own_batches(devices, tmp_path):
+    """train.per_device_batch_size=0.125: one synthetic sequence split 8 ways, laid out as the
+    Trainer lays it out (positions added to a source that has none), against one device."""
     one = small_config(**SINGLE, **{"train.seq_len": 64, "output_dir": str(tmp_path / "one")})
     ref_loss, ref_grads, _ = loss_and_grads(one, devices[:1])
     cfg = small_config(**{**SINGLE, "train.seq_len": 64, "mesh.ici.sequence": 8, "output_dir": str(tmp_path / "cp"),
                           "train.per_device_batch_size": 0.125})
-    loss, grads, trainer = loss_and_grads(cfg, devices)
-    assert trainer.global_batch == 1 and "positions" in trainer.device_batch(0)
+    loss, grads, run = loss_and_grads(cfg, devices)
+    assert config_lib.global_batch_size(cfg, 8) == 1 and "positions" in run.batch(0) and run.layout.chunks == 2
     assert_close(loss, ref_loss)
     assert_close(grads, ref_grads)
 
