@@ -19,7 +19,7 @@ branches):
                         an exact expert exchange sizes one of the two for its worst case);
 - a tuple-shaped (combined) collective counts each element, by its own shape;
 - a collective inside a `while` runs its trip count (`known_trip_count` in the loop's backend
-  config), nested loops multiply; a loop without a known trip count is listed in
+  config), nested loops multiply; a loop without a known trip count that holds a collective is listed in
   `unknown_trip_count_loops` and its collectives are counted once, so the total is then a lower
   bound (the report says so);
 - of a conditional, the branch that moves the most (an upper bound for the step);
@@ -142,11 +142,14 @@ class _Walker:
             if inst.opcode == "while":
                 callees = dict(inst.callees())
                 trip = _TRIP_COUNT.search(inst.attributes)
-                if trip is None:
-                    self.unknown_loops.append({"while": inst.name, "computation": name, "body": callees["body"]})
                 n = int(trip.group(1)) if trip else 1
-                found += self.walk(callees["body"], executions * n, unknown or trip is None)
-                found += self.walk(callees["condition"], executions * (n + 1 if trip else 1), unknown or trip is None)
+                inside = self.walk(callees["body"], executions * n, unknown or trip is None)
+                inside += self.walk(callees["condition"], executions * (n + 1 if trip else 1), unknown or trip is None)
+                # Flagged only if it holds a collective: a loop of pure compute (context parallelism's
+                # blockwise loops, whose bounds depend on the shard) changes no byte count.
+                if trip is None and inside:
+                    self.unknown_loops.append({"while": inst.name, "computation": name, "body": callees["body"]})
+                found += inside
             elif inst.opcode == "conditional":  # one branch runs: count the one that moves the most
                 branches = [self.walk(c, executions, unknown) for _, c in inst.callees()]
                 found += max(branches, key=lambda b: sum(c.bytes_per_step for c in b), default=[])

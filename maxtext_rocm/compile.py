@@ -138,7 +138,7 @@ def analyse(cfg, kind: str, n_devices: int, usable: float = 0.92, compile_it: bo
     from maxtext_rocm import config as config_lib
     from maxtext_rocm import metrics, sharding
     from maxtext_rocm.models import build_model
-    from maxtext_rocm.parallel import experts, pipeline
+    from maxtext_rocm.parallel import context, experts, pipeline
     from maxtext_rocm.precision import policy_from_config
     from maxtext_rocm.launch import abstract_state, jit_train_step, optimizer_hyperparameters
 
@@ -158,7 +158,8 @@ def analyse(cfg, kind: str, n_devices: int, usable: float = 0.92, compile_it: bo
         cpu_model_cfg.attention = "blockwise"  # flash algorithm in XLA ops stands in for it
     # The target's program: a GPU's MoE exchange and grouped GEMMs, not the CPU's stand-ins.
     model = build_model(cpu_model_cfg, policy, expert_exchange=experts.expert_exchange(cfg.model, mesh, "gpu"),
-                        layer_stack=pipeline.layer_stack(cfg.pipeline, cfg.model, mesh))
+                        layer_stack=pipeline.layer_stack(cfg.pipeline, cfg.model, mesh),
+                        context_attention=context.context_attention(cfg.model, mesh))
     _, _, abstract, state_sharding = abstract_state(cfg, model, mesh)
     batch_sharding = sharding.batch_sharding(mesh)
 
@@ -204,8 +205,10 @@ def analyse(cfg, kind: str, n_devices: int, usable: float = 0.92, compile_it: bo
     if cfg.model.attention in ("cudnn", "pallas"):  # the CPU cannot lower these GPU kernels
         report["xla_note"] = (f"XLA (CPU) compiled model.attention={cpu_model_cfg.attention!r} "
                               f"in place of {cfg.model.attention!r}")
+    batch_dtypes = {"inputs": jnp.int32, "targets": jnp.int32, "weights": jnp.float32}
+    batch_dtypes = context.mesh_layout(cfg.model, mesh).batch_dtypes(batch_dtypes)  # + positions if balanced
     batch = {name: jax.ShapeDtypeStruct((global_batch, cfg.train.seq_len), dtype, sharding=batch_sharding)
-             for name, dtype in (("inputs", jnp.int32), ("targets", jnp.int32), ("weights", jnp.float32))}
+             for name, dtype in batch_dtypes.items()}
     step = jit_train_step(cfg, model, mesh, state_sharding, batch_sharding)
     started = time.perf_counter()
     with sharding.rules_context(mesh):

@@ -25,8 +25,9 @@ import ml_collections
 # Re-exported: the valid values and the error types live at the bottom of the import graph, so
 # config_checks.py, data/ and sharding.py import them without importing this module.
 from maxtext_rocm.config_choices import (  # noqa: F401
-    ATTENTION_IMPLEMENTATIONS, DATA_SOURCES, FP8_FORMATS, FP8_SCALINGS, MESH_AXES, MODEL_FAMILIES,
-    MOE_IMPLEMENTATIONS, NONFINITE_ACTIONS, PIPELINE_SCHEDULES, PRECISION_POLICIES, PRECISION_VARIANTS, REMAT_POLICIES, SCHEDULES)
+    ATTENTION_IMPLEMENTATIONS, CONTEXT_PARALLEL_MODES, DATA_SOURCES, FP8_FORMATS, FP8_SCALINGS, MESH_AXES,
+    MODEL_FAMILIES, MOE_IMPLEMENTATIONS, NONFINITE_ACTIONS, PIPELINE_SCHEDULES, PRECISION_POLICIES,
+    PRECISION_VARIANTS, REMAT_POLICIES, SCHEDULES)
 from maxtext_rocm.errors import CheckpointError, ConfigError, UserError  # noqa: F401
 # Validation lives in config_checks.py; its entry points are part of this module's interface.
 from maxtext_rocm.config_checks import axis_sizes, global_batch_size, mesh_shape, validate  # noqa: F401
@@ -62,6 +63,13 @@ def defaults() -> ml_collections.ConfigDict:
         embed_init_std=0.02,
         # Attention to at most this many tokens back, the query included; None or 0: off.
         sliding_window=0,
+        # Attention under mesh sequence > 1 (maxtext_rocm/parallel/context.py): "all_gather" (K/V
+        # gathered once per layer), "ring" (K/V blocks passed around the axis), "auto" (all_gather).
+        # Nothing changes with sequence = 1.
+        context_parallel="auto",
+        # Causal load balance under sequence = S: shard i holds chunks i and 2S-1-i of 2S, so every
+        # shard does the same attention work (train.seq_len must divide into 2S chunks).
+        context_load_balance=True,
         # Mixture of experts (family "mixtral"; a dense "llama" keeps n_experts=1). See models/moe.py.
         n_experts=1,
         experts_per_token=1,
@@ -320,11 +328,27 @@ def set_key(cfg: ml_collections.ConfigDict, key: str, value: Any) -> None:
     if isinstance(value, Mapping):
         value = ml_collections.ConfigDict(dict(value))
     with parent.unlocked():
+        if key in FRACTIONAL_KEYS and isinstance(value, float) and isinstance(current, int):
+            del parent[leaf]  # the field was typed int by its default; a fraction retypes it
         parent[leaf] = value
+
+
+# Integer keys that also take a fraction (MaxText's convention): a per-device batch of 0.125 on 8
+# devices is one sequence split by mesh `sequence` (config_checks.global_batch_size checks it).
+FRACTIONAL_KEYS = ("train.per_device_batch_size",)
+
+
+def _fractional(key: str, value: Any) -> Any:
+    """A fraction for a FRACTIONAL_KEYS key; whole numbers stay ints, as the default is."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
 
 
 def _coerce(key: str, current: Any, value: Any) -> Any:
     kind = type(current)
+    if key in FRACTIONAL_KEYS and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return _fractional(key, value)
     if isinstance(value, kind) and not (kind is int and isinstance(value, bool)):
         return value
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
@@ -345,6 +369,12 @@ def _parse_cli_value(key: str, current: Any, text: str) -> Any:
         if lowered in ("false", "0", "no"):
             return False
         raise ConfigError(f"config key {key!r} takes true or false, not {text!r}")
+    if key in FRACTIONAL_KEYS:
+        try:
+            return _fractional(key, float(text))
+        except ValueError:
+            raise ConfigError(f"config key {key!r} takes a number (a fraction of a sequence per device is "
+                              f"allowed), not {text!r}") from None
     if isinstance(current, (int, float)):
         try:
             number = float(text) if isinstance(current, float) else int(text)

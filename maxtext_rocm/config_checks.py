@@ -14,8 +14,9 @@ from typing import Any, Iterable, Mapping
 import ml_collections
 
 from maxtext_rocm.config_choices import (
-    ATTENTION_IMPLEMENTATIONS, DATA_SOURCES, FP8_FORMATS, FP8_SCALINGS, MESH_AXES, MODEL_FAMILIES,
-    MOE_IMPLEMENTATIONS, NONFINITE_ACTIONS, PIPELINE_SCHEDULES, PRECISION_POLICIES, REMAT_POLICIES, SCHEDULES)
+    ATTENTION_IMPLEMENTATIONS, CONTEXT_PARALLEL_MODES, DATA_SOURCES, FP8_FORMATS, FP8_SCALINGS, MESH_AXES,
+    MODEL_FAMILIES, MOE_IMPLEMENTATIONS, NONFINITE_ACTIONS, PIPELINE_SCHEDULES, PRECISION_POLICIES, REMAT_POLICIES,
+    SCHEDULES)
 from maxtext_rocm.errors import ConfigError
 from maxtext_rocm.mesh_sizes import axis_sizes, mesh_shape  # noqa: F401  (part of this module's interface)
 
@@ -54,6 +55,9 @@ def validate(cfg: ml_collections.ConfigDict, device_count: int | None = None,
     _require(m.head_dim % 2 == 0, f"model.head_dim={m.head_dim} must be even for rotary embeddings")
     _one_of("model.remat", m.remat, REMAT_POLICIES)
     _one_of("model.attention", m.attention, ATTENTION_IMPLEMENTATIONS)
+    _one_of("model.context_parallel", m.context_parallel, CONTEXT_PARALLEL_MODES)
+    _require(isinstance(m.context_load_balance, bool),
+             f"model.context_load_balance takes true or false, not {m.context_load_balance!r}")
     if m.attention == "pallas":  # its platform is checked where the device is known (resolve_implementation)
         from maxtext_rocm.models.pallas_attention import unsupported_head_dim
 
@@ -270,7 +274,16 @@ def _validate_output_dir(output_dir: str) -> None:
 
 
 def global_batch_size(cfg, device_count: int) -> int:
-    return cfg.train.per_device_batch_size * device_count
+    """Sequences per step: train.per_device_batch_size x devices, a whole number. The per-device
+    size may be fractional (MaxText's convention): 0.125 on 8 devices is one sequence, which
+    mesh `sequence` splits (a global batch smaller than the device count)."""
+    t = cfg.train
+    batch = t.per_device_batch_size * device_count
+    _require(abs(batch - round(batch)) < 1e-9 and round(batch) >= 1,
+             f"train.per_device_batch_size={t.per_device_batch_size} x {device_count} devices is {batch:g} "
+             f"sequences, not a whole number; use a multiple of 1/{device_count} (e.g. "
+             f"{max(1, round(batch)) / device_count:g})")
+    return int(round(batch))
 
 
 def _validate_against_mesh(cfg, shape, device_count: int) -> None:
@@ -287,10 +300,16 @@ def _validate_against_mesh(cfg, shape, device_count: int) -> None:
     micro = batch // t.grad_accum
     _require(micro % batch_shards == 0,
              f"each micro-batch of {micro} sequences does not divide over the {batch_shards} batch shards "
-             f"(mesh axes {' x '.join(batch_axes)}); raise train.per_device_batch_size or lower train.grad_accum")
+             f"(mesh axes {' x '.join(batch_axes)}); raise train.per_device_batch_size, lower train.grad_accum, "
+             "or split each sequence over mesh.ici.sequence instead")
     if sizes["stage"] > 1:
         _validate_pipeline_against_mesh(cfg, sizes["stage"], micro, batch_shards)
     _require(t.seq_len % sizes["sequence"] == 0,
              f"train.seq_len={t.seq_len} does not divide over mesh sequence={sizes['sequence']}")
+    if sizes["sequence"] > 1 and m.context_load_balance:
+        chunks = 2 * sizes["sequence"]
+        _require(t.seq_len % chunks == 0,
+                 f"train.seq_len={t.seq_len} does not split into the 2 x sequence = {chunks} chunks that "
+                 f"model.context_load_balance needs; use a multiple of {chunks}, or model.context_load_balance=false")
     problem = check_param_divisibility(m, sizes)
     _require(problem is None, problem or "")

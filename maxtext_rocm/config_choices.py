@@ -13,6 +13,7 @@ SCHEDULES = ("cosine", "constant")
 DATA_SOURCES = ("synthetic", "embedded", "files")
 MODEL_FAMILIES = ("llama", "mixtral")
 MOE_IMPLEMENTATIONS = ("auto", "dropless", "capacity", "dense")
+CONTEXT_PARALLEL_MODES = ("auto", "all_gather", "ring")  # attention under mesh sequence > 1 (parallel/context.py)
 PRECISION_VARIANTS = ("", "bf16", "fp32", "fp8")
 NONFINITE_ACTIONS = ("skip", "stop")
 PIPELINE_SCHEDULES = ("gpipe",)  # "circular" (repeats) is to come: see parallel/pipeline.py

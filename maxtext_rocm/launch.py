@@ -32,7 +32,7 @@ def run_model(cfg, mesh, device):
     (fp8 format, attention) it is resolved in `cfg`, so config.json records what ran."""
     from maxtext_rocm.models import build_model
     from maxtext_rocm.models.attention import resolve_implementation
-    from maxtext_rocm.parallel import experts, pipeline
+    from maxtext_rocm.parallel import context, experts, pipeline
     from maxtext_rocm.precision import policy_from_config
 
     policy = policy_from_config(cfg.precision, device)
@@ -40,7 +40,8 @@ def run_model(cfg, mesh, device):
         cfg.precision.fp8_format = policy.fp8_format
     cfg.model.attention = resolve_implementation(cfg.model.attention, device, policy.compute_dtype, cfg.train.seq_len)
     return policy, build_model(cfg.model, policy, expert_exchange=experts.expert_exchange(cfg.model, mesh),
-                               layer_stack=pipeline.layer_stack(cfg.pipeline, cfg.model, mesh))
+                               layer_stack=pipeline.layer_stack(cfg.pipeline, cfg.model, mesh),
+                               context_attention=context.context_attention(cfg.model, mesh))
 
 
 def abstract_state(cfg, model, mesh):

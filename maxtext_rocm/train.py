@@ -22,6 +22,7 @@ from maxtext_rocm import metrics as metrics_lib
 from maxtext_rocm.divergence import TrainingDiverged  # noqa: F401 - where callers have imported it from
 from maxtext_rocm.launch import data_sources, jit_eval_step, launch, optimizer_hyperparameters, run_model
 from maxtext_rocm.data import batch_spec
+from maxtext_rocm.parallel import context
 from maxtext_rocm.preemption import PreemptionGuard
 from maxtext_rocm.profiling import Profiler
 from maxtext_rocm.run_info import write_config_json
@@ -64,7 +65,10 @@ class Trainer:
 
             self.checkpointer = Checkpointer(cfg.checkpoint, cfg.output_dir)
         self.batch_sharding = sharding.batch_sharding(self.mesh)
-        self._batch_dtypes = batch_spec(cfg.data)
+        # How each sequence lies over mesh `sequence` (causal load balance, parallel/context.py):
+        # applied to every host batch before it reaches the devices (_to_device).
+        self.layout = context.mesh_layout(cfg.model, self.mesh)
+        self._batch_dtypes = self.layout.batch_dtypes(batch_spec(cfg.data))
         launched = launch(cfg, self.model, self.mesh, self.batch_sharding, self._batch_dtypes,
                           self.checkpointer, self.context, self.log)
         self.state, self.step_count, resumed_data_state = launched.state, launched.step_count, launched.data_state
@@ -146,10 +150,11 @@ class Trainer:
         return {"eval_loss": loss, "eval_perplexity": float(np.exp(min(loss, 80.0))), "eval_tokens": tokens}
 
     def _to_device(self, host: dict) -> dict[str, jax.Array]:
-        """This process's rows of a batch, assembled into one global sharded array each."""
+        """This process's rows of a batch, laid out over `sequence` (context.Layout) and assembled
+        into one global sharded array each."""
         return {k: jax.make_array_from_process_local_data(self.batch_sharding, np.asarray(v, self._batch_dtypes[k]),
                                                           (self.global_batch, *np.shape(v)[1:]))
-                for k, v in host.items()}
+                for k, v in self.layout.apply(host).items()}
 
     def device_batch(self, step: int) -> dict[str, jax.Array]:
         return self._to_device(self.data.batch(step))

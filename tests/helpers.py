@@ -9,6 +9,7 @@ from flax import linen as nn
 from maxtext_rocm import config as config_lib
 from maxtext_rocm import launch, sharding
 from maxtext_rocm.data import batch_spec
+from maxtext_rocm.parallel import context
 from maxtext_rocm.step import gradients
 
 
@@ -22,13 +23,14 @@ def initial_run(cfg, devices) -> types.SimpleNamespace:
     init, key, _, state_sharding = launch.abstract_state(cfg, model, mesh)
     state = jax.jit(lambda k: nn.meta.unbox(init(k)), out_shardings=state_sharding)(key)
     data, _ = launch.data_sources(cfg, config_lib.global_batch_size(cfg, len(devices)), None)
-    batch_sharding, dtypes = sharding.batch_sharding(mesh), batch_spec(cfg.data)
+    layout = context.mesh_layout(cfg.model, mesh)  # the Trainer's layout over `sequence` (Trainer._to_device)
+    batch_sharding, dtypes = sharding.batch_sharding(mesh), layout.batch_dtypes(batch_spec(cfg.data))
 
     def batch(step):
         return {k: jax.make_array_from_process_local_data(batch_sharding, np.asarray(v, dtypes[k]))
-                for k, v in data.batch(step).items()}
+                for k, v in layout.apply(data.batch(step)).items()}
 
-    return types.SimpleNamespace(mesh=mesh, model=model, state=state, batch=batch,
+    return types.SimpleNamespace(mesh=mesh, model=model, state=state, batch=batch, layout=layout,
                                  context=lambda: sharding.rules_context(mesh))
 
 

@@ -94,6 +94,11 @@ def test_nested_loops_multiply_and_a_loop_without_trip_count_is_flagged():
     assert result["total_bytes"] == pytest.approx(3 / 4 * F32_8x16)  # once, and flagged as a lower bound
     assert "FLAGGED" in comm.format_report(_with_minimum(result))
 
+    compute_only = module(ENTRY_LOOP_HEAD + "\n" + while_op("w", "body", None)
+                          + "\n  ROOT %r = f32[8,16] get-tuple-element(%w), index=1",
+                          loop("body", "  %y = f32[8,16] add(%x, %x)"))
+    assert comm.account(compute_only, MESH_2x4)["unknown_trip_count_loops"] == []  # nothing to undercount
+
 
 def _with_minimum(measured):
     return {**measured, "by_axes": {}, "minimum": {"terms": [], "cpu_bytes": 1.0, "gpu_bytes": 1.0}, "ratio": 1.0,

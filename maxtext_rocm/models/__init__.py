@@ -19,15 +19,18 @@ from maxtext_rocm.precision import Policy, policy_from_config
 BLOCKS = {"llama": LlamaBlock, "mixtral": MixtralBlock}
 
 
-def build_model(model_cfg, policy: Policy, decode: bool = False, expert_exchange=None, layer_stack=None) -> Decoder:
+def build_model(model_cfg, policy: Policy, decode: bool = False, expert_exchange=None, layer_stack=None,
+                context_attention=None) -> Decoder:
     """`decode=True`: the same parameters, with a KV cache for generation (maxtext_rocm/generate.py).
     `expert_exchange`: how a dropless MoE layer runs across devices, from
     maxtext_rocm/parallel/experts.py (None: on one device, or a dense model).
     `layer_stack`: how the scanned layers run across devices, from maxtext_rocm/parallel/pipeline.py
-    (None: in order on every device)."""
+    (None: in order on every device).
+    `context_attention`: attention over a sequence-split batch, from maxtext_rocm/parallel/context.py
+    (None: without a `sequence` axis)."""
     frozen = ml_collections.FrozenConfigDict(model_cfg)
     return Decoder(frozen, policy, block=BLOCKS[frozen.family], decode=decode, expert_exchange=expert_exchange,
-                   layer_stack=layer_stack)
+                   layer_stack=layer_stack, context_attention=context_attention)
 
 
 @functools.lru_cache(maxsize=8)

@@ -13,6 +13,8 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
@@ -145,6 +147,10 @@ class Attention(nn.Module):
     # Decoding (generate.py): keys and values accumulate in the "cache" collection, sized by the
     # input of `init`; each call appends its tokens and attends over the cache by position.
     decode: bool = False
+    # Attention over a sequence split across devices, f(q, k, v, segment_ids) -> out, built from
+    # the config and the mesh outside the model (maxtext_rocm/parallel/context.py); None: this
+    # module's own attention (one device, or no `sequence` axis).
+    context_attention: Callable | None = None
 
     @nn.compact
     def __call__(self, x: Array, positions: Array, segment_ids: Array | None) -> Array:
@@ -162,8 +168,11 @@ class Attention(nn.Module):
         else:
             if self.decode:  # `init` sizes the cache [batch, max_len, kv_heads, head_dim]
                 self.cache_variables(k, positions)
-            out = dot_product_attention(q, k, v, segment_ids=segment_ids, implementation=m.attention,
-                                        sliding_window=m.sliding_window, dot_general=self.policy.dot_general)
+            if self.context_attention is not None and not self.decode:
+                out = self.context_attention(q, k, v, segment_ids)
+            else:
+                out = dot_product_attention(q, k, v, segment_ids=segment_ids, implementation=m.attention,
+                                            sliding_window=m.sliding_window, dot_general=self.policy.dot_general)
         out = nn.with_logical_constraint(out, ("activation_batch", "activation_length", "activation_heads", None))
         return Dense((m.n_heads, hd), (d,), ("heads", "head_dim", "embed"), self.policy, name="o")(out)
 

@@ -62,12 +62,14 @@ class LlamaBlock(nn.Module):
     policy: Policy
     decode: bool = False  # attention keeps a KV cache (generate.py)
     expert_exchange: Callable | None = None  # a Mixtral block's MoE across devices (models/moe.py)
+    context_attention: Callable | None = None  # attention over a sequence-split batch (models/attention.py)
 
     @nn.compact
     def __call__(self, x: Array, positions: Array, segment_ids: Array | None):
         m = self.cfg
         attn_in = RMSNorm(m.norm_eps, self.policy, name="attention_norm")(x)
-        x = x + Attention(m, self.policy, self.decode, name="attention")(attn_in, positions, segment_ids)
+        attention = Attention(m, self.policy, self.decode, self.context_attention, name="attention")
+        x = x + attention(attn_in, positions, segment_ids)
         mlp_in = RMSNorm(m.norm_eps, self.policy, name="mlp_norm")(x)
         x = x + self.feed_forward()(mlp_in)
         # (carry, per-layer output): the signature nn.scan expects.
@@ -92,6 +94,7 @@ class Decoder(nn.Module):
     # layer_stack(stack, scanned, x, positions, segment_ids) -> (x, sown); None: in order, here.
     # Parameters are created by the stack itself either way, so their tree never depends on it.
     layer_stack: Callable | None = None
+    context_attention: Callable | None = None  # handed to the blocks' attention; None: its own
 
     @nn.compact
     def __call__(self, tokens: Array, positions: Array | None = None,
@@ -116,7 +119,7 @@ class Decoder(nn.Module):
                     split_rngs={"params": True},
                     in_axes=(nn.broadcast, nn.broadcast), length=length,
                     metadata_params={nn.PARTITION_NAME: "layers"})
-                return stack(m, self.policy, self.decode, self.expert_exchange, **kwargs)
+                return stack(m, self.policy, self.decode, self.expert_exchange, self.context_attention, **kwargs)
 
             stack = scanned(m.n_layers, name="layers")
             if self.layer_stack is None or self.decode or self.is_initializing():
@@ -131,7 +134,8 @@ class Decoder(nn.Module):
                         self.put_variable(collection, "layers_pipelined", tree)
         else:
             for i in range(m.n_layers):
-                x, _ = block(m, self.policy, self.decode, self.expert_exchange, name=f"layers_{i}")(
+                x, _ = block(m, self.policy, self.decode, self.expert_exchange, self.context_attention,
+                             name=f"layers_{i}")(
                     x, positions, segment_ids)
 
         x = RMSNorm(m.norm_eps, self.policy, name="final_norm")(x)
