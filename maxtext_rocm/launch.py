@@ -127,6 +127,11 @@ def launch(cfg, model, mesh, batch_sharding, batch_dtypes, checkpointer, context
         state, step_count, data_state = made.result()
         compiled = lowered.compile()
         compilation.release_freed_host_memory()
+    if resume:  # checkpoints the resume skipped or passed over move out of the way of this run's saves
+        moved = checkpointer.set_aside(step_count)
+        if moved:
+            log(f"checkpoints newer than step {step_count} moved to {moved[0].parent}: "
+                + ", ".join(p.name for p in moved))
     return Launched(state, step_count, data_state, compiled, state_sharding)
 
 

@@ -58,32 +58,24 @@ class Trainer:
         self.policy, self.model = run_model(cfg, self.mesh, devices[0])
         self.hyperparameters = optimizer_hyperparameters(cfg, self.mesh)
         self.global_batch = config_lib.global_batch_size(cfg, self.n_devices)
-
         self.checkpointer = None
         if cfg.checkpoint.enabled:  # orbax is imported only by runs that use it
             from maxtext_rocm.checkpoint import Checkpointer
 
             self.checkpointer = Checkpointer(cfg.checkpoint, cfg.output_dir)
         self.batch_sharding = sharding.batch_sharding(self.mesh)
-        # How each sequence lies over mesh `sequence` (causal load balance, parallel/context.py):
-        # applied to every host batch before it reaches the devices (_to_device).
+        # How each sequence lies over mesh `sequence` (parallel/context.py), applied in _to_device.
         self.layout = context.mesh_layout(cfg.model, self.mesh)
         self._batch_dtypes = self.layout.batch_dtypes(batch_spec(cfg.data))
         launched = launch(cfg, self.model, self.mesh, self.batch_sharding, self._batch_dtypes,
                           self.checkpointer, self.context, self.log)
         self.state, self.step_count, resumed_data_state = launched.state, launched.step_count, launched.data_state
         self._compiled_step, self.state_sharding = launched.compiled_step, launched.state_sharding
-        if resumed_data_state is not None:  # resumed: checkpoints it skipped or passed over move aside
-            moved = self.checkpointer.set_aside(self.step_count)
-            if moved:
-                self.log(f"checkpoints newer than step {self.step_count} moved to {moved[0].parent}: "
-                         + ", ".join(p.name for p in moved))
         self.data, self.eval_data = data_sources(cfg, self.global_batch, resumed_data_state, self.mesh)
         self._eval_step = (jit_eval_step(self.model, self.mesh, self.state_sharding, self.batch_sharding)
                            if self.eval_data is not None else None)
         self.stopped_by_signal = None
         self.profiler = Profiler(cfg.log.profile_steps, cfg.output_dir, enabled=self.is_logger)
-
         self.flops_per_token = metrics_lib.train_flops_per_token(cfg.model, cfg.train.seq_len)
         self.peak_tflops = metrics_lib.peak_tflops(
             devices[0].device_kind, self.policy.name, cfg.log.peak_tflops)
