@@ -63,6 +63,11 @@ def defaults() -> ml_collections.ConfigDict:
         embed_init_std=0.02,
         # Attention to at most this many tokens back, the query included; None or 0: off.
         sliding_window=0,
+        # q/k/v and gate/up each as one dot over their kernels side by side, so that tensor
+        # parallelism reduces x's gradient once per group (5 all-reduces per layer, not 8). The
+        # parameters are the same either way. "auto": on when mesh tensor > 1; on one device the
+        # separate dots ran 5-20% faster (bf16, 2-core CPU). fp8 always keeps one dot per weight.
+        fuse_projections="auto",
         # Attention under mesh sequence > 1 (maxtext_rocm/parallel/context.py): "all_gather" (K/V
         # gathered once per layer), "ring" (K/V blocks passed around the axis), "auto" (all_gather).
         # Nothing changes with sequence = 1.

@@ -15,8 +15,8 @@ import ml_collections
 
 from maxtext_rocm.config_choices import (
     ATTENTION_IMPLEMENTATIONS, CONTEXT_PARALLEL_MODES, DATA_SOURCES, FP8_FORMATS, FP8_SCALINGS, MESH_AXES,
-    MODEL_FAMILIES, MOE_IMPLEMENTATIONS, NONFINITE_ACTIONS, PIPELINE_SCHEDULES, PRECISION_POLICIES, REMAT_POLICIES,
-    SCHEDULES)
+    MODEL_FAMILIES, MOE_IMPLEMENTATIONS, NONFINITE_ACTIONS, PIPELINE_SCHEDULES, PRECISION_POLICIES, PROJECTION_FUSIONS,
+    REMAT_POLICIES, SCHEDULES)
 from maxtext_rocm.errors import ConfigError
 from maxtext_rocm.mesh_sizes import axis_sizes, mesh_shape  # noqa: F401  (part of this module's interface)
 
@@ -55,6 +55,7 @@ def validate(cfg: ml_collections.ConfigDict, device_count: int | None = None,
     _require(m.head_dim % 2 == 0, f"model.head_dim={m.head_dim} must be even for rotary embeddings")
     _one_of("model.remat", m.remat, REMAT_POLICIES)
     _one_of("model.attention", m.attention, ATTENTION_IMPLEMENTATIONS)
+    _one_of("model.fuse_projections", m.fuse_projections, PROJECTION_FUSIONS)
     _one_of("model.context_parallel", m.context_parallel, CONTEXT_PARALLEL_MODES)
     _require(isinstance(m.context_load_balance, bool),
              f"model.context_load_balance takes true or false, not {m.context_load_balance!r}")

@@ -54,3 +54,23 @@ def test_tensor_parallel_shards_heads_and_mlp(devices, tmp_path):
     assert trainer.state.params["lm_head"]["kernel"].sharding.spec == P(fsdp, "tensor")
     adam_mu = trainer.state.opt_state[1][0].mu["lm_head"]["kernel"]
     assert adam_mu.sharding.spec == P(fsdp, "tensor"), "optimizer state must follow the parameters"
+
+
+def test_fused_projections_change_nothing_but_the_dots(tmp_path):
+    """model.fuse_projections: the same parameters and the same loss and gradients fused or not;
+    "auto" fuses only where a tensor axis makes it save collectives."""
+    from maxtext_rocm import sharding
+
+    runs = {}
+    for fuse in ("on", "off"):
+        cfg = small_config(**SINGLE, **{"model.fuse_projections": fuse, "precision.policy": "fp32",
+                                        "output_dir": str(tmp_path / fuse)})
+        runs[fuse] = loss_and_grads(cfg, jax.devices()[:1])
+    (loss_on, grads_on, run_on), (loss_off, grads_off, run_off) = runs["on"], runs["off"]
+    assert jax.tree_util.tree_structure(run_on.state.params) == jax.tree_util.tree_structure(run_off.state.params)
+    assert_close(loss_on, loss_off)
+    assert_close(grads_on, grads_off)
+    for tensor, want in ((1, "off"), (2, "on")):
+        cfg = small_config(**dict(SINGLE, **{"mesh.ici.fsdp": 8 // tensor, "mesh.ici.tensor": tensor}))
+        sharding.resolve_projection_fusion(cfg.model, sharding.make_mesh(cfg.mesh, jax.devices()))
+        assert cfg.model.fuse_projections == want

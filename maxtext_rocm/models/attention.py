@@ -186,7 +186,7 @@ class Attention(nn.Module):
         specs = {"q": ((d,), (m.n_heads, hd), ("embed", "heads", "head_dim"), self.policy),
                  "k": ((d,), (kv, hd), ("embed", "kv_heads", "head_dim"), self.policy),
                  "v": ((d,), (kv, hd), ("embed", "kv_heads", "head_dim"), self.policy)}
-        if self.policy.dot_general_cls:  # fp8: each weight its own dot, with its own scales
+        if self.policy.dot_general_cls or m.fuse_projections != "on":  # fp8: each weight its own dot and scales
             return tuple(Dense(*spec, name=name)(x) for name, spec in specs.items())
         group = m.n_heads // kv
         kernels = {name: Kernel(*spec, name=name)() for name, spec in specs.items()}

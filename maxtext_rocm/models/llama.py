@@ -41,11 +41,12 @@ class MLP(nn.Module):
     d_model: int
     mlp_dim: int
     policy: Policy
+    fuse: str = "off"  # model.fuse_projections: "on" = gate and up as one dot
 
     @nn.compact
     def __call__(self, x: Array) -> Array:
         shapes = ((self.d_model,), (self.mlp_dim,), ("embed", "mlp"), self.policy)
-        if self.policy.dot_general_cls:  # fp8: each weight its own dot, with its own scales
+        if self.policy.dot_general_cls or self.fuse != "on":  # fp8: each weight its own dot and scales
             gate, up = (Dense(*shapes, name=name)(x) for name in ("gate", "up"))
         else:  # one dot, [.., 2, mlp]: one tensor-parallel reduction of x's gradient, not two
             gate_up = fused_projections(x, [Kernel(*shapes, name=n)()[:, None] for n in ("gate", "up")], 0, self.policy)
@@ -77,7 +78,7 @@ class LlamaBlock(nn.Module):
 
     def feed_forward(self) -> nn.Module:
         """The block's feed-forward layer: the one thing a Mixtral block changes."""
-        return MLP(self.cfg.d_model, self.cfg.mlp_dim, self.policy, name="mlp")
+        return MLP(self.cfg.d_model, self.cfg.mlp_dim, self.policy, self.cfg.fuse_projections, name="mlp")
 
 
 class Decoder(nn.Module):
