@@ -211,7 +211,7 @@ def pipeline_microbatches(pipe, stages: int) -> int:
     return pipe.microbatches or stages
 
 
-def _validate_pipeline_against_mesh(cfg, stages: int, micro_batch: int, batch_shards: int) -> None:
+def _validate_pipeline_against_mesh(cfg, stages: int, micro_batch: int, batch_shards: int, sequence: int) -> None:
     """A pipeline over `stages` devices: its layers, its microbatches, the parts it composes with."""
     m, pipe = cfg.model, cfg.pipeline
     layers_per = stages * pipe.repeats
@@ -228,6 +228,9 @@ def _validate_pipeline_against_mesh(cfg, stages: int, micro_batch: int, batch_sh
                  "pipeline (mesh stage > 1) yet: its shard_map does not run inside the stages' vmap in this "
                  "JAX; use model.moe_impl='capacity' (with model.moe_capacity_factor >= n_experts / "
                  "experts_per_token to drop nothing) or 'dense'")
+    _require(sequence == 1,
+             f"mesh sequence={sequence} (context parallelism) with mesh stage={stages} (a pipeline) is not supported yet: "
+             "its shard_map does not run inside the stages' vmap; use one of the two")
     micro = pipeline_microbatches(pipe, stages)
     _require(micro_batch % micro == 0 and (micro_batch // micro) % batch_shards == 0,
              f"pipeline.microbatches={micro} does not divide the step's {micro_batch} sequences (per "
@@ -304,7 +307,7 @@ def _validate_against_mesh(cfg, shape, device_count: int) -> None:
              f"(mesh axes {' x '.join(batch_axes)}); raise train.per_device_batch_size, lower train.grad_accum, "
              "or split each sequence over mesh.ici.sequence instead")
     if sizes["stage"] > 1:
-        _validate_pipeline_against_mesh(cfg, sizes["stage"], micro, batch_shards)
+        _validate_pipeline_against_mesh(cfg, sizes["stage"], micro, batch_shards, sizes["sequence"])
     _require(t.seq_len % sizes["sequence"] == 0,
              f"train.seq_len={t.seq_len} does not divide over mesh sequence={sizes['sequence']}")
     if sizes["sequence"] > 1 and m.context_load_balance:

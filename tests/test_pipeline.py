@@ -136,6 +136,12 @@ def test_bad_pipeline_settings_are_one_sentence_before_compiling(overrides, mess
         config_lib.validate(cfg, device_count=8)
 
 
+def test_context_parallelism_is_refused_under_a_pipeline_for_now():
+    cfg = llama(**dict(SINGLE, **{"mesh.ici.stage": 2, "mesh.ici.fsdp": 2, "mesh.ici.sequence": 2}))
+    with pytest.raises(config_lib.ConfigError, match=r"mesh sequence=2 \(context parallelism\) with mesh stage=2"):
+        config_lib.validate(cfg, device_count=8)
+
+
 def test_dropless_experts_are_refused_under_a_pipeline_for_now():
     cfg = mixtral(**dict(SINGLE, **{"mesh.ici.stage": 2, "mesh.ici.fsdp": 4}), **{"model.moe_impl": "auto"})
     message = r"model.moe_impl='auto' \(the dropless expert exchange\) is not supported under a pipeline"
