@@ -29,7 +29,7 @@ from maxtext_rocm.step import create_state, train_step
 
 def run_model(cfg, mesh, device):
     """(precision policy, model) of the run on devices like `device`. Where the config says "auto"
-    (fp8 format, attention) it is resolved in `cfg`, so config.json records what ran."""
+    (fp8 format, attention, projection fusion) it is resolved in `cfg`, so config.json records what ran."""
     from maxtext_rocm.models import build_model
     from maxtext_rocm.models.attention import resolve_implementation
     from maxtext_rocm.parallel import context, experts, pipeline
