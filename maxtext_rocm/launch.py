@@ -186,6 +186,14 @@ def data_sources(cfg, global_batch: int, resumed_data_state: dict | None, mesh=N
     return data, (source("eval") if cfg.train.eval_every else None)
 
 
+def place_batch(host: dict, layout, batch_sharding, dtypes: dict, global_batch: int) -> dict:
+    """This process's rows of a host batch, laid out over `sequence` (parallel/context.py's
+    Layout) and assembled into one global sharded array each, `global_batch` rows in all."""
+    return {k: jax.make_array_from_process_local_data(batch_sharding, np.asarray(v, dtypes[k]),
+                                                      (global_batch, *np.shape(v)[1:]))
+            for k, v in layout.apply(host).items()}
+
+
 def jit_eval_step(model, mesh, state_sharding, batch_sharding):
     """The jitted eval step: (params, batch, fp8 state) -> token-mean loss and token count."""
     from maxtext_rocm.step import eval_step

@@ -20,7 +20,7 @@ from maxtext_rocm import compilation, distributed, divergence, memory_fit, run_l
 from maxtext_rocm import config as config_lib
 from maxtext_rocm import metrics as metrics_lib
 from maxtext_rocm.divergence import TrainingDiverged  # noqa: F401 - where callers have imported it from
-from maxtext_rocm.launch import data_sources, jit_eval_step, launch, optimizer_hyperparameters, run_model
+from maxtext_rocm.launch import data_sources, jit_eval_step, launch, optimizer_hyperparameters, place_batch, run_model
 from maxtext_rocm.data import batch_spec
 from maxtext_rocm.parallel import context
 from maxtext_rocm.preemption import PreemptionGuard
@@ -142,11 +142,7 @@ class Trainer:
         return {"eval_loss": loss, "eval_perplexity": float(np.exp(min(loss, 80.0))), "eval_tokens": tokens}
 
     def _to_device(self, host: dict) -> dict[str, jax.Array]:
-        """This process's rows of a batch, laid out over `sequence` (context.Layout) and assembled
-        into one global sharded array each."""
-        return {k: jax.make_array_from_process_local_data(self.batch_sharding, np.asarray(v, self._batch_dtypes[k]),
-                                                          (self.global_batch, *np.shape(v)[1:]))
-                for k, v in self.layout.apply(host).items()}
+        return place_batch(host, self.layout, self.batch_sharding, self._batch_dtypes, self.global_batch)
 
     def device_batch(self, step: int) -> dict[str, jax.Array]:
         return self._to_device(self.data.batch(step))

@@ -22,13 +22,13 @@ def initial_run(cfg, devices) -> types.SimpleNamespace:
     _, model = launch.run_model(cfg, mesh, devices[0])
     init, key, _, state_sharding = launch.abstract_state(cfg, model, mesh)
     state = jax.jit(lambda k: nn.meta.unbox(init(k)), out_shardings=state_sharding)(key)
-    data, _ = launch.data_sources(cfg, config_lib.global_batch_size(cfg, len(devices)), None)
-    layout = context.mesh_layout(cfg.model, mesh)  # the Trainer's layout over `sequence` (Trainer._to_device)
+    global_batch = config_lib.global_batch_size(cfg, len(devices))
+    data, _ = launch.data_sources(cfg, global_batch, None)
+    layout = context.mesh_layout(cfg.model, mesh)  # the Trainer's layout over `sequence`
     batch_sharding, dtypes = sharding.batch_sharding(mesh), layout.batch_dtypes(batch_spec(cfg.data))
 
     def batch(step):
-        return {k: jax.make_array_from_process_local_data(batch_sharding, np.asarray(v, dtypes[k]))
-                for k, v in layout.apply(data.batch(step)).items()}
+        return launch.place_batch(data.batch(step), layout, batch_sharding, dtypes, global_batch)
 
     return types.SimpleNamespace(mesh=mesh, model=model, state=state, batch=batch, layout=layout,
                                  context=lambda: sharding.rules_context(mesh))
