@@ -307,6 +307,12 @@ def _watch_peers(cluster: Cluster, dist_cfg) -> None:
               "be reported by JAX's heartbeat instead (exit status 134)", file=sys.stderr, flush=True)
 
 
+def wait_if_peer_lost(grace_s: float = 3.0) -> None:
+    """See PeerWatch.wait_if_peer_lost; nothing for a single process."""
+    if _peer_watch is not None:
+        _peer_watch.wait_if_peer_lost(grace_s)
+
+
 def say_goodbye(status: int) -> None:
     """Tells the other processes that this one ends with `status` (0: a normal end; else they stop
     with a sentence naming it); nothing for a single process."""

@@ -49,6 +49,7 @@ class PeerWatch:
         self._peers: dict[int, tuple[socket.socket, str]] = {}  # id -> (socket, "pid P on HOST")
         self._lock = threading.Lock()
         self._closing = False
+        self._lost = threading.Event()  # set once a peer is known lost (this process is about to exit 5)
         me = f"{process_id} {os.getpid()} {socket.gethostname()}\n".encode()
         if process_id == 0:
             listener = socket.create_server(("", 0), backlog=num_processes)
@@ -124,6 +125,7 @@ class PeerWatch:
             if self._closing:
                 return
             self._closing = True
+        self._lost.set()
         if self.process_id == 0:  # the others hear it from here, with the name
             self._broadcast(f"lost\t{peer_id}\t{who}\t{what}\n", skip=peer_id)
         print(f"error: {who} {what}; process {self.process_id} stops too (exit status "
@@ -138,6 +140,14 @@ class PeerWatch:
                     conn.sendall(message.encode())
                 except OSError:
                     pass
+
+    def wait_if_peer_lost(self, grace_s: float) -> None:
+        """Called when the main thread fails: a collective fails when its peer dies, often just
+        before this watch has seen the connection close. If a loss is seen within `grace_s`, the
+        watch's own thread names it and exits 5; this one waits for that instead of printing a
+        traceback of the consequence."""
+        if self._lost.wait(grace_s):
+            threading.Event().wait()  # the watch thread ends the process
 
     def say_goodbye(self, status: int) -> None:
         """This process ends with `status`: the others learn it before its sockets close."""

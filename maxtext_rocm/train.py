@@ -244,7 +244,11 @@ class Trainer:
 
 
 def main(argv: list[str] | None = None) -> int:
-    status = _main(sys.argv[1:] if argv is None else argv)
+    try:
+        status = _main(sys.argv[1:] if argv is None else argv)
+    except Exception:
+        distributed.wait_if_peer_lost()  # a collective that failed because a peer died: exit 5, named
+        raise
     distributed.say_goodbye(status)  # the other processes of a multi-process run learn how this one ended
     return status
 
