@@ -1,0 +1,108 @@
+"""The compile report under a pipeline, and the FLOPs check: the compiled step's dot FLOPs, counted
+by comm.py's HLO walker, against the one FLOPs formula (metrics.executed_flops_per_token)."""
+
+import pytest
+
+from conftest import small_config
+from maxtext_rocm import comm, comm_minimum, compile as compile_lib, metrics
+
+
+def _tiny(stage: int, **overrides):
+    cfg = small_config(**{"mesh.ici.stage": stage, "mesh.ici.fsdp": 8 // stage, "model.n_layers": 4,
+                          "model.remat": "full", "train.per_device_batch_size": 2, **overrides})
+    cfg.model.attention = "xla"  # the one whose dot FLOPs are all visible (no run-time loop bounds)
+    return cfg
+
+
+def _by_hand_per_token(remat: str) -> dict[str, float]:
+    """small_config's Llama with 4 layers, worked out here: d 64, 4 heads (2 kv) of 16, mlp 128,
+    vocab 128, seq 32."""
+    attention_proj, ffn = 64 * 64 + 2 * 64 * 32 + 64 * 64, 3 * 64 * 128
+    scores_fwd = 4 * 32 * 4 * 16  # QK^T and AV, 2 FLOPs per MAC, unmasked, per layer
+    recompute = {"full": 2 * (attention_proj + 2 * 64 * 128) + scores_fwd, "none": 0}[remat]
+    return {"layers": 4 * (6 * (attention_proj + ffn) + 3 * scores_fwd + recompute), "head": 6 * 64 * 128}
+
+
+@pytest.mark.parametrize("stage, microbatches", [(1, 0), (2, 4)])
+def test_compiled_dot_flops_equal_the_analytic_count(devices, stage, microbatches):
+    """Compiled on 8 fake devices (fsdp=8; stage=2 x fsdp=4 with 4 microbatches): the compiled
+    step runs the analytic FLOPs and nothing more, remat's recompute and the bubble's
+    (M+S-1)/M = 5/4 included, and the LM head on every stage."""
+    cfg = _tiny(stage, **{"pipeline.microbatches": microbatches})
+    r = compile_lib.analyse(cfg, "mi355x", 8)
+    hand = _by_hand_per_token("full")
+    tokens = 16 * 32 / 8  # per device, before the pipeline's shares
+    bubble = 5 / 4 if stage > 1 else 1
+    expected = tokens * (hand["layers"] * bubble + hand["head"] * stage)
+    assert r["analytic_dot_flops"]["total"] == pytest.approx(expected, rel=1e-12)
+    assert not r["compiled_flops_lower_bound"]
+    assert r["compiled_dot_flops"] == pytest.approx(expected, rel=1e-3)  # measured: equal
+    if stage > 1:  # without the bubble's term the check fails by its 25%
+        assert r["compiled_dot_flops"] / (expected - tokens * hand["layers"] / 4) > 1.2
+        # per device, fp32: 2 of the 4 layers' weights split 4 ways by fsdp, their norm scales whole;
+        # the embedding and head split by fsdp and the final norm, on both stages (replicated over stage)
+        layer = 64 * 64 + 2 * 64 * 32 + 64 * 64 + 3 * 64 * 128
+        assert r["stages"]["layer_param_bytes"] == 4 * (2 * layer / 4 + 2 * 2 * 64)
+        assert r["stages"]["other_param_bytes"] == 4 * (2 * 128 * 64 / 4 + 64)
+
+
+def test_the_walker_counts_dots_in_loops_and_fusions():
+    """Hand-written HLO: a dot in a fusion in a 3-trip loop, a convolution, and a second dot that a
+    doubled layer would add; the counter sees each."""
+    def module(extra: str = "") -> str:
+        return f"""HloModule m, num_partitions=1
+
+%fused (p0: f32[8,16], p1: f32[16,4]) -> f32[8,4] {{
+  %p0 = f32[8,16]{{1,0}} parameter(0)
+  %p1 = f32[16,4]{{1,0}} parameter(1)
+  ROOT %d = f32[8,4]{{1,0}} dot(%p0, %p1), lhs_contracting_dims={{1}}, rhs_contracting_dims={{0}}
+}}
+
+%body (t: (s32[], f32[8,16], f32[16,4])) -> (s32[], f32[8,16], f32[16,4]) {{
+  %t = (s32[], f32[8,16]{{1,0}}, f32[16,4]{{1,0}}) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  %a = f32[8,16]{{1,0}} get-tuple-element(%t), index=1
+  %b = f32[16,4]{{1,0}} get-tuple-element(%t), index=2
+  %f = f32[8,4]{{1,0}} fusion(%a, %b), kind=kOutput, calls=%fused
+  {extra}
+  ROOT %r = (s32[], f32[8,16]{{1,0}}, f32[16,4]{{1,0}}) tuple(%i, %a, %b)
+}}
+
+%cond (t: (s32[], f32[8,16], f32[16,4])) -> pred[] {{
+  %t = (s32[], f32[8,16]{{1,0}}, f32[16,4]{{1,0}}) parameter(0)
+  ROOT %c = pred[] constant(true)
+}}
+
+ENTRY %main (x: f32[8,16], w: f32[16,4], img: f32[1,6,6,3], k: f32[3,3,3,5]) -> f32[1,4,4,5] {{
+  %x = f32[8,16]{{1,0}} parameter(0)
+  %w = f32[16,4]{{1,0}} parameter(1)
+  %img = f32[1,6,6,3]{{3,2,1,0}} parameter(2)
+  %k = f32[3,3,3,5]{{3,2,1,0}} parameter(3)
+  %z = s32[] constant(0)
+  %init = (s32[], f32[8,16]{{1,0}}, f32[16,4]{{1,0}}) tuple(%z, %x, %w)
+  %loop = (s32[], f32[8,16]{{1,0}}, f32[16,4]{{1,0}}) while(%init), condition=%cond, body=%body, backend_config={{"known_trip_count":{{"n":"3"}}}}
+  ROOT %conv = f32[1,4,4,5]{{3,2,1,0}} convolution(%img, %k), window={{size=3x3}}, dim_labels=b01f_01io->b01f
+}}
+"""
+    layout = comm.MeshLayout.from_shape({"a": 1})
+    dot, conv = 2 * 8 * 4 * 16, 2 * (4 * 4 * 5) * (3 * 3 * 3)
+    assert comm.account(module(), layout)["dot_flops"] == 3 * dot + conv
+    doubled = "%g = f32[8,4]{1,0} dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}"
+    assert comm.account(module(doubled), layout)["dot_flops"] == 6 * dot + conv
+
+
+def test_pipeline_minimum_by_hand():
+    """stage=2 x fsdp=4, 4 microbatches: per stage 2 of the 4 layers, gathered and reduce-scattered
+    once per microbatch, and each microbatch's activations over the stage boundary and back."""
+    cfg = small_config(**{"model.n_layers": 4, "model.remat": "full", "train.per_device_batch_size": 2})
+    least = comm_minimum.minimum(cfg.model, cfg.train, "fp32", {"stage": 2, "fsdp": 4}, microbatches=4)
+    terms = {t["term"]: t["cpu_bytes"] for t in least["terms"]}
+    layer = 64 * 64 + 2 * 64 * 32 + 64 * 64 + 3 * 64 * 128
+    assert terms["layer weights"] == pytest.approx(4 * 2 * (2 * 4 + 4) * 3 / 4 * layer)
+    tokens = 2 * 32 * 2  # a stage's device carries 2x the per-device batch (not split over stage)
+    assert terms["stage activations"] == pytest.approx(2 * tokens * 64 * 4)
+    assert terms["LM head"] == pytest.approx((4 + 4) * 3 / 4 * 64 * 128)
+    assert sum(terms.values()) == pytest.approx(least["cpu_bytes"])
+    assert metrics.train_flops_per_token(cfg.model, 32) == pytest.approx(
+        sum(v for k, v in metrics.executed_flops_per_token(cfg.model, 32, "none").items()
+            if k in ("layers", "LM head", "causal attention")))
