@@ -35,6 +35,13 @@ Not counted: host transfers (infeed, outfeed, send/recv to the host), and the fe
 synchronisation a real collective library adds. Dtypes are as the program shows them: XLA:CPU's
 float normalization shows bf16 collectives as f32, so on the CPU a bf16 run's bytes read as fp32's
 (see comm_minimum.py for the minimum in both dtypes).
+
+The same walk counts the program's matmul work (`dot_flops`: every dot and convolution, 2 FLOPs per
+multiply-add, times its loops' trip counts, inside fusions too, the larger branch of a conditional),
+so the compile report can hold the compiled step to the analytic FLOPs (maxtext_rocm/compile_estimates.py).
+A dot in a loop without a known trip count (the blockwise attention's run-time bounds) counts
+once and is listed in `unknown_trip_count_dot_loops`: the count is then a lower bound. On XLA:CPU
+every matmul is a plain dot; a GPU program's cuBLAS/hipBLASLt custom calls would not be counted.
 """
 
 from __future__ import annotations
@@ -149,6 +156,7 @@ class _Walker:
         self.layout = layout
         self.partitions = partitions or len(layout.coordinates)
         self.unknown_loops: list[dict] = []
+        self.unknown_flops_loops: list[dict] = []  # dots counted once: dot_flops is then a lower bound
 
     def walk(self, name: str, executions: int, unknown: bool) -> tuple[list[Collective], float]:
         """The collectives of computation `name` and what it calls, and their dot/convolution
@@ -169,9 +177,13 @@ class _Walker:
                 cond, cond_flops = self.walk(callees["condition"], executions * (n + 1 if trip else 1),
                                              unknown or trip is None)
                 inside += cond
-                # Flagged only if it holds a collective or a matmul: a loop of other compute changes no count.
-                if trip is None and (inside or inside_flops):
-                    self.unknown_loops.append({"while": inst.name, "computation": name, "body": callees["body"]})
+                # Flagged only if it holds a collective (or, apart, a matmul): a loop of other compute
+                # changes no count (context parallelism's blockwise loops, whose bounds depend on the shard).
+                loop = {"while": inst.name, "computation": name, "body": callees["body"]}
+                if trip is None and inside:
+                    self.unknown_loops.append(loop)
+                if trip is None and inside_flops:
+                    self.unknown_flops_loops.append(loop)
                 found, flops = found + inside, flops + inside_flops + cond_flops
             elif inst.opcode == "conditional":  # one branch runs: each count takes its largest branch
                 branches = [self.walk(c, executions, unknown) for _, c in inst.callees()]
@@ -282,6 +294,7 @@ def account(text: str, layout: MeshLayout) -> dict:
         "ragged_upper_bound": any(c.upper_bound for c in collectives),
         "unknown_trip_count_loops": walker.unknown_loops,
         "dot_flops": flops,
+        "unknown_trip_count_dot_loops": walker.unknown_flops_loops,
         "collectives": [dataclasses.asdict(c) | {"bytes_per_step": c.bytes_per_step} for c in collectives],
     }
 

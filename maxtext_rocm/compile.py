@@ -14,7 +14,11 @@ is allocated. Printed per device:
     has no latency-hiding scheduler and no GPU fusions, so it usually over-states the GPU's need.
   * "analytic (GPU)": the formula below, from the model's dimensions and the remat policy;
 - FLOPs per step (analytic, `metrics.train_flops_per_token`: `cost_analysis()` counts a scanned
-  layer once);
+  layer once), and the compiled step's own dot FLOPs per device (comm.py's HLO walk, loops x trip
+  counts) against what the one formula says it should run: remat's recompute, a pipeline's bubble
+  and its LM head on every stage included (maxtext_rocm/compile_estimates.py);
+- under a pipeline (mesh stage > 1), every figure is one device of one stage: its L/S layers, the
+  GPipe loop's saved iterations, the stage's share of the embedding and head (compile_estimates.py);
 - the verdict against the target's memory (times `--usable`, default 0.92: the runtime and the
   allocator keep some), decided on the analytic GPU estimate; the XLA CPU figure is printed with it.
 
@@ -196,7 +200,7 @@ def analyse(cfg, kind: str, n_devices: int, usable: float = 0.92, compile_it: bo
         layout = comm_lib.MeshLayout.of(mesh, config_lib.mesh_shape(cfg.mesh, n_devices, nodes), compiled)
         counted = comm_lib.account(hlo, layout)
         report["compiled_dot_flops"] = counted["dot_flops"]
-        report["compiled_flops_lower_bound"] = bool(counted["unknown_trip_count_loops"])
+        report["compiled_flops_lower_bound"] = bool(counted["unknown_trip_count_dot_loops"])
         if comm:
             report["comm"] = comm_lib.report(hlo, layout, cfg.model, cfg.train, cfg.precision.policy, kind,
                                              microbatches, counted)

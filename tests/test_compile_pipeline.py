@@ -37,6 +37,10 @@ def test_compiled_dot_flops_equal_the_analytic_count(devices, stage, microbatche
     assert r["analytic_dot_flops"]["total"] == pytest.approx(expected, rel=1e-12)
     assert not r["compiled_flops_lower_bound"]
     assert r["compiled_dot_flops"] == pytest.approx(expected, rel=1e-3)  # measured: equal
+    # The activation estimate against XLA:CPU's buffer assignment (which upcasts and does not schedule
+    # for memory like a GPU): measured 0.67 (fsdp=8) and 0.70 (stage=2) here, where the two gathered
+    # fp32 layers of the estimate weigh most; 1.13 to 1.26 at tiny_llama's size (docs/figures.md).
+    assert 0.5 <= r["xla_activations_bytes"] / r["analytic_activations_bytes"] <= 1.6
     if stage > 1:  # without the bubble's term the check fails by its 25%
         assert r["compiled_dot_flops"] / (expected - tokens * hand["layers"] / 4) > 1.2
         # per device, fp32: 2 of the 4 layers' weights split 4 ways by fsdp, their norm scales whole;
