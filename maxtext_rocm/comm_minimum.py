@@ -74,7 +74,9 @@ least (M + P - 1)/M on those terms.
 Dtypes: every term is in 4-byte elements in the CPU figure, the dtype XLA:CPU shows (its float
 normalization turns bf16 all-gathers, all-reduces, reduce-scatters and all-to-alls into f32 ones,
 checked on jax 0.10.2; so on the CPU a weight cast to bf16 before its gather cannot be seen in
-the bytes, only in the HLO's converts). The GPU figure takes c = 2 under bf16 and fp8, 4 under
+the bytes, only in the HLO's converts), except the layers' weights under fp8: their all-gathers
+show as f16 there (2 bytes; measured on tiny_llama:fp8 and 405B:fp8, jax 0.10.2), so the CPU
+figure takes w = 2 for them. The GPU figure takes c = 2 under bf16 and fp8, 4 under
 fp32; w = the smaller of c and the parameters' bytes (weights cast to bf16 before the gather, fp8
 quantizing after it); gradients in the parameters' dtype.
 
@@ -126,12 +128,12 @@ def minimum(model_cfg, train_cfg, policy: str, sizes: dict[str, int], param_byte
     gpu_c = 4 if policy == "fp32" else 2
     head_tables = 1 if m.tie_embeddings else 2
 
-    def terms(w: float, c: float, gb: float) -> list[tuple[str, str, float, str]]:
-        rows = [
-            ("layer weights", zero, A * L * (g * w + gb) * (F - 1) / F * P_l,
-             f"A*L*(g*w+4)*(F-1)/F*P_l = {A}*{L}*({g}*{w}+{gb})*({F}-1)/{F}*{P_l:.0f}"),
-            ("expert weights", zero_e, A * L * (g * w + gb) * (Fe - 1) / Fe * P_e,
-             f"A*L*(g*w+4)*(Fe-1)/Fe*P_e = {A}*{L}*({g}*{w}+{gb})*({Fe}-1)/{Fe}*{P_e:.0f}"),
+    def terms(w: float, c: float, gb: float, wl: float) -> list[tuple[str, str, float, str]]:
+        rows = [  # wl: a layer weight's gathered bytes (w but for the CPU's fp8 layers, see Dtypes)
+            ("layer weights", zero, A * L * (g * wl + gb) * (F - 1) / F * P_l,
+             f"A*L*(g*w+4)*(F-1)/F*P_l = {A}*{L}*({g}*{wl}+{gb})*({F}-1)/{F}*{P_l:.0f}"),
+            ("expert weights", zero_e, A * L * (g * wl + gb) * (Fe - 1) / Fe * P_e,
+             f"A*L*(g*w+4)*(Fe-1)/Fe*P_e = {A}*{L}*({g}*{wl}+{gb})*({Fe}-1)/{Fe}*{P_e:.0f}"),
             ("LM head", zero, A_head * (w + gb) * (F - 1) / F * d * V / t,
              f"A*(w+4)*(F-1)/F*d*V/t = {A_head}*({w}+{gb})*({F}-1)/{F}*{d}*{V}/{t}"),
         ]
@@ -158,7 +160,8 @@ def minimum(model_cfg, train_cfg, policy: str, sizes: dict[str, int], param_byte
                          f"A*M*2*T_mb*d*c = {A}*2*{T:.0f}*{d}*{c}"))
         return rows
 
-    cpu, gpu = terms(4, 4, 4), terms(min(gpu_c, param_bytes), gpu_c, param_bytes)
+    w_gpu = min(gpu_c, param_bytes)
+    cpu, gpu = terms(4, 4, 4, 2 if policy == "fp8" else 4), terms(w_gpu, gpu_c, param_bytes, w_gpu)
     out = [{"term": name, "axes": axes or "-", "cpu_bytes": b_cpu, "gpu_bytes": b_gpu,
             "formula": formula, "gpu_formula": gpu_formula}
            for (name, axes, b_cpu, formula), (_, _, b_gpu, gpu_formula) in zip(cpu, gpu) if b_cpu > 0]
