@@ -397,10 +397,12 @@ def format_report(r: dict) -> str:
         f"{axes} {v['measured_bytes'] / MIB:.2f} / {v['minimum_bytes'] / MIB:.2f} MiB" for axes, v in r["by_axes"].items()))
     if r.get("stages"):
         st = r["stages"]
-        lines.append(f"between stages ({st['link']}): collective-permutes {st['permute_bytes'] / MIB:.2f} MiB "
-                     f"(minimum {st['minimum_bytes'] / MIB:.2f} MiB: each microbatch's activations forward and "
-                     f"cotangents back, once; the loop also moves the bubble's), other collectives over stage "
-                     f"{st['other_bytes'] / MIB:.2f} MiB (the minimum has none)")
+        lines.append(f"between stages ({st['link']}): {(st['permute_bytes'] + st['other_bytes']) / MIB:.2f} MiB over "
+                     f"`stage` against a minimum of {st['minimum_bytes'] / MIB:.2f} MiB (each microbatch's activations "
+                     "forward and cotangents back, once; the loop's M+S-1 iterations also move the bubble's): "
+                     f"collective-permutes {st['permute_bytes'] / MIB:.2f} MiB, other collectives "
+                     f"{st['other_bytes'] / MIB:.2f} MiB (how XLA partitions the loop's stage shift and the last "
+                     "stage's output, which every stage receives each iteration)")
     lines.append(f"time at {r['target']} link bandwidth ({name} {intra:g} GB/s, NIC {inter:g} GB/s per GPU "
                  f"per direction): measured {r['measured_seconds'] * 1e3:.3f} ms, minimum "
                  f"{r['minimum_seconds'] * 1e3:.3f} ms per step (bytes / bandwidth, no overlap, no latency)")
