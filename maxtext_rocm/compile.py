@@ -301,9 +301,8 @@ def format_report(r: dict) -> str:
     if r.get("stages"):
         st = r["stages"]
         lines.append(f"per stage ({st['stages']} stages, every figure above is one device of one stage; all "
-                     f"stages alike, so the worst is any): layers' parameters {_gib(st['layer_param_bytes']).strip()}, "
-                     f"embedding + LM head + final norm {_gib(st['other_param_bytes']).strip()} on every stage "
-                     f"({st['note']})")
+                     f"stages alike, so the worst is any): parameters split over stage {_gib(st['layer_param_bytes']).strip()}, "
+                     f"on every stage {_gib(st['other_param_bytes']).strip()}: {st['note']}")
     flops = r["flops_per_step"]
     n = int(r["target"].split(":")[1])
     timing = ""

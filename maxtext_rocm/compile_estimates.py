@@ -85,27 +85,27 @@ def layer_param_bytes(cfg, axis_sizes) -> float:
 
 
 def per_stage(params, stages: int) -> dict:
-    """Per-device parameter bytes of each pipeline stage: the stacked layers' share (sharded over
-    `stage`) and the rest (embedding, LM head, final norm), on every stage or only the first/last,
-    as the abstract state's shardings place them."""
+    """Per-device parameter bytes of a pipeline stage, read from the abstract state's shardings: the
+    leaves split over `stage` (each stage holds its own share) and the leaves replicated over it
+    (every stage holds them whole, as split by the other axes), named."""
     import jax
-    layers = rest = 0
-    over_stage = set()
+    split = replicated = 0
+    names = []
     for path, leaf in jax.tree_util.tree_leaves_with_path(params):
         shard = leaf.sharding.shard_shape(leaf.shape) if leaf.sharding is not None else leaf.shape
         size = math.prod(shard) * leaf.dtype.itemsize
         spec = getattr(leaf.sharding, "spec", ())
         axes = {a for entry in spec if entry for a in ((entry,) if isinstance(entry, str) else entry)}
         if "stage" in axes:
-            layers += size
+            split += size
         else:
-            rest += size
-            over_stage.add(jax.tree_util.keystr(path).split("'")[1] if "'" in jax.tree_util.keystr(path) else "")
-    return {"stages": stages, "layer_param_bytes": layers, "other_param_bytes": rest,
-            "other_params": sorted(over_stage), "other_on_every_stage": True,
-            "note": "the embedding, LM head and final norm are replicated over `stage` (sharding.py's rules "
-                    "map only the stacked layers' axis to it): every stage holds them and runs the head "
-                    "and loss on its batch shard, so all stages are alike"}
+            replicated += size
+            names.append("/".join(str(getattr(k, "key", k)) for k in path))
+    return {"stages": stages, "layer_param_bytes": split, "other_param_bytes": replicated,
+            "replicated_over_stage": names,
+            "note": f"{', '.join(names) or 'nothing'} replicated over `stage` (sharding.py maps only the stacked "
+                    "layers' axis to it): every stage holds them, and the head and loss run on every stage's "
+                    "batch shard, so all stages are alike"}
 
 
 # ----------------------------------------------------------------------------------------------

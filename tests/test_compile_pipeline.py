@@ -49,6 +49,7 @@ def test_compiled_dot_flops_equal_the_analytic_count(devices, stage, microbatche
         layer = 64 * 64 + 2 * 64 * 32 + 64 * 64 + 3 * 64 * 128
         assert r["stages"]["layer_param_bytes"] == 4 * (2 * layer / 4 + 2 * 2 * 64)
         assert r["stages"]["other_param_bytes"] == 4 * (2 * 128 * 64 / 4 + 64)
+        assert r["stages"]["replicated_over_stage"] == ["embed/embedding", "final_norm/scale", "lm_head/kernel"]
         # between the stages: each microbatch's block output forward and its cotangent back, 2 x 128
         # tokens per device x d 64 in fp32 at least; the loop moves the bubble's too, 5/4 of it at least
         between = r["comm"]["stages"]
