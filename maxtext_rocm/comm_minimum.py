@@ -113,7 +113,8 @@ def minimum(model_cfg, train_cfg, policy: str, sizes: dict[str, int], param_byte
     # Tokens per device per micro-batch: the batch is not split over `stage`, so a stage's devices
     # carry P times the per-device batch; a pipeline's microbatch is 1/M of it.
     T = train_cfg.per_device_batch_size * train_cfg.seq_len * t * P / A
-    L, d, V, k = m.n_layers // P, m.d_model, m.vocab_size, m.experts_per_token
+    # a stage's share of the real layers (a padded stack's empty slots are overhead, not minimum)
+    L, d, V, k = m.n_layers / P if m.n_layers % P else m.n_layers // P, m.d_model, m.vocab_size, m.experts_per_token
     A_head = train_cfg.grad_accum  # the embedding and LM head run outside the pipeline, on the whole batch
     kv = m.n_kv_heads * m.head_dim
     P_l, P_e = _params(m, t, E)

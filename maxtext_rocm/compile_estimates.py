@@ -6,9 +6,10 @@ Activations (symbols in maxtext_rocm/compile.py's docstring) without a pipeline:
     L*saved + 2*layer_all + logits (+ the gathered weights, in compile.py)
 
 With a GPipe pipeline of S stages and M microbatches (maxtext_rocm/parallel/pipeline.py), each
-device holds L/S layers and runs the loop's I = M + S - 1 iterations on T/M tokens at a time; the
-loop's autodiff saves every iteration's residuals, the bubble's included:
-    I * (L/S*saved + T_mb*d*c)          each iteration: its L/S layers' saved tensors + the stage's input
+device holds K = L/S layers and runs the loop's I = M + S - 1 iterations on T/M tokens at a time
+(circular schedules and stacks that do not divide: `loop_shape`); the loop's autodiff saves every
+iteration's residuals, the bubble's included:
+    I * (K*saved + T_mb*d*c)            each iteration: its K layers' saved tensors + the stage's input
     + 2*layer_all(T_mb)                 one layer recomputed + its gradients, a microbatch at a time
     + I*T_mb*d*c                        the last stage's outputs the loop stacks
     + logits (T tokens)                 the LM head and loss run after the loop on the whole batch shard
@@ -34,7 +35,18 @@ def effective_remat(remat: str, stages: int) -> str:
     return PIPELINE_REMAT.get(remat, remat) if stages > 1 else remat
 
 
+def loop_shape(pipeline_cfg, n_layers: int, stages: int, microbatches: int) -> tuple[int, int]:
+    """(iterations, layer slots each device runs per iteration) of the pipeline loop: GPipe
+    M + S - 1 iterations of ceil(L/S) slots; a circular schedule of R repeats R M + S - 1 of
+    ceil(L/(S R)). A stack that does not divide is padded with empty slots, which run the layer on
+    zeros like any other (parallel/pipeline.py), so they count in memory and FLOPs."""
+    R = pipeline_cfg.repeats if pipeline_cfg.schedule == "circular" else 1
+    return R * microbatches + stages - 1, math.ceil(n_layers / (stages * R))
+
+
 def analytic_activations(cfg, axis_sizes: dict[str, int], n_devices: int, microbatches: int = 1) -> dict[str, float]:
+    # (a circular schedule's buffer, which holds the last stage's output until stage 0 is free, is
+    # not counted: one microbatch's block output per device)
     """The activation estimate of compile.py's docstring (and this module's, under a pipeline),
     per device, in bytes."""
     m, tr = cfg.model, cfg.train
@@ -68,9 +80,10 @@ def analytic_activations(cfg, axis_sizes: dict[str, int], n_devices: int, microb
         logits = T * V / t * (c + 8)
     if S_p <= 1:
         return {"layers": L * saved + 2 * layer_all, "logits": logits}
-    M, I = microbatches, microbatches + S_p - 1
+    M = microbatches
+    I, K = loop_shape(cfg.pipeline, L, S_p, M)
     T_mb = T / M  # saved and layer_all are linear in the tokens
-    return {"layers": I * (L / S_p * saved / M + T_mb * d * c) + 2 * layer_all / M,
+    return {"layers": I * (K * saved / M + T_mb * d * c) + 2 * layer_all / M,
             "pipeline loop": I * T_mb * d * c, "logits": logits}
 
 
@@ -115,7 +128,8 @@ def per_stage(params, stages: int) -> dict:
 def analytic_device_flops(cfg, axis_sizes: dict[str, int], n_devices: int, microbatches: int = 1) -> dict:
     """Dot FLOPs per device per step that the compiled train step should run: the one formula's
     terms (metrics.executed_flops_per_token) for the step's tokens, split over the devices, with a
-    pipeline's layers x (M + S - 1)/M (the bubble's iterations compute on dropped data) and its LM
+    pipeline's layers x (M + S - 1)/M (the bubble's iterations compute on dropped data; see
+    loop_shape for circular schedules and padded stacks) and its LM
     head x S (it runs on every stage: see per_stage). None for a MoE model, whose executed FLOPs
     depend on the implementation (capacity slots, every expert on the dense path)."""
     from maxtext_rocm import config as config_lib
@@ -129,7 +143,10 @@ def analytic_device_flops(cfg, axis_sizes: dict[str, int], n_devices: int, micro
     if cfg.model.attention != "xla":  # the blockwise/flash kernels skip the masked blocks
         terms["masked attention"] = 0.0
     tokens = config_lib.global_batch_size(cfg, n_devices) * cfg.train.seq_len
-    bubble = (microbatches + S - 1) / microbatches if S > 1 else 1.0
+    bubble = 1.0
+    if S > 1:  # layer passes per device against the L/S x M of a schedule without a bubble
+        I, K = loop_shape(cfg.pipeline, cfg.model.n_layers, S, microbatches)
+        bubble = I * K * S / (cfg.model.n_layers * microbatches)
     per_device = {k: v * tokens / n_devices * (S if k == "LM head" else bubble) for k, v in terms.items()}
     convention = metrics.train_flops_per_token(cfg.model, cfg.train.seq_len) * tokens / n_devices
     return {"terms": per_device, "total": sum(per_device.values()), "convention_per_device": convention,
