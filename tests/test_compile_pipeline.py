@@ -2,9 +2,11 @@
 by comm.py's HLO walker, against the one FLOPs formula (metrics.executed_flops_per_token)."""
 
 import pytest
+from ml_collections import ConfigDict
 
 from conftest import small_config
 from maxtext_rocm import comm, comm_minimum, compile as compile_lib, metrics
+from maxtext_rocm.compile_estimates import loop_shape
 
 
 def _tiny(stage: int, **overrides):
@@ -114,6 +116,10 @@ def test_pipeline_minimum_by_hand():
     assert terms["stage activations"] == pytest.approx(2 * tokens * 64 * 4)
     assert terms["LM head"] == pytest.approx((4 + 4) * 3 / 4 * 64 * 128)
     assert sum(terms.values()) == pytest.approx(least["cpu_bytes"])
+    # the loop a circular schedule or a padded stack runs (exact against compiled FLOPs on the pipeline branch)
+    gpipe, circular = cfg.pipeline.to_dict(), {**cfg.pipeline.to_dict(), "schedule": "circular", "repeats": 2}
+    assert loop_shape(ConfigDict(gpipe), 126, 8, 8) == (15, 16)  # 405B on 8 stages: 2 empty slots
+    assert loop_shape(ConfigDict(circular), 4, 2, 4) == (9, 1)
     assert metrics.train_flops_per_token(cfg.model, 32) == pytest.approx(
         sum(v for k, v in metrics.executed_flops_per_token(cfg.model, 32, "none").items()
             if k in ("layers", "LM head", "causal attention")))
