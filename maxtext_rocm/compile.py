@@ -316,7 +316,8 @@ def format_report(r: dict) -> str:
         head = (f", LM head on every stage ({a['redundant_head'] / 1e12:.3f} TFLOP/device redundant)"
                 if a["redundant_head"] else "")
         lines.append(f"compiled dot FLOPs per device per step: {r['compiled_dot_flops'] / 1e12:.3f} TFLOP vs analytic "
-                     f"{a['total'] / 1e12:.3f} TFLOP (6N + attention + {a['remat']} remat recompute"
+                     f"{a['total'] / 1e12:.3f} TFLOP (6N + attention"
+                     f"{' + ' + a['remat'] + ' remat recompute' if a['terms']['remat recompute'] else ''}"
                      f"{' + masked attention' if a['terms']['masked attention'] else ''}{bubble}{head}): ratio "
                      f"{r['compiled_dot_flops'] / a['total']:.3f}"
                      + (" (a LOWER bound: dots inside loops without a known trip count, e.g. the blockwise "
