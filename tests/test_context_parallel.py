@@ -2,6 +2,7 @@
 mesh `sequence`, ring and all-gather, with causal load balance, on 8 fake CPU devices, against
 the 1-device run (the plain "xla" attention), values and gradients."""
 
+import re
 
 import jax
 import jax.numpy as jnp
@@ -9,6 +10,7 @@ import ml_collections
 import numpy as np
 import pytest
 
+from maxtext_rocm import comm, comm_minimum
 from maxtext_rocm import config as config_lib
 from maxtext_rocm import sharding
 from maxtext_rocm.models.attention import dot_product_attention
@@ -21,6 +23,7 @@ from helpers import assert_close, loss_and_grads
 
 SINGLE = {f"mesh.ici.{a}": 1 for a in ("data", "fsdp", "expert", "sequence", "tensor")}
 SLOW = pytest.mark.slow
+HEADS, KV_HEADS, HEAD_DIM = 4, 2, 16
 
 
 def packed_segments(rows: int, seq_len: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -77,7 +80,8 @@ def test_causal_attention_work_is_balanced_within_5_percent(n_shards, seq_len):
 # The attention function alone, against the 1-device attention
 
 
-def attention_case(mesh_sizes, mode, window, segmented, balanced=True, seq_len=256, b=2):
+def attention_setup(mesh_sizes, mode, window, segmented, balanced=True, seq_len=256, b=2, dtype=np.float32):
+    """(mesh, the sharded loss of laid-out q, k, v, the 1-device loss, (q, k, v), permutation)."""
     cfg = config_lib.defaults()
     for axis in cfg.mesh.ici:
         cfg.mesh.ici[axis] = mesh_sizes.get(axis, 1)
@@ -88,8 +92,8 @@ def attention_case(mesh_sizes, mode, window, segmented, balanced=True, seq_len=2
     attend = context.context_attention(model_cfg, mesh)
     lay = context.mesh_layout(model_cfg, mesh)
     rng = np.random.default_rng(0)
-    heads, kv_heads, head_dim = 4, 2, 16
-    q, k, v, w = (rng.standard_normal((b, seq_len, h, head_dim)).astype(np.float32)
+    heads, kv_heads, head_dim = HEADS, KV_HEADS, HEAD_DIM
+    q, k, v, w = (rng.standard_normal((b, seq_len, h, head_dim)).astype(dtype)
                   for h in (heads, kv_heads, kv_heads, heads))
     seg = packed_segments(b, seq_len, 1)[0] if segmented else None
 
@@ -104,6 +108,12 @@ def attention_case(mesh_sizes, mode, window, segmented, balanced=True, seq_len=2
     def sharded(q, k, v):
         return jnp.sum(attend(q, k, v, laid_seg) * w[:, perm])
 
+    return mesh, sharded, reference, (q, k, v), perm
+
+
+def attention_case(mesh_sizes, mode, window, segmented, balanced=True, seq_len=256, b=2):
+    mesh, sharded, reference, (q, k, v), perm = attention_setup(mesh_sizes, mode, window, segmented, balanced,
+                                                                 seq_len, b)
     want = jax.value_and_grad(reference, argnums=(0, 1, 2))(q, k, v)
     with jax.set_mesh(mesh):
         value, grads = jax.jit(jax.value_and_grad(sharded, argnums=(0, 1, 2)))(q[:, perm], k[:, perm], v[:, perm])
@@ -138,6 +148,43 @@ def test_a_batch_the_mesh_cannot_split_is_still_exact():
 def test_unbalanced_ring_matches_one_device():
     got, want = attention_case({"sequence": 4}, "ring", 40, True, balanced=False)
     assert_close(got, want)
+
+
+@pytest.mark.parametrize("mode, blocks_per_hop", [("ring", 3), ("all_gather", 2)])
+def test_kv_bytes_are_the_minimum(mode, blocks_per_hop):
+    """One attention's forward and backward (no remat), counted in the compiled program by comm.py:
+    all_gather sends (S-1) local K/V blocks gathering and (S-1) reduce-scattering dK/dV; ring
+    sends K/V S-1 hops forward, then K/V and the dK/dV sums S-1 hops each backward. A ring that
+    sent its sums a hop too many (home after S, as it once did) sends 1/(3(S-1)) more and fails."""
+    S, seq_len, b = 4, 256, 2
+    mesh, sharded, _, (q, k, v), perm = attention_setup({"sequence": S}, mode, 0, False, seq_len=seq_len, b=b)
+    with jax.set_mesh(mesh):
+        compiled = jax.jit(jax.grad(sharded, argnums=(0, 1, 2))).lower(q[:, perm], k[:, perm], v[:, perm]).compile()
+    measured = comm.account(compiled.as_text(), comm.MeshLayout.of(mesh, compiled=compiled))
+    assert not measured["unknown_trip_count_loops"]
+    sent = sum(row["bytes"] for row in measured["rows"] if row["axes"] == "sequence")
+    T = b * seq_len // S  # tokens per device
+    block = 2 * T * KV_HEADS * HEAD_DIM * 4  # one device's K and V, fp32
+    assert sent == blocks_per_hop * (S - 1) * block
+    m = ml_collections.ConfigDict(dict(n_layers=1, d_model=64, n_heads=HEADS, n_kv_heads=KV_HEADS, head_dim=HEAD_DIM,
+                                       mlp_dim=128, vocab_size=128, n_experts=1, experts_per_token=1,
+                                       tie_embeddings=True, remat="none", context_parallel=mode))
+    train = ml_collections.ConfigDict(dict(per_device_batch_size=b / S, seq_len=seq_len, grad_accum=1))
+    terms = {t["term"]: t for t in comm_minimum.minimum(m, train, "fp32", {"sequence": S})["terms"]}
+    assert terms["sequence K/V"]["cpu_bytes"] == sent
+
+
+def test_ring_sends_dkv_in_the_kv_dtype():
+    """Under bf16 the ring's dK/dV partial sums cross in bf16, as the all-gather's reduce-scatter
+    does (fp32 sums would double the backward's bytes on a GPU). Read from the lowered program:
+    XLA:CPU's float normalization shows every collective as f32 once compiled."""
+    mesh, sharded, _, (q, k, v), perm = attention_setup({"sequence": 4}, "ring", 0, False, dtype=jnp.bfloat16)
+    with jax.set_mesh(mesh):
+        text = jax.jit(jax.grad(sharded, argnums=(0, 1, 2))).lower(q[:, perm], k[:, perm], v[:, perm]).as_text()
+    operands = re.findall(r"collective_permute.*?: \(tensor<([^>]*)>", text)
+    # In the program text: K, V in the forward's loop; in the backward K, V before and in its
+    # loop, dK, dV in it and after it (home)
+    assert len(operands) == 10 and all(o.endswith("bf16") for o in operands), operands
 
 
 def test_sequence_one_keeps_the_models_own_attention():
