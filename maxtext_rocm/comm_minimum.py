@@ -53,8 +53,12 @@ Terms (each is 0 when its axis has size 1):
                                                         (no policy keeps an all-to-all's output),
                                                         4 with remat "none"; capacity slots beyond
                                                         T*k are overhead, not minimum
-    sequence        A*L*(g + 1)*2*(S-1)*T*kv/t*c        K and V all-gathered (forward, recompute),
-                                                        their gradients reduce-scattered
+    sequence        A*L*(g + 1 + r)*2*(S-1)*T*kv/t*c    K and V all-gathered (forward, recompute),
+                                                        their gradients reduce-scattered; r=1 under
+                                                        model.context_parallel "ring", else 0: a
+                                                        ring's backward has not kept the K/V blocks
+                                                        that passed, so they go round again (S-1
+                                                        hops) beside the dK/dV sums (S-1 hops)
 
 PIPELINE (mesh stage = P > 1, pipeline.microbatches M; maxtext_rocm/parallel/pipeline.py): each
 stage's devices hold L/P layers and see the whole batch shard (the batch is not split over
@@ -122,6 +126,8 @@ def minimum(model_cfg, train_cfg, policy: str, sizes: dict[str, int], param_byte
     n_t = 5 if m.remat == "full" else 4
     n_e = 4 if m.remat == "none" else 5
     moe = m.n_experts > 1
+    from maxtext_rocm.parallel.context import resolve_mode
+    r_ring = 1 if resolve_mode(getattr(m, "context_parallel", "auto")) == "ring" else 0
     # axis labels in the mesh's order (data, fsdp, expert, sequence, tensor), as comm.py writes them
     zero = ",".join(a for a, n in (("fsdp", Fs), ("expert", E), ("sequence", S)) if n > 1)
     zero_e = ",".join(a for a, n in (("fsdp", Fs), ("sequence", S)) if n > 1)
@@ -153,8 +159,8 @@ def minimum(model_cfg, train_cfg, policy: str, sizes: dict[str, int], param_byte
              f"A*(n_t*L+2)*2*(t-1)/t*T*d*c = {A}*({n_t}*{L}+2)*2*({t}-1)/{t}*{T:.0f}*{d}*{c}"),
             ("expert dispatch/combine", "expert", A * n_e * L * (E - 1) / E * T * k * d * c if moe else 0.0,
              f"A*n_e*L*(E-1)/E*T*k*d*c = {A}*{n_e}*{L}*({E}-1)/{E}*{T:.0f}*{k}*{d}*{c}"),
-            ("sequence K/V", "sequence", A * L * (g + 1) * 2 * (S - 1) * T * kv / t * c,
-             f"A*L*(g+1)*2*(S-1)*T*kv/t*c = {A}*{L}*({g}+1)*2*({S}-1)*{T:.0f}*{kv}/{t}*{c}"),
+            ("sequence K/V", "sequence", A * L * (g + 1 + r_ring) * 2 * (S - 1) * T * kv / t * c,
+             f"A*L*(g+1+r)*2*(S-1)*T*kv/t*c = {A}*{L}*({g}+1+{r_ring})*2*({S}-1)*{T:.0f}*{kv}/{t}*{c}"),
         ]
         if P > 1:
             rows.append(("stage activations", "stage", A * 2 * T * d * c,
@@ -170,5 +176,5 @@ def minimum(model_cfg, train_cfg, policy: str, sizes: dict[str, int], param_byte
             "gpu_bytes": sum(r["gpu_bytes"] for r in out),
             "symbols": {"P": P, "M": M, "D": D, "Fs": Fs, "E": E, "S": S, "t": t, "F": F, "Fe": Fe, "Nb": Nb, "A": A,
                         "T": T, "L": L, "d": d, "V": V, "k": k, "kv": kv, "P_l": P_l, "P_e": P_e,
-                        "g": g, "n_t": n_t, "n_e": n_e, "w_gpu": min(gpu_c, param_bytes), "c_gpu": gpu_c,
+                        "g": g, "r": r_ring, "n_t": n_t, "n_e": n_e, "w_gpu": min(gpu_c, param_bytes), "c_gpu": gpu_c,
                         "grad_bytes_gpu": param_bytes}}

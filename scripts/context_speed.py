@@ -6,7 +6,9 @@ One process with 8 fake CPU devices (XLA reads its flags once per process, so bo
 them): the same one-sequence batch (train.per_device_batch_size = 1 on one device, 0.125 on 8)
 trained on 1 device (sequence=1, the blockwise attention) and on 8 devices with mesh sequence=8
 for each model.context_parallel mode, causal load balance on. tiny_llama's dimensions, fp32,
-synthetic data. Prints each median step time and the ratio to the 1-device run.
+synthetic data. The three trainers are built first, then take turns step by step (a change in
+the host's load falls on all of them). Prints each median step time and the ratio to the 1-device
+run.
 
 On a CPU the 8 "devices" share the host's cores, so the ratio measures the algorithm's overhead
 (and the balance of its work) more than a speed-up; on a GPU each shard has its own chip.
@@ -31,7 +33,7 @@ from maxtext_rocm import config as config_lib  # noqa: E402
 from maxtext_rocm.train import Trainer  # noqa: E402
 
 
-def step_times(seq_len: int, steps: int, devices, **overrides) -> list[float]:
+def make_trainer(seq_len: int, steps: int, devices, **overrides) -> Trainer:
     cfg = config_lib.load_preset("tiny_llama")
     for key, value in {"precision.policy": "fp32", "data.source": "synthetic", "train.seq_len": seq_len,
                        "train.steps": steps + 1, "checkpoint.enabled": False, "log.tensorboard": False,
@@ -41,12 +43,20 @@ def step_times(seq_len: int, steps: int, devices, **overrides) -> list[float]:
         config_lib.set_key(cfg, key, value)
     trainer = Trainer(cfg, devices=devices, log=lambda *_: None)
     jax.block_until_ready(trainer.step())  # compiles
-    times = []
+    return trainer
+
+
+def step_times(trainers: dict, steps: int) -> dict[str, list[float]]:
+    """Each trainer's step times, the trainers taking turns step by step, so that a change in the
+    host's load (other work on shared cores) falls on every row alike."""
+    times = {name: [] for name in trainers}
     for _ in range(steps):
-        start = time.perf_counter()
-        jax.block_until_ready(trainer.step())
-        times.append(time.perf_counter() - start)
-    trainer.close()
+        for name, trainer in trainers.items():
+            start = time.perf_counter()
+            jax.block_until_ready(trainer.step())
+            times[name].append(time.perf_counter() - start)
+    for trainer in trainers.values():
+        trainer.close()
     return times
 
 
@@ -57,11 +67,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     devices = jax.devices()
-    rows = {"sequence=1 (1 device)": step_times(args.seq_len, args.steps, devices[:1],
-                                                **{"train.per_device_batch_size": 1})}
+    trainers = {"sequence=1 (1 device)": make_trainer(args.seq_len, args.steps, devices[:1],
+                                                      **{"train.per_device_batch_size": 1})}
     for mode in ("all_gather", "ring"):
-        rows[f"sequence=8 {mode}"] = step_times(args.seq_len, args.steps, devices, **{
+        trainers[f"sequence=8 {mode}"] = make_trainer(args.seq_len, args.steps, devices, **{
             "mesh.ici.sequence": 8, "model.context_parallel": mode, "train.per_device_batch_size": 0.125})
+    rows = step_times(trainers, args.steps)
     base = statistics.median(rows["sequence=1 (1 device)"])
     report = {}
     print(f"one {args.seq_len}-token sequence, tiny_llama dims, fp32, remat full, {os.cpu_count()} host cores")

@@ -10,9 +10,13 @@ over the whole mesh, each device on its own queries, in one of two ways (`model.
   one reduce-scatter of dK, dV. Bytes leaving a device: (S-1)/S of one layer's K/V.
 - "ring": K/V blocks travel around `sequence` with `ppermute` (S-1 hops), each device folding
   each arriving block into an online softmax (context_blocks.py), so no device ever holds more
-  than its own and one arriving block of K/V. The backward passes K/V round again with their
-  dK/dV accumulators (S hops for those, to bring them home). Same bytes as the all-gather; the
-  permute of the next block can run under the current block's computation.
+  than its own and one arriving block of K/V. The forward moves the all-gather's bytes. The
+  backward cannot: it has not kept the blocks that passed (keeping them is the all-gather), so
+  K/V go round again (S-1 hops) beside the dK/dV partial sums (S-1 hops, in K/V's dtype, like
+  the all-gather's reduce-scatter): one layer's backward sends 2 blocks per hop where the
+  all-gather's sends 1. Under remat the forward's ring runs twice, so a step moves 4 blocks per
+  hop against the all-gather's 3 (comm_minimum.py holds each to its own). The permute of the
+  next block does not wait for the current block's computation, so it can run under it.
 - "auto": "all_gather". Llama 3's GQA K/V are small (8 KV heads against 64 query heads for 70B),
   so the gathered copy of one layer is transient and cheap (Llama 3.1 8B at 131,072 tokens:
   512 MiB in bf16), and one all-gather is the collective GPU compilers overlap best; it is
@@ -319,15 +323,18 @@ def _ring_bwd(layout: Layout, block: int, window: int, residuals, d_out):
     lse_parts, delta_parts = _chunks(lse, n, 3), _chunks(delta, n, 3)
     q_segs = _chunks(q_seg, n) if q_seg is not None else [None] * n
     q_starts = layout.starts(shard, local_len)
+    hop = functools.partial(jax.lax.ppermute, axis_name=AXIS, perm=_ring_perm(S))
 
     def unfold(r, kv, grads, dq):
-        """This step's key chunks' contributions: to dq (stays) and to their dK, dV (travel)."""
+        """Step r's key chunks (from shard i-r) meet every query chunk: their contributions to dq
+        (which stays) and to those keys' dK, dV, added to `grads` in fp32."""
         k_r, v_r, seg_r = kv
-        dk_r, dv_r = grads
         k_starts = layout.starts((shard - r) % S, local_len)
         k_parts, v_parts = _chunks(k_r, n), _chunks(v_r, n)
         k_segs = _chunks(seg_r, n) if seg_r is not None else [None] * n
-        dq, dk_parts, dv_parts = list(dq), list(_chunks(dk_r, n)), list(_chunks(dv_r, n))
+        dq = list(dq)
+        dk_parts = [p.astype(jnp.float32) for p in _chunks(grads[0], n)]
+        dv_parts = [p.astype(jnp.float32) for p in _chunks(grads[1], n)]
         for c in range(n):
             for e in range(n):
                 dq_ce, dk_ce, dv_ce = blocks.backward(
@@ -336,22 +343,37 @@ def _ring_bwd(layout: Layout, block: int, window: int, residuals, d_out):
                 dq[c], dk_parts[e], dv_parts[e] = dq[c] + dq_ce, dk_parts[e] + dk_ce, dv_parts[e] + dv_ce
         return (_cat(dk_parts), _cat(dv_parts)), tuple(dq)
 
-    def body(r, state):
-        kv, grads, dq = state
-        grads, dq = unfold(r, kv, grads, dq)
-        kv, grads = jax.lax.ppermute((kv, grads), AXIS, _ring_perm(S))
-        return kv, grads, dq
+    def wire(grads):
+        """A travelling dK/dV partial sum in K/V's dtype, as the all-gather's reduce-scatter sends
+        it (a bf16 ring reduce-scatter rounds at every hop too); fp32 travels as fp32."""
+        return grads[0].astype(k.dtype), grads[1].astype(v.dtype)
 
     operands = (q, k, v, d_out, lse, shard)
     def zeros(x):
         return varying.varying_like(jnp.zeros(x.shape, jnp.float32), *operands)
 
-    grads = (zeros(k), zeros(v))
     dq = tuple(zeros(p) for p in q_parts)
-    kv, grads, dq = jax.lax.fori_loop(0, S - 1, body, ((k, v, k_seg), grads, dq))
+    kv = (k, v, k_seg)
+    # Step 0, the device's own keys: their dK/dV stay here, so no accumulator travels with the
+    # first hop. The accumulator of shard j starts at j+1 (step 1) and, after visiting the other
+    # S-2 devices, arrives home with the last of S-1 hops: S-1 hops of K/V and S-1 of dK/dV
+    # (the all-gather's reduce-scatter moves the same (S-1) blocks of dK/dV).
+    own, dq = unfold(0, kv, (zeros(k), zeros(v)), dq)
+    kv = hop(kv)
+    grads = wire((zeros(k), zeros(v)))
+
+    def body(r, state):
+        kv, grads, dq = state
+        # K/V's next hop does not wait for this step's blocks (it can run under them); the
+        # accumulators, which do, go after.
+        next_kv = hop(kv)
+        grads, dq = unfold(r, kv, grads, dq)
+        return next_kv, hop(wire(grads)), dq
+
+    kv, grads, dq = jax.lax.fori_loop(1, S - 1, body, (kv, grads, dq))
     grads, dq = unfold(S - 1, kv, grads, dq)
-    # After S-1 hops the accumulators sit one shard short of home: one more brings them back.
-    dk, dv = jax.lax.ppermute(grads, AXIS, _ring_perm(S))
+    dk, dv = hop(wire(grads))
+    dk, dv = own[0] + dk.astype(jnp.float32), own[1] + dv.astype(jnp.float32)
     return _cat(list(dq)).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None
 
 
