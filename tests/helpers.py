@@ -41,9 +41,11 @@ def loss_and_grads(cfg, devices, step=0):
     gradients are in the model's layer order whatever order a pipeline stores the stack in."""
     run = initial_run(cfg, devices)
     grad_fn = jax.jit(lambda p, b: gradients(p, run.model, b, cfg.train.grad_accum, cfg.train.z_loss_weight))
+    run.grad_fn = grad_fn  # called again with arrays like these, it reuses the compiled program
     with run.context():
         grads, _, run.sums = grad_fn(run.state.params, run.batch(step))
     if run.stack is not None:
+        run.stored_grads = jax.tree_util.tree_map(np.asarray, grads)  # storage order, empty slots included
         grads = run.stack.params_to_canonical(grads)
     return float(run.sums["loss"]), jax.tree_util.tree_map(np.asarray, grads), run
 

@@ -1,26 +1,34 @@
-"""Pipeline parallelism over the `stage` mesh axis: the scanned layer stack split into contiguous
-stages, the batch into microbatches that flow through them (GPipe).
+"""Pipeline parallelism over the `stage` mesh axis: the scanned layer stack split over the stage
+devices, the batch into microbatches that flow through them. Two schedules:
 
-The parameters stay the stack's own [n_layers, ...] arrays; sharding.py maps their "layers" axis
-to `stage`, so device group s holds layers [s L/S, (s+1) L/S) and the tree, hence a checkpoint, is
-the same at every stage count. Here they are viewed as [S, L/S, ...] (a reshape of the sharded
-axis, no data moves) and the S stages run as one vmapped stage function whose vmapped axis is
-sharded over `stage` (`spmd_axis_name`): every logical constraint inside the layers keeps its
-meaning, with the stage axis in front, so the pipeline composes with fsdp, tensor, expert and
-sequence sharding as the unpipelined stack does.
+- "gpipe": device s runs layers [s L/S, (s+1) L/S). A loop of M + S - 1 iterations over a state
+  [S, microbatch, seq, d]: stage 0 takes microbatch t, every stage runs its layers on what it
+  holds, and the outputs shift one stage on (a collective-permute between neighbouring stage
+  groups: activations are all that cross them). Bubble (S-1)/(M+S-1).
+- "circular" (pipeline.repeats = R): the stack is S R chunks, chunk v on device v mod S; each
+  microbatch goes round the devices R times, R M + S - 1 iterations of 1/R the work each: bubble
+  (S-1)/(R M+S-1). The shift is a rotation (the last stage's output goes back to stage 0) into a
+  buffer that holds it until stage 0 is free (M >= S); each stage indexes its chunk of the
+  iteration out of its own block, so no weight moves.
 
-The schedule is a loop of M + S - 1 iterations over a state [S, microbatch, seq, d]: stage 0 takes
-microbatch t, every stage runs its layers on what it holds, and the outputs shift one stage on
-(a collective-permute between neighbouring stage groups: activations are all that cross them).
-Stage s is busy for M of the iterations; the rest, (S-1)/(M+S-1) of the time, is the bubble, in
-which it computes on zeros or a repeated microbatch whose results are dropped (they get no
-cotangent, so gradients are exact). The backward pass is the loop's autodiff: all forwards, then
-all backwards, GPipe's order; each layer keeps what model.remat lets it keep, per microbatch.
+The parameters are the stack's own arrays, the "layers" axis sharded over `stage` (sharding.py).
+Where model order is not what each device runs (circular) or the stack does not divide (126
+layers on 8 stages), the run stores the stack in its own order, empty slots included
+(parallel/pipeline_layout.py); checkpoints keep model order. Here storage [S R K, ...] is viewed
+as [S, R, K, ...] (a reshape of the sharded axis, no data moves) and the S stages run as one
+vmapped stage function whose vmapped axis is sharded over `stage` (`spmd_axis_name`): every
+logical constraint inside the layers keeps its meaning, with the stage axis in front, so the
+pipeline composes with fsdp, tensor, expert and sequence sharding as the unpipelined stack does.
+An empty slot runs the layer on its zeros and keeps its input (`where`), so it gets zero gradient.
 
-Router losses the MoE layers sow come back per iteration and stage; only the iterations in which a
-stage held a real microbatch are kept, so the mean over them is the mean over (microbatch, layer):
-the value train.grad_accum = M would give on one device. fp8 delayed scaling is refused by the
-config checks (the amax history would see each layer M times per step and the bubble's zeros).
+Work a stage does in the bubble (on zeros or a repeated microbatch) is dropped and gets no
+cotangent, so gradients are exact. The backward pass is the loop's autodiff: all forwards, then
+all backwards; each layer keeps what model.remat lets it keep, per microbatch.
+
+Router losses the MoE layers sow come back per iteration, stage and slot; only real layers'
+passes over real microbatches are kept, so the mean over them is the mean over (microbatch,
+layer): the value train.grad_accum = M would give on one device. fp8 delayed scaling is refused by
+the config checks (the amax history would see each layer M times per step and the bubble's zeros).
 """
 
 from __future__ import annotations
