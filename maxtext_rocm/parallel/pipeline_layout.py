@@ -107,9 +107,24 @@ def _map(fn, tree, flags):
     return jax.tree_util.tree_map(lambda x, is_layer: fn(x) if is_layer else x, tree, flags)
 
 
+class _Conversion:
+    """One direction for one tree: a program over the layer leaves alone (the others are passed
+    through as they are, not copied) that lays each out as `out_shardings` says."""
+
+    def __init__(self, fn, flags, out_shardings):
+        self.flags = jax.tree_util.tree_leaves(flags)
+        picked = [s for s, is_layer in zip(jax.tree_util.tree_leaves(out_shardings), self.flags) if is_layer]
+        self.program = jax.jit(lambda xs: [fn(x) for x in xs], out_shardings=picked)
+
+    def __call__(self, tree):
+        leaves, treedef = jax.tree_util.tree_flatten(tree)
+        converted = iter(self.program([x for x, is_layer in zip(leaves, self.flags) if is_layer]))
+        return treedef.unflatten([next(converted) if is_layer else x for x, is_layer in zip(leaves, self.flags)])
+
+
 class StateConverter:
-    """The jitted conversions of one run's state (and of its parameters alone), and the state's
-    canonical abstract arrays, which checkpoints are restored into."""
+    """The conversions of one run's state (and of its parameters alone), and the state's canonical
+    abstract arrays, which checkpoints are restored into."""
 
     def __init__(self, layout: StackLayout, flags, storage_sharding, canonical_shapes, mesh):
         self.layout, self.flags = layout, flags
@@ -118,14 +133,10 @@ class StateConverter:
             storage_sharding, canonical_shapes, flags)
         self.canonical_abstract = jax.tree_util.tree_map(
             lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), canonical_shapes, canonical_sharding)
-        # Restored canonical arrays are not needed once stored: donated.
-        self.to_storage = jax.jit(lambda t: _map(layout.to_storage, t, flags),
-                                  out_shardings=storage_sharding, donate_argnums=0)
-        self.to_canonical = jax.jit(lambda t: _map(layout.to_canonical, t, flags), out_shardings=canonical_sharding)
-        self.params_to_storage = jax.jit(lambda t: _map(layout.to_storage, t, flags.params),
-                                         out_shardings=storage_sharding.params, donate_argnums=0)
-        self.params_to_canonical = jax.jit(lambda t: _map(layout.to_canonical, t, flags.params),
-                                           out_shardings=canonical_sharding.params)
+        self.to_storage = _Conversion(layout.to_storage, flags, storage_sharding)
+        self.to_canonical = _Conversion(layout.to_canonical, flags, canonical_sharding)
+        self.params_to_storage = _Conversion(layout.to_storage, flags.params, storage_sharding.params)
+        self.params_to_canonical = _Conversion(layout.to_canonical, flags.params, canonical_sharding.params)
 
     def storage_shapes(self, tree):
         """`tree`'s canonical ShapeDtypeStructs with the layer axis as long as the storage."""
