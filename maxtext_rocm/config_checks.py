@@ -224,9 +224,6 @@ def _validate_pipeline_against_mesh(cfg, stages: int, micro_batch: int, batch_sh
              f"model.n_layers={m.n_layers} leaves some of mesh stage={stages} x pipeline.repeats={pipe.repeats} "
              f"= {virtual} virtual stages without a layer; choose stage x repeats <= {m.n_layers}")
     _require(m.scan_layers, "mesh stage > 1 pipelines the scanned layer stack; set model.scan_layers=True")
-    _require(cfg.precision.policy != "fp8" or cfg.precision.fp8_scaling == "current",
-             "precision.policy='fp8' with delayed scaling is not supported under a pipeline (mesh stage > 1) "
-             "yet; use precision.fp8_scaling='current', another policy, or mesh stage=1")
     if m.family == "mixtral":
         _require(m.moe_impl in ("capacity", "dense"),
                  f"model.moe_impl={m.moe_impl!r} (the dropless expert exchange) is not supported under a "

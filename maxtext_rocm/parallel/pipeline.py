@@ -27,8 +27,10 @@ all backwards; each layer keeps what model.remat lets it keep, per microbatch.
 
 Router losses the MoE layers sow come back per iteration, stage and slot; only real layers'
 passes over real microbatches are kept, so the mean over them is the mean over (microbatch,
-layer): the value train.grad_accum = M would give on one device. fp8 delayed scaling is refused by
-the config checks (the amax history would see each layer M times per step and the bubble's zeros).
+layer): the value train.grad_accum = M would give on one device. fp8 delayed scaling likewise: its
+state updates arrive as cotangents (fp8.py), which a loop would sum over every use of a layer,
+bubble included; the state goes in as one copy per iteration (_fan_out) whose backward keeps each
+slot's real uses only and merges them as fp8.combine_updates merges micro-batches.
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ from jax.sharding import Mesh
 
 from maxtext_rocm.config_checks import pipeline_microbatches
 from maxtext_rocm.errors import ConfigError
+from maxtext_rocm import fp8
+from maxtext_rocm.fp8 import FP8_COLLECTION
 from maxtext_rocm.models.llama import BLOCK_OUTPUT_AXES
 from maxtext_rocm.models.moe import AUX_LOSSES
 from maxtext_rocm.parallel.pipeline_layout import StackLayout
@@ -116,35 +120,43 @@ def _is_first(state: Array) -> Array:
 
 def _schedule(stack: nn.Module, scanned: Callable, x: Array, positions: Array, segment_ids: Array | None, *,
               layout: StackLayout, microbatches: int):
-    variables = stack.variables
-    extra = set(variables) - {"params"}
-    if extra:  # e.g. fp8 delayed scaling state; the config checks refuse it before this
+    variables = dict(stack.variables)
+    extra = set(variables) - {"params", FP8_COLLECTION}
+    if extra:
         raise ConfigError(f"the pipeline cannot carry the layers' {', '.join(sorted(extra))} state yet; "
-                          "use mesh stage=1 for this precision policy")
+                          "use mesh stage=1")
     S, R, K, M = layout.stages, layout.repeats, layout.per_chunk, microbatches
+    n_iterations = R * M + S - 1
     # Storage [S R K, ...] -> [S, R, K, ...]: device s holds its R chunks, its own shard (a reshape
     # of the sharded axis; no data moves). Without padding or repeats storage is model order.
-    params = jax.tree_util.tree_map(lambda p: p.reshape(S, R, K, *p.shape[1:]), variables["params"])
+    stored = jax.tree_util.tree_map(lambda p: p.reshape(S, R, K, *p.shape[1:]), variables)
+    params, fp8_state = stored["params"], stored.get(FP8_COLLECTION)
+    # fp8 delayed scaling: one copy of the state per iteration, so that each use's update (its
+    # cotangent) stays apart and the real ones combine as grad_accum's micro-batches do.
+    fp8_per_iteration = None if fp8_state is None else _fan_out(fp8_state, _uses(layout, M))
     real = jnp.asarray(layout.real)
     padded = bool(layout.empty)
     chunk_module = scanned(1 if padded else K, parent=None)
 
-    def run_chunk(chunk_params, chunk_real, h, pos, seg):
+    def run_chunk(chunk_vars, chunk_real, h, pos, seg):
         if not padded:
-            (h, _), sown = chunk_module.apply({"params": chunk_params}, h, pos, seg, mutable=[AUX_LOSSES])
+            (h, _), sown = chunk_module.apply(chunk_vars, h, pos, seg, mutable=[AUX_LOSSES])
             return h, sown
 
         def slot(h, slot_in):  # one layer; an empty slot passes h through (its zeros get zero gradient)
-            p, is_real = slot_in
-            (out, _), sown = chunk_module.apply({"params": jax.tree_util.tree_map(lambda a: a[None], p)},
+            v, is_real = slot_in
+            if FP8_COLLECTION in v:  # an empty slot's zero scales would divide by zero
+                v = {**v, FP8_COLLECTION: jax.tree_util.tree_map(
+                    lambda a: jnp.where(is_real, a, jnp.ones_like(a)), v[FP8_COLLECTION])}
+            (out, _), sown = chunk_module.apply(jax.tree_util.tree_map(lambda a: a[None], v),
                                                 h, pos, seg, mutable=[AUX_LOSSES])
             return jnp.where(is_real, out, h), jax.tree_util.tree_map(lambda a: a[0], sown)
-        return jax.lax.scan(slot, h, (chunk_params, chunk_real))
+        return jax.lax.scan(slot, h, (chunk_vars, chunk_real))
 
-    def run_stage(stage_params, stage_real, repeat, h, pos, seg):
+    def run_stage(stage_vars, stage_real, repeat, h, pos, seg):
         # The chunk of this repeat: an index into the device's own [R, ...] block.
         chunk = jax.tree_util.tree_map(lambda p: jax.lax.dynamic_index_in_dim(p, repeat, keepdims=False),
-                                       stage_params)
+                                       stage_vars)
         return run_chunk(chunk, jax.lax.dynamic_index_in_dim(stage_real, repeat, keepdims=False), h, pos, seg)
 
     all_stages = jax.vmap(run_stage, spmd_axis_name=STAGE_AXIS)
@@ -154,8 +166,9 @@ def _schedule(stack: nn.Module, scanned: Callable, x: Array, positions: Array, s
     inputs, pos_in, seg_in = (None if a is None else split_microbatches(a, M) for a in (x, positions, segment_ids))
     stage_ids = jnp.arange(S)
 
-    def iteration(carry, t):
+    def iteration(carry, xs):
         out, circling = carry
+        t, fp8_now = xs
         # Stage s works on pass i = t - s: microbatch i mod M of repeat i // M (clamped in the
         # bubble, whose results are dropped and so get no cotangent).
         work = jnp.clip(t - stage_ids, 0, R * M - 1)
@@ -175,14 +188,15 @@ def _schedule(stack: nn.Module, scanned: Callable, x: Array, positions: Array, s
         # Positions and segments are indexed per stage from the inputs every stage holds.
         pos = nn.with_logical_constraint(jnp.take(pos_in, micro, axis=0), token_axes)
         seg = None if seg_in is None else nn.with_logical_constraint(jnp.take(seg_in, micro, axis=0), token_axes)
-        out, sown = all_stages(params, real, repeat, h, pos, seg)
+        stage_vars = {"params": params} if fp8_now is None else {"params": params, FP8_COLLECTION: fp8_now}
+        out, sown = all_stages(stage_vars, real, repeat, h, pos, seg)
         out = nn.with_logical_constraint(out, state_axes)
         return (out, circling), (out[-1] if R == 1 else None, sown)
 
     circling = None if R == 1 else jnp.zeros((S, M, *inputs.shape[1:]), inputs.dtype)
-    n_iterations = R * M + S - 1
     (out, circling), (last_stage, sown) = jax.lax.scan(
-        iteration, (jnp.zeros((S, *inputs.shape[1:]), inputs.dtype), circling), jnp.arange(n_iterations))
+        iteration, (jnp.zeros((S, *inputs.shape[1:]), inputs.dtype), circling),
+        (jnp.arange(n_iterations), fp8_per_iteration))
     if R == 1:  # the last stage finishes microbatch m in iteration m + S - 1
         y = last_stage[S - 1:]
     else:  # the last repeat's outputs, stored as if for one more: stage 0's copy of the buffer
@@ -201,3 +215,44 @@ def _real_work(layout: StackLayout, microbatches: int, leaf: Array) -> Array:
     keep = in_time & layout.real[s, np.clip(work, 0, R * microbatches - 1) // microbatches, k]
     flat = leaf.reshape(-1, *leaf.shape[3:])
     return jnp.take(flat, np.flatnonzero(keep.reshape(-1)), axis=0)
+
+
+def _uses(layout: StackLayout, microbatches: int) -> np.ndarray:
+    """[iterations, S, R, K]: whether slot k of chunk r on device s runs a real layer on a real
+    microbatch in that iteration."""
+    S, R, K = layout.stages, layout.repeats, layout.per_chunk
+    t, s = np.meshgrid(np.arange(R * microbatches + S - 1), np.arange(S), indexing="ij")
+    work = t - s
+    in_time = (work >= 0) & (work < R * microbatches)
+    repeat = np.clip(work, 0, R * microbatches - 1) // microbatches
+    uses = in_time[:, :, None] & (repeat[:, :, None] == np.arange(R)[None, None, :])
+    return uses[..., None] & layout.real[None]
+
+
+def _fan_out(state, uses: np.ndarray):
+    """`state` [S, R, K, ...] repeated once per iteration. Backward, each slot's cotangents (fp8.py:
+    the updated scale and amax history of each use) combine over its real uses only, as
+    fp8.combine_updates merges micro-batches; a slot with none keeps its state."""
+    iterations = uses.shape[0]
+
+    @jax.custom_vjp
+    def fan(tree):
+        return jax.tree_util.tree_map(lambda a: jnp.broadcast_to(a, (iterations, *a.shape)), tree)
+
+    def forward(tree):
+        return fan(tree), tree
+
+    def backward(tree, cotangent):
+        identity = fp8.merge_identity(tree)
+
+        def combine(c, start):  # start: +inf for a scale (the smallest wins), -inf for a history
+            masked = jnp.where(uses.reshape(*uses.shape, *(1,) * (c.ndim - uses.ndim)), c, start[None])
+            return jnp.where(start == jnp.inf, masked.min(axis=0), masked.max(axis=0))
+        combined = jax.tree_util.tree_map(combine, cotangent, identity)
+        used = uses.any(axis=0)
+        return (jax.tree_util.tree_map(
+            lambda new, old: jnp.where(used.reshape(*used.shape, *(1,) * (old.ndim - used.ndim)), new, old),
+            combined, tree),)
+
+    fan.defvjp(forward, backward)
+    return fan(state)

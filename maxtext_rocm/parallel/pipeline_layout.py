@@ -165,4 +165,7 @@ def converter(layout: StackLayout | None, boxed_abstract, storage_sharding, mesh
     if layout is None:
         return None
     flags = layer_flags(nn.get_partition_spec(boxed_abstract))
+    fp8_flags = flags.fp8
+    if isinstance(fp8_flags, dict) and LAYERS in fp8_flags:  # fp8 state is unboxed: stacked by the scan
+        flags = flags.replace(fp8={**fp8_flags, LAYERS: jax.tree_util.tree_map(lambda _: True, fp8_flags[LAYERS])})
     return StateConverter(layout, flags, storage_sharding, nn.meta.unbox(boxed_abstract), mesh)
