@@ -112,12 +112,11 @@ class Trainer:
         return sharding.rules_context(self.mesh)
 
     def state_in_model_order(self):
-        """The state with the layer stack in the model's order, as checkpoints hold it: `.state`
-        itself, or a copy where a pipeline stores the stack in its own order."""
+        """`.state` with the layer stack in model order, as checkpoints hold it, whatever a pipeline stores."""
         return self.state if self.stack is None else self.stack.to_canonical(self.state)
 
     def params_in_model_order(self):
-        """The parameters as the model defines them (for generate, api.loss, exports, comparisons)."""
+        """The parameters as the model defines them: what generate, api.loss and comparisons take."""
         return self.state.params if self.stack is None else self.stack.params_to_canonical(self.state.params)
 
     def save_checkpoint(self) -> None:
