@@ -271,7 +271,8 @@ def test_padded_circular_pipeline_trains_three_steps_like_one_device_and_keeps_e
 @pytest.mark.slow  # three trainers compiled
 def test_checkpoints_cross_between_one_device_order_and_circular_storage(devices, tmp_path):
     """stage=1 writes step 2, a circular pipeline resumes it (to the same next loss) and writes step
-    4 in model order, and stage=1 resumes that: checkpoints never hold the storage order."""
+    4 in model order, and stage=1 resumes that: checkpoints never hold the storage order. A
+    circular run started from those parameters (checkpoint.load_params_from) holds them."""
     steps = {"checkpoint.every": 2, "train.steps": 8}
     one = Trainer(on_mesh(llama, {"fsdp": 8}, tmp_path, **steps), devices=devices, log=lambda *_: None)
     one.run(2)
@@ -293,6 +294,12 @@ def test_checkpoints_cross_between_one_device_order_and_circular_storage(devices
     assert back.step_count == 4
     assert_trees_close(jax.tree_util.tree_map(np.asarray, back.state.params), saved, atol=0)
     assert_close(float(back.step()["loss"]), next_loss)
+
+    # checkpoint.load_params_from reads model order into the pipeline's storage order too.
+    loaded = Trainer(on_mesh(llama, {"stage": 2, "fsdp": 4}, tmp_path / "fresh", **steps, **CIRCULAR, **{
+        "checkpoint.load_params_from": str(tmp_path)}), devices=devices, log=lambda *_: None)
+    assert loaded.step_count == 0
+    assert_trees_close(jax.tree_util.tree_map(np.asarray, loaded.params_in_model_order()), saved, atol=0)
 
 
 @pytest.mark.slow  # fp8 steps compiled twice
