@@ -96,8 +96,10 @@ def defaults() -> ml_collections.ConfigDict:
         # 0 (auto): as many as there are stages, the fewest that keep every stage busy at the
         # schedule's peak; more shrink the bubble ((S-1)/(M+S-1) for gpipe) at more iterations.
         microbatches=0,
-        schedule="gpipe",  # "gpipe": all microbatches forward, then all backward (autodiff of the loop)
-        repeats=1,  # virtual stages per device (for a circular schedule; gpipe takes 1)
+        # "gpipe": all microbatches forward, then all backward (autodiff of the loop); "circular":
+        # each microbatch goes round the stages `repeats` times, bubble (S-1)/(R M+S-1).
+        schedule="gpipe",
+        repeats=1,  # virtual stages per device (circular; gpipe takes 1)
     )
     cfg.precision = dict(
         policy="bf16",  # "fp32", "bf16", or "fp8" (bf16 with fp8 matmuls; see maxtext_rocm/fp8.py)

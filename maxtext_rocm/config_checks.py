@@ -202,8 +202,11 @@ def _validate_pipeline(pipe) -> None:
     _one_of("pipeline.schedule", pipe.schedule, PIPELINE_SCHEDULES)
     _require(isinstance(pipe.microbatches, int) and pipe.microbatches >= 0,
              f"pipeline.microbatches={pipe.microbatches!r} is not valid; use a count >= 1, or 0 for as many as stages")
-    _require(pipe.repeats == 1, f"pipeline.repeats={pipe.repeats} needs a circular schedule, which "
-             f"pipeline.schedule={pipe.schedule!r} is not; set pipeline.repeats=1")
+    _require(isinstance(pipe.repeats, int) and pipe.repeats >= 1,
+             f"pipeline.repeats={pipe.repeats!r} is not valid; use a count >= 1 of virtual stages per device")
+    _require(pipe.repeats == 1 or pipe.schedule == "circular",
+             f"pipeline.repeats={pipe.repeats} needs a circular schedule, which "
+             f"pipeline.schedule={pipe.schedule!r} is not; set pipeline.repeats=1 or pipeline.schedule='circular'")
 
 
 def pipeline_microbatches(pipe, stages: int) -> int:
@@ -214,14 +217,13 @@ def pipeline_microbatches(pipe, stages: int) -> int:
 def _validate_pipeline_against_mesh(cfg, stages: int, micro_batch: int, batch_shards: int, sequence: int) -> None:
     """A pipeline over `stages` devices: its layers, its microbatches, the parts it composes with."""
     m, pipe = cfg.model, cfg.pipeline
-    layers_per = stages * pipe.repeats
-    _require(m.n_layers % layers_per == 0,
-             f"model.n_layers={m.n_layers} does not divide into mesh stage={stages} x pipeline.repeats="
-             f"{pipe.repeats} = {layers_per} equal stages; choose a stage count (and repeats) whose product divides it")
+    # A stack that does not divide is padded with empty slots (parallel/pipeline_layout.py); one
+    # with fewer layers than virtual stages would leave some with nothing to run.
+    virtual = stages * pipe.repeats
+    _require(m.n_layers >= virtual,
+             f"model.n_layers={m.n_layers} leaves some of mesh stage={stages} x pipeline.repeats={pipe.repeats} "
+             f"= {virtual} virtual stages without a layer; choose stage x repeats <= {m.n_layers}")
     _require(m.scan_layers, "mesh stage > 1 pipelines the scanned layer stack; set model.scan_layers=True")
-    _require(cfg.precision.policy != "fp8" or cfg.precision.fp8_scaling == "current",
-             "precision.policy='fp8' with delayed scaling is not supported under a pipeline (mesh stage > 1) "
-             "yet; use precision.fp8_scaling='current', another policy, or mesh stage=1")
     if m.family == "mixtral":
         _require(m.moe_impl in ("capacity", "dense"),
                  f"model.moe_impl={m.moe_impl!r} (the dropless expert exchange) is not supported under a "
@@ -232,6 +234,9 @@ def _validate_pipeline_against_mesh(cfg, stages: int, micro_batch: int, batch_sh
              f"mesh sequence={sequence} (context parallelism) with mesh stage={stages} (a pipeline) is not supported yet: "
              "its shard_map does not run inside the stages' vmap; use one of the two")
     micro = pipeline_microbatches(pipe, stages)
+    _require(pipe.schedule != "circular" or micro >= stages,
+             f"pipeline.microbatches={micro} is fewer than mesh stage={stages}: a circular schedule sends each "
+             f"microbatch round again only once the first stage is free; use pipeline.microbatches >= {stages}")
     _require(micro_batch % micro == 0 and (micro_batch // micro) % batch_shards == 0,
              f"pipeline.microbatches={micro} does not divide the step's {micro_batch} sequences (per "
              f"train.grad_accum micro-batch) into pieces that split over the {batch_shards} batch shards; "

@@ -17,4 +17,4 @@ PROJECTION_FUSIONS = ("auto", "on", "off")
 CONTEXT_PARALLEL_MODES = ("auto", "all_gather", "ring")  # attention under mesh sequence > 1 (parallel/context.py)
 PRECISION_VARIANTS = ("", "bf16", "fp32", "fp8")
 NONFINITE_ACTIONS = ("skip", "stop")
-PIPELINE_SCHEDULES = ("gpipe",)  # "circular" (repeats) is to come: see parallel/pipeline.py
+PIPELINE_SCHEDULES = ("gpipe", "circular")  # circular: pipeline.repeats virtual stages per device

@@ -47,23 +47,45 @@ def run_model(cfg, mesh, device):
 
 def abstract_state(cfg, model, mesh):
     """(init fn, its key, the state as ShapeDtypeStructs carrying their shardings, the shardings):
-    the state's layout without allocating it (the Trainer and the AOT fit check share it)."""
+    the state's layout without allocating it (the Trainer and the AOT fit check share it). Under a
+    pipeline that stores the layer stack in its own order (parallel/pipeline_layout.py) these are
+    the storage order's: what the train step sees."""
+    return stored_state(cfg, model, mesh)[:4]
+
+
+def stored_state(cfg, model, mesh):
+    """abstract_state's four, and the StateConverter between storage and model order (None where
+    they are the same: no conversion is ever made)."""
+    from maxtext_rocm.parallel import pipeline_layout
+
     # The optimizer state's layout depends on whether it clips, not on the numbers (optim.py).
     tx = optim.build_optimizer(optim.hyperparameters(cfg.optimizer, cfg.train.steps), optim.clips(cfg.optimizer))
     create = functools.partial(create_state, model=model, tx=tx, batch_shape=(1, min(cfg.train.seq_len, 8)))
     key = jax.random.key(cfg.train.seed)
     # Flax traces the model's init once, here; `init` replays the recorded program (re-tracing the
     # model cost 0.3-0.5 s of launch at the reference comparison's size).
-    jaxpr, abstract = jax.make_jaxpr(create, return_shape=True)(key)
-    out_tree = jax.tree_util.tree_structure(abstract)
+    jaxpr, boxed = jax.make_jaxpr(create, return_shape=True)(key)
+    out_tree = jax.tree_util.tree_structure(boxed)
 
     def init(k):
         return jax.tree_util.tree_unflatten(out_tree, jax_core.jaxpr_as_fun(jaxpr)(k))
 
-    state_sharding = sharding.logical_to_sharding(nn.get_partition_spec(abstract), mesh)
+    # Stage-sharded layer leaves keep their spec in storage order: S R K slots divide over stage.
+    state_sharding = sharding.logical_to_sharding(nn.get_partition_spec(boxed), mesh)
+    stack = pipeline_layout.converter(pipeline_layout.stack_layout(cfg.pipeline, cfg.model, mesh),
+                                      boxed, state_sharding, mesh)
+    shapes = nn.meta.unbox(boxed)
+    if stack is not None:
+        canonical_init, shapes = init, stack.storage_shapes(shapes)
+
+        def init(k):  # noqa: F811 - the stored state is made in one program, never in model order first
+            return jax.tree_util.tree_map(
+                lambda x, is_layer: stack.layout.to_storage(x) if is_layer else x,
+                nn.meta.unbox(canonical_init(k)), stack.flags)
+
     abstract = jax.tree_util.tree_map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                                      nn.meta.unbox(abstract), state_sharding)
-    return init, key, abstract, state_sharding
+                                      shapes, state_sharding)
+    return init, key, abstract, state_sharding, stack
 
 
 def jit_train_step(cfg, model, mesh, state_sharding, batch_sharding):
@@ -99,12 +121,14 @@ class Launched:
     data_state: dict | None
     compiled_step: jax.stages.Compiled | Future
     state_sharding: object
+    # Storage <-> model order of a pipeline's layer stack (parallel/pipeline_layout.py), or None.
+    stack: object = None
 
 
 def launch(cfg, model, mesh, batch_sharding, batch_dtypes, checkpointer, context, log) -> Launched:
     """Makes or restores the state and compiles the train step, overlapped (see the module's
     docstring). `context()`: the mesh and logical-rule context that tracing reads."""
-    init, key, abstract, state_sharding = abstract_state(cfg, model, mesh)
+    init, key, abstract, state_sharding, stack = stored_state(cfg, model, mesh)
     step = jit_train_step(cfg, model, mesh, state_sharding, batch_sharding)
     resume = checkpointer.find_resume() if checkpointer else None
     if resume and resume.steps[0] > cfg.train.steps:  # the newest the resume may read
@@ -114,11 +138,11 @@ def launch(cfg, model, mesh, batch_sharding, batch_dtypes, checkpointer, context
             f"from in {cfg.output_dir}; raise train.steps above {newest} to train on, or use "
             "another output_dir to start afresh")
     if resume:
-        made = compilation.in_thread(restored_state, checkpointer, resume, abstract, log)
+        made = compilation.in_thread(restored_state, checkpointer, resume, abstract, log, stack)
     else:
         init_jit = jax.jit(lambda k: nn.meta.unbox(init(k)), out_shardings=state_sharding)
         made = compilation.in_thread(fresh_state, cfg.checkpoint, compilation.lower_init(init_jit, key), key,
-                                     abstract, log)
+                                     abstract, log, stack)
     with context():
         lowered = lower_step(step, cfg, mesh, abstract, batch_sharding, batch_dtypes)
     if compilation.compile_overlaps_init():
@@ -133,7 +157,7 @@ def launch(cfg, model, mesh, batch_sharding, batch_dtypes, checkpointer, context
         if moved:
             log(f"checkpoints newer than step {step_count} moved to {moved[0].parent}: "
                 + ", ".join(p.name for p in moved))
-    return Launched(state, step_count, data_state, compiled, state_sharding)
+    return Launched(state, step_count, data_state, compiled, state_sharding, stack)
 
 
 def lower_step(step, cfg, mesh, abstract, batch_sharding, batch_dtypes) -> jax.stages.Lowered:
@@ -145,15 +169,20 @@ def lower_step(step, cfg, mesh, abstract, batch_sharding, batch_dtypes) -> jax.s
     return step.lower(abstract, batch, optimizer_hyperparameters(cfg, mesh, abstract=True))
 
 
-def restored_state(checkpointer, resume, abstract, log):
+def restored_state(checkpointer, resume, abstract, log, stack=None):
     """(state, its step, the data position saved with it) from checkpoint `resume`, each array
-    directly in its sharding."""
-    state, data_state, step = checkpointer.restore(resume, abstract)
+    directly in its sharding. Checkpoints hold model order: under a `stack` converter the state is
+    restored so and stored in the pipeline's order once."""
+    if stack is None:
+        state, data_state, step = checkpointer.restore(resume, abstract)
+    else:
+        state, data_state, step = checkpointer.restore(resume, stack.canonical_abstract)
+        state = stack.to_storage(state)
     log(f"resumed from {resume.manager.directory}/{step}")
     return state, int(data_state["step"]), data_state
 
 
-def fresh_state(checkpoint_cfg, init_lowered, key, abstract, log):
+def fresh_state(checkpoint_cfg, init_lowered, key, abstract, log, stack=None):
     """(state, 0, None): the lowered init program compiled and run (every array made in its
     sharding), optionally with parameters from another run (checkpoint.load_params_from)."""
     n_values = sum(x.size for x in jax.tree_util.tree_leaves(abstract.params))
@@ -161,7 +190,12 @@ def fresh_state(checkpoint_cfg, init_lowered, key, abstract, log):
     if checkpoint_cfg.load_params_from:
         from maxtext_rocm.checkpoint import restore_params
 
-        state = state.replace(params=restore_params(checkpoint_cfg.load_params_from, abstract.params))
+        if stack is None:
+            params = restore_params(checkpoint_cfg.load_params_from, abstract.params)
+        else:  # saved in model order
+            params = stack.params_to_storage(restore_params(checkpoint_cfg.load_params_from,
+                                                            stack.canonical_abstract.params))
+        state = state.replace(params=params)
         log(f"parameters from {checkpoint_cfg.load_params_from}; fresh optimizer at step 0")
     return state, 0, None
 

@@ -56,7 +56,7 @@ def describe(trainer) -> str:
         f"run {cfg.name}: {count_params(cfg) / 1e6:,.1f}M parameters{moe}, {cfg.model.n_layers} layers, "
         f"policy {trainer.policy.name}{fp8_description(trainer.policy, cfg.precision.fp8_scaling)}, "
         f"remat {cfg.model.remat}, attention {cfg.model.attention}; "
-        f"{pipeline.describe(cfg.pipeline, trainer.mesh.shape['stage'])}",
+        f"{pipeline.describe(cfg.pipeline, trainer.mesh.shape['stage'], cfg.model.n_layers)}",
         f"devices: {trainer.n_devices} x {jax.devices()[0].device_kind} ({jax.default_backend()}), "
         f"mesh {sharding.describe(trainer.mesh)}",
         f"batch: {trainer.global_batch} x {cfg.train.seq_len} tokens{accum}; data: {trainer.data.describe()}",

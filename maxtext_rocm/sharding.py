@@ -57,7 +57,8 @@ LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("exp_embed", ("fsdp", "sequence")),  # d_model of expert weights: FSDP, minus `expert`
     ("norm", None),
     # Scanned layers [n_layers, ...]: a sharding, so the parameter tree is the same with and
-    # without a pipeline, and checkpoints restore across stage counts.
+    # without a pipeline, and checkpoints restore across stage counts (a circular or padded
+    # pipeline stores the axis in its own order while training: parallel/pipeline_layout.py).
     ("layers", "stage"),
 )
 

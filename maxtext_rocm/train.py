@@ -71,6 +71,7 @@ class Trainer:
                           self.checkpointer, self.context, self.log)
         self.state, self.step_count, resumed_data_state = launched.state, launched.step_count, launched.data_state
         self._compiled_step, self.state_sharding = launched.compiled_step, launched.state_sharding
+        self.stack = launched.stack  # a pipeline's own layer order (parallel/pipeline_layout.py), or None
         self.data, self.eval_data = data_sources(cfg, self.global_batch, resumed_data_state, self.mesh)
         self._eval_step = (jit_eval_step(self.model, self.mesh, self.state_sharding, self.batch_sharding)
                            if self.eval_data is not None else None)
@@ -110,6 +111,14 @@ class Trainer:
         """The mesh and logical-axis rules that the model's sharding constraints resolve against."""
         return sharding.rules_context(self.mesh)
 
+    def state_in_model_order(self):
+        """`.state` with the layer stack in model order, as checkpoints hold it, whatever a pipeline stores."""
+        return self.state if self.stack is None else self.stack.to_canonical(self.state)
+
+    def params_in_model_order(self):
+        """The parameters as the model defines them: what generate, api.loss and comparisons take."""
+        return self.state.params if self.stack is None else self.stack.params_to_canonical(self.state.params)
+
     def save_checkpoint(self) -> None:
         """Starts an asynchronous save of the current state (all processes must call it); stops
         the run (TrainingDiverged) if the state holds inf/NaN or the skipped-steps limit is hit."""
@@ -120,7 +129,7 @@ class Trainer:
         data_state = self.data.state() if hasattr(self.data, "state") else {}
         data_state = data_state if data_state.get("step") == step else {}  # else: replayed up to step
         try:
-            self.checkpointer.save(step, self.state, {**data_state, "step": step}, self.cfg.model)
+            self.checkpointer.save(step, self.state_in_model_order(), {**data_state, "step": step}, self.cfg.model)
         except NonFiniteState as error:
             raise divergence.bad_checkpoint(error, self.checkpointer.manager.latest_step()) from None
         if divergence.skip_limit_reached(self.cfg.train, in_a_row):  # saved: the frozen state is the last good one

@@ -16,11 +16,12 @@ from maxtext_rocm.step import gradients
 def initial_run(cfg, devices) -> types.SimpleNamespace:
     """A run at initialisation, made as the Trainer makes it (launch.py's model, state layout and
     data sources) without compiling the train step, which the numerical tests never run:
-    .mesh, .model, .state, .batch(step) (a sharded device batch) and .context() (for tracing)."""
+    .mesh, .model, .state, .batch(step) (a sharded device batch), .context() (for tracing) and
+    .stack (a pipeline's storage <-> model order converter, or None: launch.stored_state)."""
     config_lib.validate(cfg, len(devices), 1)
     mesh = sharding.make_mesh(cfg.mesh, devices)
     _, model = launch.run_model(cfg, mesh, devices[0])
-    init, key, _, state_sharding = launch.abstract_state(cfg, model, mesh)
+    init, key, _, state_sharding, stack = launch.stored_state(cfg, model, mesh)
     state = jax.jit(lambda k: nn.meta.unbox(init(k)), out_shardings=state_sharding)(key)
     global_batch = config_lib.global_batch_size(cfg, len(devices))
     data, _ = launch.data_sources(cfg, global_batch, None)
@@ -30,17 +31,22 @@ def initial_run(cfg, devices) -> types.SimpleNamespace:
     def batch(step):
         return launch.place_batch(data.batch(step), layout, batch_sharding, dtypes, global_batch)
 
-    return types.SimpleNamespace(mesh=mesh, model=model, state=state, batch=batch, layout=layout,
+    return types.SimpleNamespace(mesh=mesh, model=model, state=state, batch=batch, layout=layout, stack=stack,
                                  context=lambda: sharding.rules_context(mesh))
 
 
 def loss_and_grads(cfg, devices, step=0):
     """(loss, gradients as host numpy, the run of `initial_run` with the step's summed metrics as
-    .sums) of batch `step` at initialisation, with the config's accumulation and z-loss."""
+    .sums) of batch `step` at initialisation, with the config's accumulation and z-loss. The
+    gradients are in the model's layer order whatever order a pipeline stores the stack in."""
     run = initial_run(cfg, devices)
     grad_fn = jax.jit(lambda p, b: gradients(p, run.model, b, cfg.train.grad_accum, cfg.train.z_loss_weight))
+    run.grad_fn = grad_fn  # called again with arrays like these, it reuses the compiled program
     with run.context():
         grads, _, run.sums = grad_fn(run.state.params, run.batch(step))
+    if run.stack is not None:
+        run.stored_grads = jax.tree_util.tree_map(np.asarray, grads)  # storage order, empty slots included
+        grads = run.stack.params_to_canonical(grads)
     return float(run.sums["loss"]), jax.tree_util.tree_map(np.asarray, grads), run
 
 

@@ -1,13 +1,14 @@
 """Pipeline parallelism (maxtext_rocm/parallel/pipeline.py) on 8 fake devices: the loss and the
-gradients equal one device's, the stages really hold their layers and talk by collective-permute,
-checkpoints cross stage counts, and bad pipeline settings stop before anything compiles."""
+gradients equal one device's under both schedules and with stacks that do not divide into the
+stages, the stages really hold their layers and talk by collective-permute, checkpoints cross
+stage counts and layer orders, and bad pipeline settings stop before anything compiles."""
 
 import jax
 import numpy as np
 import pytest
 
 from maxtext_rocm import config as config_lib
-from maxtext_rocm.parallel import pipeline
+from maxtext_rocm.parallel import pipeline, pipeline_layout
 from maxtext_rocm.train import Trainer
 
 from conftest import small_config
@@ -17,6 +18,7 @@ SINGLE = {f"mesh.ici.{a}": 1 for a in config_lib.MESH_AXES}
 # Four layers so that four stages hold one each; "full" remat: the layers inside a stage are
 # rematerialised as they are without a pipeline.
 LAYERS = {"model.n_layers": 4, "model.remat": "full"}
+CIRCULAR = {"pipeline.schedule": "circular", "pipeline.repeats": 2}
 
 
 def llama(**overrides):
@@ -121,14 +123,97 @@ def test_checkpoint_from_four_stages_resumes_on_one(devices, tmp_path):
     assert_close(float(resumed.step()["loss"]), next_loss)
 
 
+@pytest.mark.parametrize("mesh", [
+    {"stage": 2, "fsdp": 4},
+    pytest.param({"stage": 2, "fsdp": 2, "tensor": 2}, marks=pytest.mark.slow),
+])
+def test_circular_schedule_matches_one_device(mesh, one_device, devices, tmp_path):
+    """Two virtual stages per device: device s runs model layers s and s + 2, stored as its own
+    contiguous block, and the tree in model order is one device's."""
+    cfg = on_mesh(llama, mesh, tmp_path, **CIRCULAR)
+    loss, grads, run = loss_and_grads(cfg, devices)
+    ref_loss, ref_grads, ref_params = one_device
+
+    in_model_order = jax.tree_util.tree_map(np.asarray, run.stack.params_to_canonical(run.state.params))
+    assert_trees_close(in_model_order, ref_params, atol=0)
+    stored = run.state.params["layers"]["attention"]["q"]["kernel"]
+    first_device = stored.addressable_shards[0]
+    assert stored.sharding.spec[0] == "stage" and first_device.index[0] == slice(0, 2)
+    ref_q = ref_params["layers"]["attention"]["q"]["kernel"]
+    np.testing.assert_array_equal(np.asarray(first_device.data), ref_q[[0, 2]][(slice(None), *first_device.index[1:])])
+    assert_close(loss, ref_loss)
+    assert_close(grads, ref_grads)
+
+
+THREE = {"model.n_layers": 3}
+
+
+@pytest.fixture(scope="module")
+def three_layers_on_two_stages(tmp_path_factory):
+    return loss_and_grads(on_mesh(llama, {"stage": 2, "fsdp": 4}, tmp_path_factory.mktemp("three"), **THREE),
+                          jax.devices())
+
+
+@pytest.mark.slow  # a second model compiled for the reference
+def test_stack_that_does_not_divide_into_stages_matches_one_device(three_layers_on_two_stages, devices, tmp_path):
+    ref_loss, ref_grads, _ = loss_and_grads(
+        llama(**SINGLE, **THREE, **{"train.per_device_batch_size": 8, "output_dir": str(tmp_path)}), devices[:1])
+    loss, grads, _ = three_layers_on_two_stages
+    assert_close(loss, ref_loss)
+    assert_close(grads, ref_grads)
+
+
+def test_an_empty_slot_is_skipped_and_gets_no_gradient(three_layers_on_two_stages):
+    """Three layers on two stages: the second holds an empty slot, which passes activations
+    through and gets exactly zero gradient; the first line of the run states it."""
+    loss, _, run = three_layers_on_two_stages
+    assert run.stack.layout.layer_of_slot.tolist() == [0, 1, 2, -1]
+    for path, g in jax.tree_util.tree_leaves_with_path(run.stored_grads["layers"]):
+        assert g.shape[0] == 4 and not np.any(g[3]), jax.tree_util.keystr(path)
+        assert np.any(g[2]), jax.tree_util.keystr(path)  # the real layer beside it does learn
+    # Skipped, not merely zero (a zero Llama block happens to be the identity): filled with a
+    # real layer's weights, it changes nothing and still gets no gradient.
+    fill = jax.jit(lambda params: {**params, "layers": jax.tree_util.tree_map(lambda p: p.at[3].set(p[2] + 0.5),
+                                                                             params["layers"])},
+                   out_shardings=jax.tree_util.tree_map(lambda p: p.sharding, run.state.params))
+    with run.context():
+        filled_grads, _, sums = run.grad_fn(fill(run.state.params), run.batch(0))
+    assert float(sums["loss"]) == loss
+    assert not any(np.any(np.asarray(g)[3]) for g in jax.tree_util.tree_leaves(filled_grads["layers"]))
+    cfg = llama(**dict(SINGLE, **{"mesh.ici.stage": 8}), **{"model.n_layers": 126, "pipeline.microbatches": 8})
+    text = pipeline.describe(cfg.pipeline, 8, 126)
+    assert text.startswith("pipeline gpipe: 8 stages, 8 microbatches, bubble 46.7% = (S-1)/(M+S-1); "
+                           "126 layers in 8 x 16 slots, 2 empty, idle 47.5% with them")
+
+
+@pytest.mark.parametrize("layers, stages, repeats", [(4, 2, 2), (5, 2, 2), (126, 8, 1), (126, 8, 2), (7, 4, 1)])
+def test_storage_order_puts_each_devices_chunks_in_its_block(layers, stages, repeats):
+    layout = pipeline_layout.StackLayout(layers, stages, repeats)
+    canonical = np.arange(1, layers + 1, dtype=np.float32)[:, None] * np.ones((1, 3), np.float32)
+    stored = np.asarray(layout.to_storage(canonical))
+    expected = np.where(layout.layer_of_slot[:, None] >= 0, layout.layer_of_slot[:, None] + 1, 0)
+    np.testing.assert_array_equal(stored, expected * np.ones((1, 3)))
+    np.testing.assert_array_equal(np.asarray(layout.to_canonical(stored)), canonical)
+    per_chunk = layout.layer_of_slot.reshape(stages, repeats, -1)
+    for s in range(stages):  # device s runs chunks s, s + S, ... of the model's order, each non-empty
+        for r in range(repeats):
+            chunk = [l for l in per_chunk[s, r] if l >= 0]
+            assert chunk and chunk == list(range(chunk[0], chunk[0] + len(chunk)))
+            assert chunk[0] == sum(len([l for l in per_chunk[v % stages, v // stages] if l >= 0])
+                                   for v in range(r * stages + s))
+    assert layout.empty == layout.slots - layers and layout.empty < stages * repeats
+
+
 @pytest.mark.parametrize("overrides, message", [
-    ({"model.n_layers": 3}, r"model.n_layers=3 does not divide into mesh stage=2 x pipeline.repeats=1"),
+    ({**CIRCULAR, "pipeline.repeats": 3}, r"model.n_layers=4 leaves some of mesh stage=2 x pipeline.repeats=3 "
+                                           r"= 6 virtual stages without a layer; choose stage x repeats <= 4"),
+    ({**CIRCULAR, "pipeline.microbatches": 1}, r"pipeline.microbatches=1 is fewer than mesh stage=2: a circular"),
+    ({"pipeline.repeats": 0}, r"pipeline.repeats=0 is not valid; use a count >= 1"),
     ({"pipeline.microbatches": 3}, r"pipeline.microbatches=3 does not divide the step's 8 sequences"),
     ({"pipeline.microbatches": 8}, r"pipeline.microbatches=8 does not divide .* over the 4 batch shards"),
     ({"pipeline.schedule": "1f1b"}, r"pipeline.schedule='1f1b' is not valid; choose one of 'gpipe'"),
-    ({"pipeline.repeats": 2}, r"pipeline.repeats=2 needs a circular schedule"),
+    ({"pipeline.repeats": 2}, r"pipeline.repeats=2 needs a circular schedule, which pipeline.schedule='gpipe' is not"),
     ({"model.scan_layers": False}, r"set model.scan_layers=True"),
-    ({"precision.policy": "fp8"}, r"delayed scaling is not supported under a pipeline"),
 ])
 def test_bad_pipeline_settings_are_one_sentence_before_compiling(overrides, message):
     cfg = llama(**dict(SINGLE, **{"mesh.ici.stage": 2, "mesh.ici.fsdp": 4}), **overrides)
@@ -147,3 +232,102 @@ def test_dropless_experts_are_refused_under_a_pipeline_for_now():
     message = r"model.moe_impl='auto' \(the dropless expert exchange\) is not supported under a pipeline"
     with pytest.raises(config_lib.ConfigError, match=message):
         config_lib.validate(cfg, device_count=8)
+
+
+@pytest.mark.slow  # about a minute on 2 cores
+def test_mixtral_circular_pipeline_with_expert_parallelism_matches_one_device(devices, tmp_path):
+    ref = mixtral(**SINGLE, **{"train.per_device_batch_size": 8, "train.grad_accum": 2,
+                               "output_dir": str(tmp_path / "one")})
+    ref_loss, ref_grads, _ = loss_and_grads(ref, devices[:1])
+    loss, grads, _ = loss_and_grads(on_mesh(mixtral, {"stage": 2, "expert": 2, "fsdp": 2}, tmp_path / "pp", **CIRCULAR),
+                                    devices)
+    assert_close(loss, ref_loss)
+    assert_close(grads, ref_grads)
+
+
+@pytest.mark.slow  # three train steps compiled, on two sizes of stack
+def test_padded_circular_pipeline_trains_three_steps_like_one_device_and_keeps_empty_slots_zero(devices, tmp_path):
+    """Five layers on 2 stages x 2 repeats: 8 slots, 3 empty. Losses and parameters stay with one
+    device's; the empty slots' parameters and optimizer moments stay exactly zero."""
+    five = {"model.n_layers": 5}
+    one = Trainer(llama(**SINGLE, **five, **{"train.per_device_batch_size": 16, "output_dir": str(tmp_path / "one")}),
+                  devices=devices[:1], log=lambda *_: None)
+    # 4 microbatches on 2 stages: each waits in the buffer between its rounds.
+    piped = Trainer(on_mesh(llama, {"stage": 2, "fsdp": 4}, tmp_path / "pp", **five, **CIRCULAR, **{
+        "pipeline.microbatches": 4, "train.per_device_batch_size": 2}), devices=devices, log=lambda *_: None)
+    for _ in range(3):
+        assert_close(float(piped.step()["loss"]), float(one.step()["loss"]))
+    assert_close(jax.tree_util.tree_map(np.asarray, piped.params_in_model_order()),
+                 jax.tree_util.tree_map(np.asarray, one.state.params))
+    empty = piped.stack.layout.layer_of_slot < 0
+    assert empty.sum() == 3
+    flags = jax.tree_util.tree_leaves(piped.stack.flags)
+    stored = [np.asarray(x) for x, is_layer in zip(jax.tree_util.tree_leaves(piped.state), flags) if is_layer]
+    assert len(stored) == 3 * len(jax.tree_util.tree_leaves(piped.state.params["layers"]))  # params, mu, nu
+    for x in stored:
+        assert x.shape[0] == 8 and not np.any(x[empty]) and np.any(x[~empty])
+
+
+@pytest.mark.slow  # three trainers compiled
+def test_checkpoints_cross_between_one_device_order_and_circular_storage(devices, tmp_path):
+    """stage=1 writes step 2, a circular pipeline resumes it (to the same next loss) and writes step
+    4 in model order, and stage=1 resumes that: checkpoints never hold the storage order. A
+    circular run started from those parameters (checkpoint.load_params_from) holds them."""
+    steps = {"checkpoint.every": 2, "train.steps": 8}
+    one = Trainer(on_mesh(llama, {"fsdp": 8}, tmp_path, **steps), devices=devices, log=lambda *_: None)
+    one.run(2)
+    saved = jax.tree_util.tree_map(np.asarray, one.state.params)
+    next_loss = float(one.step()["loss"])
+
+    circular = Trainer(on_mesh(llama, {"stage": 2, "fsdp": 4}, tmp_path, **steps, **CIRCULAR), devices=devices,
+                       log=lambda *_: None)
+    assert circular.step_count == 2 and circular.stack is not None
+    assert_trees_close(jax.tree_util.tree_map(np.asarray, circular.params_in_model_order()), saved, atol=0)
+    assert_close(float(circular.step()["loss"]), next_loss)
+    circular.run(1)  # step 4, saved
+    circular.checkpointer.wait()
+    saved = jax.tree_util.tree_map(np.asarray, circular.params_in_model_order())
+    next_loss = float(circular.step()["loss"])
+
+    back = Trainer(on_mesh(llama, {"fsdp": 8}, tmp_path, **steps, **{"checkpoint.resume": "4"}), devices=devices,
+                   log=lambda *_: None)
+    assert back.step_count == 4
+    assert_trees_close(jax.tree_util.tree_map(np.asarray, back.state.params), saved, atol=0)
+    assert_close(float(back.step()["loss"]), next_loss)
+
+    # checkpoint.load_params_from reads model order into the pipeline's storage order too.
+    loaded = Trainer(on_mesh(llama, {"stage": 2, "fsdp": 4}, tmp_path / "fresh", **steps, **CIRCULAR, **{
+        "checkpoint.load_params_from": str(tmp_path)}), devices=devices, log=lambda *_: None)
+    assert loaded.step_count == 0
+    assert_trees_close(jax.tree_util.tree_map(np.asarray, loaded.params_in_model_order()), saved, atol=0)
+
+
+@pytest.mark.slow  # fp8 steps compiled twice
+@pytest.mark.parametrize("overrides", [CIRCULAR, {"model.n_layers": 3}])
+def test_fp8_delayed_scaling_under_a_pipeline_trains_like_fsdp_accumulating(overrides, devices, tmp_path):
+    """Each layer's amax history takes one entry a step, the largest over the real microbatches
+    (as train.grad_accum = microbatches makes it without a pipeline): not the bubble's, not one per
+    use. The reference is fsdp=4 without a pipeline: sharded fp8 itself already differs from one
+    device by ~1e-4 of the loss (a quantization step), and the pipeline must add nothing to that."""
+    fp8 = {"precision.policy": "fp8", "precision.fp8_scaling": "delayed"}
+    layers = {"model.n_layers": overrides.get("model.n_layers", 4)}
+    one = Trainer(on_mesh(llama, {"fsdp": 4}, tmp_path / "one", **fp8, **layers, **{
+        "train.per_device_batch_size": 2, "train.grad_accum": 2}), devices=devices[:4], log=lambda *_: None)
+    piped = Trainer(on_mesh(llama, {"stage": 2, "fsdp": 4}, tmp_path / "pp", **fp8, **overrides), devices=devices,
+                    log=lambda *_: None)
+    for _ in range(3):
+        assert_close(float(piped.step()["loss"]), float(one.step()["loss"]))
+    got = jax.tree_util.tree_leaves_with_path(jax.tree_util.tree_map(np.asarray, piped.state_in_model_order().fp8))
+    want = jax.tree_util.tree_leaves(jax.tree_util.tree_map(np.asarray, one.state.fp8))
+    histories = []
+    for (path, x), y in zip(got, want):
+        name = jax.tree_util.keystr(path)
+        if "output_grad" in name:
+            # Gradients pass through e5m2 (two mantissa bits): a 1e-7 difference upstream can move
+            # one rounding a step and a downstream amax by up to ~15%; the forward's cannot.
+            np.testing.assert_allclose(x, y, rtol=0.15, err_msg=name)
+        else:
+            assert_close(x, y, err_msg=name)
+        if name.endswith("amax_history']") and "['layers']" in name:
+            histories.append(x)
+    assert histories and all(np.all(np.count_nonzero(h, axis=1) == 3) for h in histories)  # one per step

@@ -1,26 +1,36 @@
-"""Pipeline parallelism over the `stage` mesh axis: the scanned layer stack split into contiguous
-stages, the batch into microbatches that flow through them (GPipe).
+"""Pipeline parallelism over the `stage` mesh axis: the scanned layer stack split over the stage
+devices, the batch into microbatches that flow through them. Two schedules:
 
-The parameters stay the stack's own [n_layers, ...] arrays; sharding.py maps their "layers" axis
-to `stage`, so device group s holds layers [s L/S, (s+1) L/S) and the tree, hence a checkpoint, is
-the same at every stage count. Here they are viewed as [S, L/S, ...] (a reshape of the sharded
-axis, no data moves) and the S stages run as one vmapped stage function whose vmapped axis is
-sharded over `stage` (`spmd_axis_name`): every logical constraint inside the layers keeps its
-meaning, with the stage axis in front, so the pipeline composes with fsdp, tensor, expert and
-sequence sharding as the unpipelined stack does.
+- "gpipe": device s runs layers [s L/S, (s+1) L/S). A loop of M + S - 1 iterations over a state
+  [S, microbatch, seq, d]: stage 0 takes microbatch t, every stage runs its layers on what it
+  holds, and the outputs shift one stage on (a collective-permute between neighbouring stage
+  groups: activations are all that cross them). Bubble (S-1)/(M+S-1).
+- "circular" (pipeline.repeats = R): the stack is S R chunks, chunk v on device v mod S; each
+  microbatch goes round the devices R times, R M + S - 1 iterations of 1/R the work each: bubble
+  (S-1)/(R M+S-1). The shift is a rotation (the last stage's output goes back to stage 0) into a
+  buffer that holds it until stage 0 is free (M >= S); each stage indexes its chunk of the
+  iteration out of its own block, so no weight moves.
 
-The schedule is a loop of M + S - 1 iterations over a state [S, microbatch, seq, d]: stage 0 takes
-microbatch t, every stage runs its layers on what it holds, and the outputs shift one stage on
-(a collective-permute between neighbouring stage groups: activations are all that cross them).
-Stage s is busy for M of the iterations; the rest, (S-1)/(M+S-1) of the time, is the bubble, in
-which it computes on zeros or a repeated microbatch whose results are dropped (they get no
-cotangent, so gradients are exact). The backward pass is the loop's autodiff: all forwards, then
-all backwards, GPipe's order; each layer keeps what model.remat lets it keep, per microbatch.
+The parameters are the stack's own arrays, the "layers" axis sharded over `stage` (sharding.py).
+Where model order is not what each device runs (circular) or the stack does not divide (126
+layers on 8 stages), the run stores the stack in its own order, empty slots included
+(parallel/pipeline_layout.py); checkpoints keep model order. Here storage [S R K, ...] is viewed
+as [S, R, K, ...] (a reshape of the sharded axis, no data moves) and the S stages run as one
+vmapped stage function whose vmapped axis is sharded over `stage` (`spmd_axis_name`): every
+logical constraint inside the layers keeps its meaning, with the stage axis in front, so the
+pipeline composes with fsdp, tensor, expert and sequence sharding as the unpipelined stack does.
+An empty slot runs the layer on its zeros and keeps its input (`where`), so it gets zero gradient.
 
-Router losses the MoE layers sow come back per iteration and stage; only the iterations in which a
-stage held a real microbatch are kept, so the mean over them is the mean over (microbatch, layer):
-the value train.grad_accum = M would give on one device. fp8 delayed scaling is refused by the
-config checks (the amax history would see each layer M times per step and the bubble's zeros).
+Work a stage does in the bubble (on zeros or a repeated microbatch) is dropped and gets no
+cotangent, so gradients are exact. The backward pass is the loop's autodiff: all forwards, then
+all backwards; each layer keeps what model.remat lets it keep, per microbatch.
+
+Router losses the MoE layers sow come back per iteration, stage and slot; only real layers'
+passes over real microbatches are kept, so the mean over them is the mean over (microbatch,
+layer): the value train.grad_accum = M would give on one device. fp8 delayed scaling likewise: its
+state updates arrive as cotangents (fp8.py), which a loop would sum over every use of a layer,
+bubble included; the state goes in as one copy per iteration (_fan_out) whose backward keeps each
+slot's real uses only and merges them as fp8.combine_updates merges micro-batches.
 """
 
 from __future__ import annotations
@@ -30,35 +40,45 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import linen as nn
 from jax.sharding import Mesh
 
 from maxtext_rocm.config_checks import pipeline_microbatches
 from maxtext_rocm.errors import ConfigError
+from maxtext_rocm import fp8
+from maxtext_rocm.fp8 import FP8_COLLECTION
 from maxtext_rocm.models.llama import BLOCK_OUTPUT_AXES
 from maxtext_rocm.models.moe import AUX_LOSSES
+from maxtext_rocm.parallel.pipeline_layout import StackLayout
 
 Array = jax.Array
 STAGE_AXIS = "stage"  # the mesh axis; "activation_stage" is its logical name (sharding.py)
 
 
 def bubble_fraction(schedule: str, stages: int, microbatches: int, repeats: int = 1) -> float:
-    """The share of a step each stage idles. GPipe: (S-1)/(M+S-1). A circular schedule of R
-    virtual stages per device would take (S-1)/(R M + S-1): each pass over the devices is 1/R as long."""
+    """The share of a step each stage idles. GPipe: (S-1)/(M+S-1). Circular, R virtual stages per
+    device: (S-1)/(R M + S-1), each pass over the devices being 1/R as long."""
     if schedule == "gpipe":
         return (stages - 1) / (microbatches + stages - 1)
     return (stages - 1) / (repeats * microbatches + stages - 1)
 
 
-def describe(pipeline_cfg, stages: int) -> str:
-    """One phrase for the run's description: schedule, microbatches, bubble."""
+def describe(pipeline_cfg, stages: int, n_layers: int | None = None) -> str:
+    """One phrase for the run's description: schedule, microbatches, bubble, and (given the model's
+    `n_layers`) the empty slots of a stack that does not divide evenly, with the idle time they add."""
     if stages <= 1:
         return "pipeline off"
     m = pipeline_microbatches(pipeline_cfg, stages)
-    bubble = bubble_fraction(pipeline_cfg.schedule, stages, m, pipeline_cfg.repeats)
+    r = pipeline_cfg.repeats
+    bubble = bubble_fraction(pipeline_cfg.schedule, stages, m, r)
     formula = "(S-1)/(M+S-1)" if pipeline_cfg.schedule == "gpipe" else "(S-1)/(R M+S-1)"
-    return (f"pipeline {pipeline_cfg.schedule}: {stages} stages, {m} microbatches, "
-            f"bubble {bubble:.1%} = {formula}")
+    shape = f"{stages} stages" + (f" x {r} repeats" if r > 1 else "")
+    text = f"pipeline {pipeline_cfg.schedule}: {shape}, {m} microbatches, bubble {bubble:.1%} = {formula}"
+    layout = StackLayout(n_layers, stages, r) if n_layers else None
+    if layout is not None and layout.empty:
+        text += f"; {layout.describe()}, idle {layout.idle_fraction(m):.1%} with them"
+    return text
 
 
 def layer_stack(pipeline_cfg, model_cfg, mesh: Mesh) -> Callable | None:
@@ -67,9 +87,11 @@ def layer_stack(pipeline_cfg, model_cfg, mesh: Mesh) -> Callable | None:
     stages = mesh.shape.get(STAGE_AXIS, 1)
     if stages <= 1:
         return None
-    if model_cfg.n_layers % stages:
-        raise ConfigError(f"model.n_layers={model_cfg.n_layers} does not divide into mesh stage={stages} stages")
-    return functools.partial(_gpipe, stages=stages, microbatches=pipeline_microbatches(pipeline_cfg, stages))
+    if model_cfg.n_layers < stages * pipeline_cfg.repeats:  # the config checks say it first
+        raise ConfigError(f"model.n_layers={model_cfg.n_layers} leaves some of mesh stage={stages} x "
+                          f"pipeline.repeats={pipeline_cfg.repeats} virtual stages without a layer")
+    return functools.partial(_schedule, layout=StackLayout(model_cfg.n_layers, stages, pipeline_cfg.repeats),
+                             microbatches=pipeline_microbatches(pipeline_cfg, stages))
 
 
 def split_microbatches(x: Array, n: int) -> Array:
@@ -83,70 +105,154 @@ def merge_microbatches(x: Array) -> Array:
     return jnp.swapaxes(x, 0, 1).reshape(x.shape[0] * x.shape[1], *x.shape[2:])
 
 
-def _shift(tree, first_stage_input):
+def _shift(state: Array, first_stage_input: Array) -> Array:
     """Each stage's output to the next stage; stage 0 takes `first_stage_input` instead. The
     slice-and-concatenate along the stage-sharded axis is a collective-permute in the HLO, s to
-    s + 1 only: a rotation would also send the last stage's output back to stage 0 for nothing."""
-    def one(state, new):
-        if state is None:
-            return None
-        shifted = jnp.concatenate([jnp.zeros_like(state[:1]), state[:-1]], axis=0)
-        is_first = (jnp.arange(state.shape[0]) == 0).reshape(-1, *(1,) * (state.ndim - 1))
-        return jnp.where(is_first, new[None], shifted)
-    return jax.tree_util.tree_map(one, tree, first_stage_input, is_leaf=lambda v: v is None)
+    s + 1 only: GPipe needs no rotation, which would also send the last stage's output back to
+    stage 0 for nothing."""
+    shifted = jnp.concatenate([jnp.zeros_like(state[:1]), state[:-1]], axis=0)
+    return jnp.where(_is_first(state), first_stage_input[None], shifted)
 
 
-def _gpipe(stack: nn.Module, scanned: Callable, x: Array, positions: Array, segment_ids: Array | None, *,
-           stages: int, microbatches: int):
-    variables = stack.variables
-    extra = set(variables) - {"params"}
-    if extra:  # e.g. fp8 delayed scaling state; the config checks refuse it before this
+def _is_first(state: Array) -> Array:
+    return (jnp.arange(state.shape[0]) == 0).reshape(-1, *(1,) * (state.ndim - 1))
+
+
+def _schedule(stack: nn.Module, scanned: Callable, x: Array, positions: Array, segment_ids: Array | None, *,
+              layout: StackLayout, microbatches: int):
+    variables = dict(stack.variables)
+    extra = set(variables) - {"params", FP8_COLLECTION}
+    if extra:
         raise ConfigError(f"the pipeline cannot carry the layers' {', '.join(sorted(extra))} state yet; "
-                          "use mesh stage=1 for this precision policy")
-    n_layers = jax.tree_util.tree_leaves(variables["params"])[0].shape[0]
-    per_stage = n_layers // stages
-    # [L, ...] -> [S, L/S, ...]: stage s holds layers s*L/S .. (s+1)*L/S - 1, its own shard.
-    params = jax.tree_util.tree_map(lambda p: p.reshape(stages, per_stage, *p.shape[1:]), variables["params"])
-    stage_module = scanned(per_stage, parent=None)
+                          "use mesh stage=1")
+    S, R, K, M = layout.stages, layout.repeats, layout.per_chunk, microbatches
+    n_iterations = R * M + S - 1
+    # Storage [S R K, ...] -> [S, R, K, ...]: device s holds its R chunks, its own shard (a reshape
+    # of the sharded axis; no data moves). Without padding or repeats storage is model order.
+    stored = jax.tree_util.tree_map(lambda p: p.reshape(S, R, K, *p.shape[1:]), variables)
+    params, fp8_state = stored["params"], stored.get(FP8_COLLECTION)
+    # fp8 delayed scaling: one copy of the state per iteration, so that each use's update (its
+    # cotangent) stays apart and the real ones combine as grad_accum's micro-batches do.
+    fp8_per_iteration = None if fp8_state is None else _fan_out(fp8_state, _uses(layout, M))
+    real = jnp.asarray(layout.real)
+    padded = bool(layout.empty)
+    chunk_module = scanned(1 if padded else K, parent=None)
 
-    def run_stage(stage_params, h, pos, seg):
-        (h, _), sown = stage_module.apply({"params": stage_params}, h, pos, seg, mutable=[AUX_LOSSES])
-        return h, sown
+    def run_chunk(chunk_vars, chunk_real, h, pos, seg):
+        if not padded:
+            (h, _), sown = chunk_module.apply(chunk_vars, h, pos, seg, mutable=[AUX_LOSSES])
+            return h, sown
+
+        def slot(h, slot_in):  # one layer; an empty slot passes h through (its zeros get zero gradient)
+            v, is_real = slot_in
+            if FP8_COLLECTION in v:  # an empty slot's zero scales would divide by zero
+                v = {**v, FP8_COLLECTION: jax.tree_util.tree_map(
+                    lambda a: jnp.where(is_real, a, jnp.ones_like(a)), v[FP8_COLLECTION])}
+            (out, _), sown = chunk_module.apply(jax.tree_util.tree_map(lambda a: a[None], v),
+                                                h, pos, seg, mutable=[AUX_LOSSES])
+            return jnp.where(is_real, out, h), jax.tree_util.tree_map(lambda a: a[0], sown)
+        return jax.lax.scan(slot, h, (chunk_vars, chunk_real))
+
+    def run_stage(stage_vars, stage_real, repeat, h, pos, seg):
+        # The chunk of this repeat: an index into the device's own [R, ...] block.
+        chunk = jax.tree_util.tree_map(lambda p: jax.lax.dynamic_index_in_dim(p, repeat, keepdims=False),
+                                       stage_vars)
+        return run_chunk(chunk, jax.lax.dynamic_index_in_dim(stage_real, repeat, keepdims=False), h, pos, seg)
 
     all_stages = jax.vmap(run_stage, spmd_axis_name=STAGE_AXIS)
     state_axes = ("activation_stage",) + BLOCK_OUTPUT_AXES
     token_axes = ("activation_stage", "activation_batch", "activation_length")
 
-    inputs = jax.tree_util.tree_map(lambda a: split_microbatches(a, microbatches), (x, positions, segment_ids))
+    inputs, pos_in, seg_in = (None if a is None else split_microbatches(a, M) for a in (x, positions, segment_ids))
+    stage_ids = jnp.arange(S)
 
-    def iteration(carry, t):
-        # Past the last microbatch stage 0 takes the last one again; its results are dropped.
-        new = jax.tree_util.tree_map(lambda a: jax.lax.dynamic_index_in_dim(
-            a, jnp.minimum(t, microbatches - 1), keepdims=False), inputs)
-        h, pos, seg = _shift(carry, new)
+    def iteration(carry, xs):
+        out, circling = carry
+        t, fp8_now = xs
+        # Stage s works on pass i = t - s: microbatch i mod M of repeat i // M (clamped in the
+        # bubble, whose results are dropped and so get no cotangent).
+        work = jnp.clip(t - stage_ids, 0, R * M - 1)
+        micro, repeat = work % M, work // M
+        fresh = jax.lax.dynamic_index_in_dim(inputs, jnp.minimum(t, M - 1), keepdims=False)
+        if R == 1:
+            h = _shift(out, fresh)
+        else:
+            # A rotation: stage S-1's output goes on to stage 0 for its next repeat, through a
+            # buffer (every stage keeps its own copy; only stage 0's is read) that holds it the
+            # M - S iterations until stage 0 is free for it.
+            rotated = jnp.roll(out, 1, axis=0)
+            circling = jax.lax.dynamic_update_index_in_dim(circling, rotated, (t - S) % M, axis=1)
+            again = jax.lax.dynamic_index_in_dim(circling, t % M, axis=1, keepdims=False)
+            h = jnp.where(_is_first(rotated), jnp.where(t < M, fresh[None], again), rotated)
         h = nn.with_logical_constraint(h, state_axes)
-        pos = nn.with_logical_constraint(pos, token_axes)
-        if seg is not None:
-            seg = nn.with_logical_constraint(seg, token_axes)
-        out, sown = all_stages(params, h, pos, seg)
+        # Positions and segments are indexed per stage from the inputs every stage holds.
+        pos = nn.with_logical_constraint(jnp.take(pos_in, micro, axis=0), token_axes)
+        seg = None if seg_in is None else nn.with_logical_constraint(jnp.take(seg_in, micro, axis=0), token_axes)
+        stage_vars = {"params": params} if fp8_now is None else {"params": params, FP8_COLLECTION: fp8_now}
+        out, sown = all_stages(stage_vars, real, repeat, h, pos, seg)
         out = nn.with_logical_constraint(out, state_axes)
-        return (out, pos, seg), (out[-1], sown)
+        return (out, circling), (out[-1] if R == 1 else None, sown)
 
-    def zeros(a):
-        return None if a is None else jnp.zeros((stages, *a.shape[1:]), a.dtype)
+    circling = None if R == 1 else jnp.zeros((S, M, *inputs.shape[1:]), inputs.dtype)
+    (out, circling), (last_stage, sown) = jax.lax.scan(
+        iteration, (jnp.zeros((S, *inputs.shape[1:]), inputs.dtype), circling),
+        (jnp.arange(n_iterations), fp8_per_iteration))
+    if R == 1:  # the last stage finishes microbatch m in iteration m + S - 1
+        y = last_stage[S - 1:]
+    else:  # the last repeat's outputs, stored as if for one more: stage 0's copy of the buffer
+        y = jax.lax.dynamic_update_index_in_dim(circling, jnp.roll(out, 1, axis=0), (n_iterations - S) % M, axis=1)[0]
+    y = nn.with_logical_constraint(merge_microbatches(y), BLOCK_OUTPUT_AXES)
+    return y, {AUX_LOSSES: jax.tree_util.tree_map(functools.partial(_real_work, layout, M), sown)}
 
-    start = jax.tree_util.tree_map(zeros, inputs, is_leaf=lambda v: v is None)
-    n_iterations = microbatches + stages - 1
-    _, (last_stage, sown) = jax.lax.scan(iteration, start, jnp.arange(n_iterations))
-    # The last stage finishes microbatch m in iteration m + S - 1.
-    y = merge_microbatches(last_stage[stages - 1:])
-    y = nn.with_logical_constraint(y, BLOCK_OUTPUT_AXES)
-    return y, {AUX_LOSSES: jax.tree_util.tree_map(functools.partial(_real_work, stages, microbatches), sown)}
+
+def _real_work(layout: StackLayout, microbatches: int, leaf: Array) -> Array:
+    """[iterations, S, K, ...] -> [M L, ...]: what each layer computed for each microbatch (the
+    bubble's iterations and the empty slots dropped), whose mean is the one device's."""
+    S, R, K = layout.stages, layout.repeats, layout.per_chunk
+    t, s, k = np.meshgrid(np.arange(R * microbatches + S - 1), np.arange(S), np.arange(K), indexing="ij")
+    work = t - s
+    in_time = (work >= 0) & (work < R * microbatches)
+    keep = in_time & layout.real[s, np.clip(work, 0, R * microbatches - 1) // microbatches, k]
+    flat = leaf.reshape(-1, *leaf.shape[3:])
+    return jnp.take(flat, np.flatnonzero(keep.reshape(-1)), axis=0)
 
 
-def _real_work(stages: int, microbatches: int, leaf: Array) -> Array:
-    """[iterations, S, ...] -> [M, S, ...]: what stage s computed in iterations s .. s+M-1, the
-    ones in which it held microbatches 0 .. M-1 (the bubble's are dropped)."""
-    index = jnp.arange(microbatches)[:, None] + jnp.arange(stages)[None, :]
-    index = index.reshape(microbatches, stages, *(1,) * (leaf.ndim - 2))
-    return jnp.take_along_axis(leaf, index, axis=0)
+def _uses(layout: StackLayout, microbatches: int) -> np.ndarray:
+    """[iterations, S, R, K]: whether slot k of chunk r on device s runs a real layer on a real
+    microbatch in that iteration."""
+    S, R, K = layout.stages, layout.repeats, layout.per_chunk
+    t, s = np.meshgrid(np.arange(R * microbatches + S - 1), np.arange(S), indexing="ij")
+    work = t - s
+    in_time = (work >= 0) & (work < R * microbatches)
+    repeat = np.clip(work, 0, R * microbatches - 1) // microbatches
+    uses = in_time[:, :, None] & (repeat[:, :, None] == np.arange(R)[None, None, :])
+    return uses[..., None] & layout.real[None]
+
+
+def _fan_out(state, uses: np.ndarray):
+    """`state` [S, R, K, ...] repeated once per iteration. Backward, each slot's cotangents (fp8.py:
+    the updated scale and amax history of each use) combine over its real uses only, as
+    fp8.combine_updates merges micro-batches; a slot with none keeps its state."""
+    iterations = uses.shape[0]
+
+    @jax.custom_vjp
+    def fan(tree):
+        return jax.tree_util.tree_map(lambda a: jnp.broadcast_to(a, (iterations, *a.shape)), tree)
+
+    def forward(tree):
+        return fan(tree), tree
+
+    def backward(tree, cotangent):
+        identity = fp8.merge_identity(tree)
+
+        def combine(c, start):  # start: +inf for a scale (the smallest wins), -inf for a history
+            masked = jnp.where(uses.reshape(*uses.shape, *(1,) * (c.ndim - uses.ndim)), c, start[None])
+            return jnp.where(start == jnp.inf, masked.min(axis=0), masked.max(axis=0))
+        combined = jax.tree_util.tree_map(combine, cotangent, identity)
+        used = uses.any(axis=0)
+        return (jax.tree_util.tree_map(
+            lambda new, old: jnp.where(used.reshape(*used.shape, *(1,) * (old.ndim - used.ndim)), new, old),
+            combined, tree),)
+
+    fan.defvjp(forward, backward)
+    return fan(state)
