@@ -101,7 +101,6 @@ def analyse(cfg, kind: str, n_devices: int, usable: float = 0.92, compile_it: bo
     from maxtext_rocm import compile_estimates as estimates
     from maxtext_rocm import config as config_lib
     from maxtext_rocm import metrics, sharding
-    from maxtext_rocm.config_checks import pipeline_microbatches
     from maxtext_rocm.models import build_model
     from maxtext_rocm.parallel import context, experts, pipeline
     from maxtext_rocm.precision import policy_from_config
@@ -117,6 +116,7 @@ def analyse(cfg, kind: str, n_devices: int, usable: float = 0.92, compile_it: bo
     sizes = config_lib.axis_sizes(config_lib.mesh_shape(cfg.mesh, n_devices, nodes))
     policy = policy_from_config(cfg.precision, devices[0], platform="gpu")  # every target is a GPU
     sharding.resolve_projection_fusion(cfg.model, mesh)
+    pipeline.resolve_microbatches(cfg, mesh)
     cpu_model_cfg = copy.deepcopy(cfg.model)
     if cpu_model_cfg.attention == "cudnn":  # same parameters; the CPU cannot trace cuDNN's attention
         cpu_model_cfg.attention = "xla"
@@ -138,7 +138,7 @@ def analyse(cfg, kind: str, n_devices: int, usable: float = 0.92, compile_it: bo
     # keeps a running sum beside each micro-batch's gradients.
     grads = state_bytes["params"] * (2 if cfg.train.grad_accum > 1 else 1)
     fsdp_sharded = sizes["fsdp"] * sizes["sequence"] * sizes["expert"] > 1
-    microbatches = pipeline_microbatches(cfg.pipeline, sizes["stage"]) if sizes["stage"] > 1 else 1
+    microbatches = cfg.pipeline.microbatches if sizes["stage"] > 1 else 1
     act = estimates.analytic_activations(cfg, sizes, n_devices, microbatches)
     act["gathered_weights"] = 2 * estimates.layer_param_bytes(cfg, sizes) if fsdp_sharded else 0.0
     analytic_act = sum(act.values())
@@ -165,7 +165,7 @@ def analyse(cfg, kind: str, n_devices: int, usable: float = 0.92, compile_it: bo
         from maxtext_rocm.models.moe import resolve_implementation
         report["moe_impl"] = resolve_implementation(cfg.model.moe_impl)
     if sizes["stage"] > 1:  # schedule, microbatches, bubble; every figure above is one stage's device
-        report["pipeline"] = pipeline.describe(cfg.pipeline, sizes["stage"])
+        report["pipeline"] = pipeline.describe(cfg.pipeline, sizes["stage"], cfg.model.n_layers)
         report["stages"] = estimates.per_stage(abstract.params, sizes["stage"])
     report["analytic_dot_flops"] = estimates.analytic_device_flops(cfg, sizes, n_devices, microbatches)
     if not compile_it:

@@ -93,8 +93,9 @@ def defaults() -> ml_collections.ConfigDict:
     # scanned layers split into mesh stage-many contiguous stages; each step's batch (per
     # gradient-accumulation micro-batch) flows through them in `microbatches` pieces.
     cfg.pipeline = dict(
-        # 0 (auto): as many as there are stages, the fewest that keep every stage busy at the
-        # schedule's peak; more shrink the bubble ((S-1)/(M+S-1) for gpipe) at more iterations.
+        # 0 (auto): the most, up to 4 per stage, that split each batch shard's sequences evenly
+        # (config_checks.pipeline_microbatches); more shrink the bubble ((S-1)/(M+S-1) for gpipe)
+        # and each microbatch's saved activations, at smaller matmuls.
         microbatches=0,
         # "gpipe": all microbatches forward, then all backward (autodiff of the loop); "circular":
         # each microbatch goes round the stages `repeats` times, bubble (S-1)/(R M+S-1).

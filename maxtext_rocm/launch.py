@@ -39,6 +39,7 @@ def run_model(cfg, mesh, device):
     if policy.fp8_format:
         cfg.precision.fp8_format = policy.fp8_format
     sharding.resolve_projection_fusion(cfg.model, mesh)
+    pipeline.resolve_microbatches(cfg, mesh)
     cfg.model.attention = resolve_implementation(cfg.model.attention, device, policy.compute_dtype, cfg.train.seq_len)
     return policy, build_model(cfg.model, policy, expert_exchange=experts.expert_exchange(cfg.model, mesh),
                                layer_stack=pipeline.layer_stack(cfg.pipeline, cfg.model, mesh),

@@ -331,3 +331,22 @@ def test_fp8_delayed_scaling_under_a_pipeline_trains_like_fsdp_accumulating(over
         if name.endswith("amax_history']") and "['layers']" in name:
             histories.append(x)
     assert histories and all(np.all(np.count_nonzero(h, axis=1) == 3) for h in histories)  # one per step
+
+
+@pytest.mark.parametrize("stages, per_shard, expected", [(8, 64, 32), (8, 8, 8), (4, 48, 16), (2, 6, 6), (8, 6, 6), (4, 1, 1)])
+def test_auto_microbatches_are_the_most_up_to_four_per_stage_that_split_the_shard(stages, per_shard, expected):
+    from maxtext_rocm.config_checks import pipeline_microbatches
+
+    auto = llama().pipeline
+    assert pipeline_microbatches(auto, stages, per_shard) == expected
+    auto.microbatches = 3  # an explicit count is taken as it is (the checks judge it)
+    assert pipeline_microbatches(auto, stages, per_shard) == 3
+
+
+def test_auto_microbatches_are_resolved_for_the_mesh_and_recorded(devices, tmp_path):
+    from maxtext_rocm import launch, sharding
+
+    cfg = on_mesh(llama, {"stage": 2, "fsdp": 4}, tmp_path, **{"train.per_device_batch_size": 4})
+    launch.run_model(cfg, sharding.make_mesh(cfg.mesh, devices), devices[0])
+    assert cfg.pipeline.microbatches == 8  # 32 sequences over 4 batch shards: 8 each, at most 4 x 2 stages
+    assert pipeline.describe(cfg.pipeline, 2).startswith("pipeline gpipe: 2 stages, 8 microbatches, bubble 11.1%")

@@ -69,7 +69,7 @@ def describe(pipeline_cfg, stages: int, n_layers: int | None = None) -> str:
     `n_layers`) the empty slots of a stack that does not divide evenly, with the idle time they add."""
     if stages <= 1:
         return "pipeline off"
-    m = pipeline_microbatches(pipeline_cfg, stages)
+    m = _resolved(pipeline_cfg)
     r = pipeline_cfg.repeats
     bubble = bubble_fraction(pipeline_cfg.schedule, stages, m, r)
     formula = "(S-1)/(M+S-1)" if pipeline_cfg.schedule == "gpipe" else "(S-1)/(R M+S-1)"
@@ -91,7 +91,28 @@ def layer_stack(pipeline_cfg, model_cfg, mesh: Mesh) -> Callable | None:
         raise ConfigError(f"model.n_layers={model_cfg.n_layers} leaves some of mesh stage={stages} x "
                           f"pipeline.repeats={pipeline_cfg.repeats} virtual stages without a layer")
     return functools.partial(_schedule, layout=StackLayout(model_cfg.n_layers, stages, pipeline_cfg.repeats),
-                             microbatches=pipeline_microbatches(pipeline_cfg, stages))
+                             microbatches=_resolved(pipeline_cfg))
+
+
+def resolve_microbatches(cfg, mesh: Mesh) -> None:
+    """pipeline.microbatches=0 (auto) resolved in `cfg` for `mesh` (config_checks.pipeline_microbatches:
+    the most, up to 4 per stage, that split each batch shard's sequences), so that config.json and
+    the run's first line record what ran."""
+    from maxtext_rocm.config import global_batch_size
+    from maxtext_rocm.sharding import mesh_axes_of
+
+    stages = mesh.shape.get(STAGE_AXIS, 1)
+    if stages <= 1 or cfg.pipeline.microbatches:
+        return
+    shards = int(np.prod([mesh.shape[a] for a in mesh_axes_of("activation_batch")]))
+    per_shard = global_batch_size(cfg, mesh.size) // cfg.train.grad_accum // shards
+    cfg.pipeline.microbatches = pipeline_microbatches(cfg.pipeline, stages, max(1, per_shard))
+
+
+def _resolved(pipeline_cfg) -> int:
+    if not pipeline_cfg.microbatches:
+        raise ValueError("pipeline.microbatches=0 (auto) must be resolved for the mesh first (resolve_microbatches)")
+    return pipeline_cfg.microbatches
 
 
 def split_microbatches(x: Array, n: int) -> Array:
