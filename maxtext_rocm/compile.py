@@ -104,7 +104,7 @@ def analyse(cfg, kind: str, n_devices: int, usable: float = 0.92, compile_it: bo
     from maxtext_rocm.models import build_model
     from maxtext_rocm.parallel import context, experts, pipeline
     from maxtext_rocm.precision import policy_from_config
-    from maxtext_rocm.launch import abstract_state, jit_train_step, optimizer_hyperparameters
+    from maxtext_rocm.launch import jit_train_step, optimizer_hyperparameters, stored_state
 
     if cfg.precision.policy == "fp8" and cfg.precision.fp8_format == "auto":
         cfg.precision.fp8_format = "fnuz" if kind in FNUZ_TARGETS else "ocp"
@@ -126,7 +126,7 @@ def analyse(cfg, kind: str, n_devices: int, usable: float = 0.92, compile_it: bo
     model = build_model(cpu_model_cfg, policy, expert_exchange=experts.expert_exchange(cfg.model, mesh, "gpu"),
                         layer_stack=pipeline.layer_stack(cfg.pipeline, cfg.model, mesh),
                         context_attention=context.context_attention(cfg.model, mesh))
-    _, _, abstract, state_sharding = abstract_state(cfg, model, mesh)
+    _, _, abstract, state_sharding, stack = stored_state(cfg, model, mesh)
     batch_sharding = sharding.batch_sharding(mesh)
 
     state_bytes = {
@@ -160,7 +160,14 @@ def analyse(cfg, kind: str, n_devices: int, usable: float = 0.92, compile_it: bo
     report["flops_per_step"] = report["flops_per_token"] * global_batch * cfg.train.seq_len
     peak = metrics.peak_tflops(kind, "fp8" if cfg.precision.policy == "fp8" else "bf16")
     report["peak_tflops_per_device"] = peak
-    report["fits"] = analytic_total <= usable * capacity
+    if stack is not None:
+        # A pipeline that stores the layer stack in its own order (circular, padded) saves
+        # checkpoints in model order: between two steps (no gradients or activations live) the
+        # state's layer leaves exist twice while a save converts them.
+        flags = jax.tree_util.tree_leaves(stack.flags)
+        layer_state = sum(_sharded_bytes(x) for x, f in zip(jax.tree_util.tree_leaves(abstract), flags) if f)
+        report["checkpoint_save_peak_bytes"] = sum(state_bytes.values()) + layer_state
+    report["fits"] = max(analytic_total, report.get("checkpoint_save_peak_bytes", 0)) <= usable * capacity
     if cfg.model.n_experts > 1:
         from maxtext_rocm.models.moe import resolve_implementation
         report["moe_impl"] = resolve_implementation(cfg.model.moe_impl)
@@ -303,6 +310,9 @@ def format_report(r: dict) -> str:
         lines.append(f"per stage ({st['stages']} stages, every figure above is one device of one stage; all "
                      f"stages alike, so the worst is any): parameters split over stage {_gib(st['layer_param_bytes']).strip()}, "
                      f"on every stage {_gib(st['other_param_bytes']).strip()}: {st['note']}")
+    if r.get("checkpoint_save_peak_bytes"):
+        lines.append(f"checkpoint save peak (state + its layer leaves converted to model order, between steps): "
+                     f"{_gib(r['checkpoint_save_peak_bytes']).strip()}")
     flops = r["flops_per_step"]
     n = int(r["target"].split(":")[1])
     timing = ""
@@ -312,7 +322,8 @@ def format_report(r: dict) -> str:
                  f"{r['flops_per_token'] / 1e9:.2f} GFLOP/token, analytic 6N + attention){timing}")
     if "compiled_dot_flops" in r and r["analytic_dot_flops"]:
         a = r["analytic_dot_flops"]
-        bubble = f" x bubble (M+S-1)/M = {a['bubble_factor']:.3f} on the layers" if a["bubble_factor"] > 1 else ""
+        bubble = (f" x the pipeline loop's slot-iterations per real layer pass (bubble, empty slots) = "
+                  f"{a['bubble_factor']:.3f} on the layers" if a["bubble_factor"] > 1 else "")
         head = (f", LM head on every stage ({a['redundant_head'] / 1e12:.3f} TFLOP/device redundant)"
                 if a["redundant_head"] else "")
         lines.append(f"compiled dot FLOPs per device per step: {r['compiled_dot_flops'] / 1e12:.3f} TFLOP vs analytic "
