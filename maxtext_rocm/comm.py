@@ -35,6 +35,13 @@ Not counted: host transfers (infeed, outfeed, send/recv to the host), and the fe
 synchronisation a real collective library adds. Dtypes are as the program shows them: XLA:CPU's
 float normalization shows bf16 collectives as f32, so on the CPU a bf16 run's bytes read as fp32's
 (see comm_minimum.py for the minimum in both dtypes).
+
+The same walk counts the program's matmul work (`dot_flops`: every dot and convolution, 2 FLOPs per
+multiply-add, times its loops' trip counts, inside fusions too, the larger branch of a conditional),
+so the compile report can hold the compiled step to the analytic FLOPs (maxtext_rocm/compile_estimates.py).
+A dot in a loop without a known trip count (the blockwise attention's run-time bounds) counts
+once and is listed in `unknown_trip_count_dot_loops`: the count is then a lower bound. On XLA:CPU
+every matmul is a plain dot; a GPU program's cuBLAS/hipBLASLt custom calls would not be counted.
 """
 
 from __future__ import annotations
@@ -46,7 +53,7 @@ from collections import Counter, defaultdict
 
 import numpy as np
 
-from maxtext_rocm.hlo_text import (Computation, Instruction, parse_module, replica_groups, shape_arrays,
+from maxtext_rocm.hlo_text import (Computation, Instruction, array_dims, parse_module, replica_groups, shape_arrays,
                                   shape_elements, source_target_pairs, tuple_element)
 
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute",
@@ -125,39 +132,69 @@ class Collective:
         return self.bytes * self.executions
 
 
+def matmul_flops(comp: Computation, inst: Instruction) -> float:
+    """FLOPs of one dot or convolution: 2 x result elements x the contracted elements of each
+    (a multiply and an add per term). A convolution's contraction is its kernel's elements per
+    output feature (dim_labels name the kernel's `o` dimension)."""
+    operands = [comp.instructions.get(o) for o in inst.operands[:2]]
+    if any(o is None for o in operands):
+        raise ValueError(f"{inst.opcode} {inst.name} in {comp.name}: an operand is not in its computation")
+    if inst.opcode == "dot":
+        lhs = array_dims(operands[0].shape)
+        contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", inst.attributes)
+        contracted = math.prod(lhs[int(i)] for i in contracting.group(1).split(",") if i) if contracting else 1
+    else:
+        kernel = array_dims(operands[1].shape)
+        labels = re.search(r"dim_labels=\w+_(\w+)->", inst.attributes)
+        contracted = math.prod(kernel) / kernel[labels.group(1).index("o")] if labels else math.prod(kernel)
+    return 2.0 * shape_elements(inst.shape) * contracted
+
+
 class _Walker:
     def __init__(self, text: str, layout: MeshLayout):
         self.computations, self.entry, partitions = parse_module(text)
         self.layout = layout
         self.partitions = partitions or len(layout.coordinates)
         self.unknown_loops: list[dict] = []
+        self.unknown_flops_loops: list[dict] = []  # dots counted once: dot_flops is then a lower bound
 
-    def walk(self, name: str, executions: int, unknown: bool) -> list[Collective]:
-        comp, found = self.computations[name], []
+    def walk(self, name: str, executions: int, unknown: bool) -> tuple[list[Collective], float]:
+        """The collectives of computation `name` and what it calls, and their dot/convolution
+        FLOPs, each executed `executions` times."""
+        comp, found, flops = self.computations[name], [], 0.0
         for inst in comp.instructions.values():
             base = inst.opcode.removesuffix("-done")
             if base in COLLECTIVES:
                 started = comp.instructions.get(inst.operands[0]) if inst.opcode.endswith("-done") else inst
                 found += self.count(comp, inst, started or inst, base, executions, unknown)
+            elif inst.opcode in ("dot", "convolution"):
+                flops += executions * matmul_flops(comp, inst)
             if inst.opcode == "while":
                 callees = dict(inst.callees())
                 trip = _TRIP_COUNT.search(inst.attributes)
                 n = int(trip.group(1)) if trip else 1
-                inside = self.walk(callees["body"], executions * n, unknown or trip is None)
-                inside += self.walk(callees["condition"], executions * (n + 1 if trip else 1), unknown or trip is None)
-                # Flagged only if it holds a collective: a loop of pure compute (context parallelism's
-                # blockwise loops, whose bounds depend on the shard) changes no byte count.
+                inside, inside_flops = self.walk(callees["body"], executions * n, unknown or trip is None)
+                cond, cond_flops = self.walk(callees["condition"], executions * (n + 1 if trip else 1),
+                                             unknown or trip is None)
+                inside += cond
+                # Flagged only if it holds a collective (or, apart, a matmul): a loop of other compute
+                # changes no count (context parallelism's blockwise loops, whose bounds depend on the shard).
+                loop = {"while": inst.name, "computation": name, "body": callees["body"]}
                 if trip is None and inside:
-                    self.unknown_loops.append({"while": inst.name, "computation": name, "body": callees["body"]})
-                found += inside
-            elif inst.opcode == "conditional":  # one branch runs: count the one that moves the most
+                    self.unknown_loops.append(loop)
+                if trip is None and inside_flops:
+                    self.unknown_flops_loops.append(loop)
+                found, flops = found + inside, flops + inside_flops + cond_flops
+            elif inst.opcode == "conditional":  # one branch runs: each count takes its largest branch
                 branches = [self.walk(c, executions, unknown) for _, c in inst.callees()]
-                found += max(branches, key=lambda b: sum(c.bytes_per_step for c in b), default=[])
+                found += max((b for b, _ in branches), key=lambda b: sum(c.bytes_per_step for c in b), default=[])
+                flops += max((f for _, f in branches), default=0.0)
             elif inst.opcode not in ("async-done", "async-update"):  # async-start's callee counts once
                 for role, callee in inst.callees():
                     if role != "to_apply" or inst.opcode == "call":  # reducers hold no collectives
-                        found += self.walk(callee, executions, unknown)
-        return found
+                        inside, inside_flops = self.walk(callee, executions, unknown)
+                        found, flops = found + inside, flops + inside_flops
+        return found, flops
 
     def count(self, comp: Computation, inst: Instruction, started: Instruction, kind: str,
               executions: int, unknown: bool) -> list[Collective]:
@@ -233,7 +270,7 @@ class _Walker:
 def account(text: str, layout: MeshLayout) -> dict:
     """Every collective of an HLO module, and their totals per kind, per axis and per link."""
     walker = _Walker(text, layout)
-    collectives = walker.walk(walker.entry, 1, False)
+    collectives, flops = walker.walk(walker.entry, 1, False)
     by_kind, by_link = defaultdict(lambda: {"count": 0, "tensors": 0, "bytes": 0.0}), defaultdict(float)
     for c in collectives:
         key = (c.kind, ",".join(c.axes) or "-", "DCN" if c.dcn else "ICI")
@@ -256,6 +293,8 @@ def account(text: str, layout: MeshLayout) -> dict:
         "recounted_as_reduce_scatter": sum(c.executions for c in collectives if c.recounted),
         "ragged_upper_bound": any(c.upper_bound for c in collectives),
         "unknown_trip_count_loops": walker.unknown_loops,
+        "dot_flops": flops,
+        "unknown_trip_count_dot_loops": walker.unknown_flops_loops,
         "collectives": [dataclasses.asdict(c) | {"bytes_per_step": c.bytes_per_step} for c in collectives],
     }
 
@@ -298,13 +337,15 @@ def link_seconds(bytes_by_link: dict[str, float], kind: str) -> float:
     return bytes_by_link.get("ICI", 0.0) / (intra * 1e9) + bytes_by_link.get("DCN", 0.0) / (inter * 1e9)
 
 
-def report(hlo_text: str, layout: MeshLayout, model_cfg, train_cfg, policy: str, kind: str) -> dict:
-    """The measured collectives of a compiled train step beside the layout's analytic minimum."""
+def report(hlo_text: str, layout: MeshLayout, model_cfg, train_cfg, policy: str, kind: str,
+           microbatches: int = 1, measured: dict | None = None) -> dict:
+    """The measured collectives of a compiled train step beside the layout's analytic minimum
+    (`microbatches`: a pipeline's, under mesh stage > 1; `measured`: account()'s result if at hand)."""
     from maxtext_rocm import comm_minimum
 
-    measured = account(hlo_text, layout)
+    measured = dict(measured or account(hlo_text, layout))
     sizes = dict(zip(layout.axis_names, (i * d for i, d in zip(layout.ici_sizes, layout.dcn_sizes))))
-    least = comm_minimum.minimum(model_cfg, train_cfg, policy, sizes)
+    least = comm_minimum.minimum(model_cfg, train_cfg, policy, sizes, microbatches=microbatches)
     least_by_link = {"ICI": 0.0, "DCN": 0.0}
     for term in least["terms"]:
         axes = [a for a in term["axes"].split(",") if a in layout.axis_names]
@@ -316,7 +357,14 @@ def report(hlo_text: str, layout: MeshLayout, model_cfg, train_cfg, policy: str,
         by_axes[row["axes"]]["measured_bytes"] += row["bytes"]
     for term in least["terms"]:
         by_axes[term["axes"]]["minimum_bytes"] += term["cpu_bytes"]
-    return {**measured, "by_axes": dict(sorted(by_axes.items())), "minimum": least, "ratio": measured["total_bytes"] / least["cpu_bytes"],
+    stages = None
+    if sizes.get("stage", 1) > 1:  # between stages: the activations' permutes apart from the rest
+        on_stage = [row for row in measured["rows"] if "stage" in row["axes"].split(",")]
+        stages = {"permute_bytes": sum(r["bytes"] for r in on_stage if r["kind"] == "collective-permute"),
+                  "other_bytes": sum(r["bytes"] for r in on_stage if r["kind"] != "collective-permute"),
+                  "link": "DCN" if any(r["link"] == "DCN" for r in on_stage) else "ICI",
+                  "minimum_bytes": sum(t["cpu_bytes"] for t in least["terms"] if t["axes"] == "stage")}
+    return {**measured, "by_axes": dict(sorted(by_axes.items())), "minimum": least, "stages": stages, "ratio": measured["total_bytes"] / least["cpu_bytes"],
             "target": kind, "link": LINKS[kind],
             "measured_seconds": link_seconds(measured["bytes_by_link"], kind),
             "minimum_seconds": link_seconds(least_by_link, kind), "policy": policy}
@@ -347,6 +395,14 @@ def format_report(r: dict) -> str:
                  f"{least['gpu_bytes'] / MIB:.2f} MiB)")
     lines.append(f"measured / minimum = {r['ratio']:.2f}; by mesh axes: " + ", ".join(
         f"{axes} {v['measured_bytes'] / MIB:.2f} / {v['minimum_bytes'] / MIB:.2f} MiB" for axes, v in r["by_axes"].items()))
+    if r.get("stages"):
+        st = r["stages"]
+        lines.append(f"between stages ({st['link']}): {(st['permute_bytes'] + st['other_bytes']) / MIB:.2f} MiB over "
+                     f"`stage` against a minimum of {st['minimum_bytes'] / MIB:.2f} MiB (each microbatch's activations "
+                     "forward and cotangents back, once; the loop's M+S-1 iterations also move the bubble's): "
+                     f"collective-permutes {st['permute_bytes'] / MIB:.2f} MiB, other collectives "
+                     f"{st['other_bytes'] / MIB:.2f} MiB (how XLA partitions the loop's stage shift and the last "
+                     "stage's output, which every stage receives each iteration)")
     lines.append(f"time at {r['target']} link bandwidth ({name} {intra:g} GB/s, NIC {inter:g} GB/s per GPU "
                  f"per direction): measured {r['measured_seconds'] * 1e3:.3f} ms, minimum "
                  f"{r['minimum_seconds'] * 1e3:.3f} ms per step (bytes / bandwidth, no overlap, no latency)")

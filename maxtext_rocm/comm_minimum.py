@@ -56,10 +56,27 @@ Terms (each is 0 when its axis has size 1):
     sequence        A*L*(g + 1)*2*(S-1)*T*kv/t*c        K and V all-gathered (forward, recompute),
                                                         their gradients reduce-scattered
 
+PIPELINE (mesh stage = P > 1, pipeline.microbatches M; maxtext_rocm/parallel/pipeline.py): each
+stage's devices hold L/P layers and see the whole batch shard (the batch is not split over
+`stage`), in M microbatches. The terms above then read per stage, with L -> L/P, A -> A*M for
+the layers (each microbatch gathers the stage's weights and reduce-scatters their gradients, as a
+gradient-accumulation micro-batch does) and T the tokens per device per microbatch; the
+embedding and LM head run outside the pipeline, once per micro-batch on all of its tokens. One term
+is added:
+    stage activations  A*M*2*T*d*c                     each microbatch's block output crosses each
+                                                        stage boundary forward, its cotangent back
+                                                        (a busiest inner stage sends both)
+The bubble's iterations are not in the minimum: the loop of M + P - 1 iterations also moves
+(and gathers weights for) the data of idle stages, P - 1 iterations of it, which a schedule that
+skipped idle stages would not; the measured figure includes them, so the pipeline's ratio is at
+least (M + P - 1)/M on those terms.
+
 Dtypes: every term is in 4-byte elements in the CPU figure, the dtype XLA:CPU shows (its float
 normalization turns bf16 all-gathers, all-reduces, reduce-scatters and all-to-alls into f32 ones,
 checked on jax 0.10.2; so on the CPU a weight cast to bf16 before its gather cannot be seen in
-the bytes, only in the HLO's converts). The GPU figure takes c = 2 under bf16 and fp8, 4 under
+the bytes, only in the HLO's converts), except the layers' weights under fp8: their all-gathers
+show as f16 there (2 bytes; measured on tiny_llama:fp8 and 405B:fp8, jax 0.10.2), so the CPU
+figure takes w = 2 for them. The GPU figure takes c = 2 under bf16 and fp8, 4 under
 fp32; w = the smaller of c and the parameters' bytes (weights cast to bf16 before the gather, fp8
 quantizing after it); gradients in the parameters' dtype.
 
@@ -82,14 +99,23 @@ def _params(m, t: int, E: int) -> tuple[float, float]:
     return (attention + 3 * m.d_model * m.mlp_dim) / t, 0.0
 
 
-def minimum(model_cfg, train_cfg, policy: str, sizes: dict[str, int], param_bytes: int = GRAD_BYTES) -> dict:
+def minimum(model_cfg, train_cfg, policy: str, sizes: dict[str, int], param_bytes: int = GRAD_BYTES,
+            microbatches: int = 1) -> dict:
     """The minimum bytes per device per step: {"terms": [...], "cpu_bytes", "gpu_bytes"}, each term
-    with its mesh axes, CPU-dtype and GPU-dtype bytes, and its formula with the numbers put in."""
+    with its mesh axes, CPU-dtype and GPU-dtype bytes, and its formula with the numbers put in.
+    Under a pipeline (sizes["stage"] = P > 1, `microbatches` M) the terms are per stage: see
+    PIPELINE in this module's docstring."""
     m = model_cfg
     D, Fs, E, S, t = (sizes.get(a, 1) for a in ("data", "fsdp", "expert", "sequence", "tensor"))
-    F, Fe, Nb, A = Fs * S * E, Fs * S, D * Fs * E * S, train_cfg.grad_accum
-    T = train_cfg.per_device_batch_size * train_cfg.seq_len * t / A
-    L, d, V, k = m.n_layers, m.d_model, m.vocab_size, m.experts_per_token
+    P = sizes.get("stage", 1)
+    M = microbatches if P > 1 else 1
+    F, Fe, Nb, A = Fs * S * E, Fs * S, D * Fs * E * S, train_cfg.grad_accum * M
+    # Tokens per device per micro-batch: the batch is not split over `stage`, so a stage's devices
+    # carry P times the per-device batch; a pipeline's microbatch is 1/M of it.
+    T = train_cfg.per_device_batch_size * train_cfg.seq_len * t * P / A
+    # a stage's share of the real layers (a padded stack's empty slots are overhead, not minimum)
+    L, d, V, k = m.n_layers / P if m.n_layers % P else m.n_layers // P, m.d_model, m.vocab_size, m.experts_per_token
+    A_head = train_cfg.grad_accum  # the embedding and LM head run outside the pipeline, on the whole batch
     kv = m.n_kv_heads * m.head_dim
     P_l, P_e = _params(m, t, E)
     g = 1 if m.remat == "none" else 2
@@ -103,42 +129,46 @@ def minimum(model_cfg, train_cfg, policy: str, sizes: dict[str, int], param_byte
     gpu_c = 4 if policy == "fp32" else 2
     head_tables = 1 if m.tie_embeddings else 2
 
-    def terms(w: float, c: float, gb: float) -> list[tuple[str, str, float, str]]:
-        rows = [
-            ("layer weights", zero, A * L * (g * w + gb) * (F - 1) / F * P_l,
-             f"A*L*(g*w+4)*(F-1)/F*P_l = {A}*{L}*({g}*{w}+{gb})*({F}-1)/{F}*{P_l:.0f}"),
-            ("expert weights", zero_e, A * L * (g * w + gb) * (Fe - 1) / Fe * P_e,
-             f"A*L*(g*w+4)*(Fe-1)/Fe*P_e = {A}*{L}*({g}*{w}+{gb})*({Fe}-1)/{Fe}*{P_e:.0f}"),
-            ("LM head", zero, A * (w + gb) * (F - 1) / F * d * V / t,
-             f"A*(w+4)*(F-1)/F*d*V/t = {A}*({w}+{gb})*({F}-1)/{F}*{d}*{V}/{t}"),
+    def terms(w: float, c: float, gb: float, wl: float) -> list[tuple[str, str, float, str]]:
+        rows = [  # wl: a layer weight's gathered bytes (w but for the CPU's fp8 layers, see Dtypes)
+            ("layer weights", zero, A * L * (g * wl + gb) * (F - 1) / F * P_l,
+             f"A*L*(g*w+4)*(F-1)/F*P_l = {A}*{L}*({g}*{wl}+{gb})*({F}-1)/{F}*{P_l:.0f}"),
+            ("expert weights", zero_e, A * L * (g * wl + gb) * (Fe - 1) / Fe * P_e,
+             f"A*L*(g*w+4)*(Fe-1)/Fe*P_e = {A}*{L}*({g}*{wl}+{gb})*({Fe}-1)/{Fe}*{P_e:.0f}"),
+            ("LM head", zero, A_head * (w + gb) * (F - 1) / F * d * V / t,
+             f"A*(w+4)*(F-1)/F*d*V/t = {A_head}*({w}+{gb})*({F}-1)/{F}*{d}*{V}/{t}"),
         ]
         if not m.tie_embeddings:
             table = (w + gb) * (F - 1) / F * d * V / t
-            exchange = (F - 1) / F * 2 * T * d * c + (F - 1) * T * 4
-            rows.append(("embedding", zero, A * min(table, exchange),
-                         f"A*min((w+4)*(F-1)/F*d*V/t, (F-1)/F*2*T*d*c+(F-1)*T*4) = {A}*min({table:.0f}, {exchange:.0f})"))
+            exchange = (F - 1) / F * 2 * T * M * d * c + (F - 1) * T * M * 4
+            rows.append(("embedding", zero, A_head * min(table, exchange),
+                         f"A*min((w+4)*(F-1)/F*d*V/t, (F-1)/F*2*T*d*c+(F-1)*T*4) = {A_head}*min({table:.0f}, {exchange:.0f})"))
         grads = L * (P_l / F + P_e / Fe) + head_tables * d * V / (F * t)
         rows += [
             ("data-parallel gradients", "data", 2 * (D - 1) / D * gb * grads,
              f"2*(D-1)/D*4*(L*(P_l/F+P_e/Fe)+{head_tables}*d*V/(F*t)) = 2*({D}-1)/{D}*{gb}*{grads:.0f}"),
             ("norm scales", batch, 2 * (Nb - 1) / Nb * gb * (2 * L + 1) * d,
              f"2*(Nb-1)/Nb*4*(2L+1)*d = 2*({Nb}-1)/{Nb}*{gb}*{2 * L + 1}*{d}"),
-            ("tensor activations", "tensor", A * (n_t * L + 2) * 2 * (t - 1) / t * T * d * c,
+            ("tensor activations", "tensor", (A * n_t * L + 2 * A_head * M) * 2 * (t - 1) / t * T * d * c,
              f"A*(n_t*L+2)*2*(t-1)/t*T*d*c = {A}*({n_t}*{L}+2)*2*({t}-1)/{t}*{T:.0f}*{d}*{c}"),
             ("expert dispatch/combine", "expert", A * n_e * L * (E - 1) / E * T * k * d * c if moe else 0.0,
              f"A*n_e*L*(E-1)/E*T*k*d*c = {A}*{n_e}*{L}*({E}-1)/{E}*{T:.0f}*{k}*{d}*{c}"),
             ("sequence K/V", "sequence", A * L * (g + 1) * 2 * (S - 1) * T * kv / t * c,
              f"A*L*(g+1)*2*(S-1)*T*kv/t*c = {A}*{L}*({g}+1)*2*({S}-1)*{T:.0f}*{kv}/{t}*{c}"),
         ]
+        if P > 1:
+            rows.append(("stage activations", "stage", A * 2 * T * d * c,
+                         f"A*M*2*T_mb*d*c = {A}*2*{T:.0f}*{d}*{c}"))
         return rows
 
-    cpu, gpu = terms(4, 4, 4), terms(min(gpu_c, param_bytes), gpu_c, param_bytes)
+    w_gpu = min(gpu_c, param_bytes)
+    cpu, gpu = terms(4, 4, 4, 2 if policy == "fp8" else 4), terms(w_gpu, gpu_c, param_bytes, w_gpu)
     out = [{"term": name, "axes": axes or "-", "cpu_bytes": b_cpu, "gpu_bytes": b_gpu,
             "formula": formula, "gpu_formula": gpu_formula}
            for (name, axes, b_cpu, formula), (_, _, b_gpu, gpu_formula) in zip(cpu, gpu) if b_cpu > 0]
     return {"terms": out, "cpu_bytes": sum(r["cpu_bytes"] for r in out),
             "gpu_bytes": sum(r["gpu_bytes"] for r in out),
-            "symbols": {"D": D, "Fs": Fs, "E": E, "S": S, "t": t, "F": F, "Fe": Fe, "Nb": Nb, "A": A,
+            "symbols": {"P": P, "M": M, "D": D, "Fs": Fs, "E": E, "S": S, "t": t, "F": F, "Fe": Fe, "Nb": Nb, "A": A,
                         "T": T, "L": L, "d": d, "V": V, "k": k, "kv": kv, "P_l": P_l, "P_e": P_e,
                         "g": g, "n_t": n_t, "n_e": n_e, "w_gpu": min(gpu_c, param_bytes), "c_gpu": gpu_c,
                         "grad_bytes_gpu": param_bytes}}

@@ -14,7 +14,11 @@ is allocated. Printed per device:
     has no latency-hiding scheduler and no GPU fusions, so it usually over-states the GPU's need.
   * "analytic (GPU)": the formula below, from the model's dimensions and the remat policy;
 - FLOPs per step (analytic, `metrics.train_flops_per_token`: `cost_analysis()` counts a scanned
-  layer once);
+  layer once), and the compiled step's own dot FLOPs per device (comm.py's HLO walk, loops x trip
+  counts) against what the one formula says it should run: remat's recompute, a pipeline's bubble
+  and its LM head on every stage included (maxtext_rocm/compile_estimates.py);
+- under a pipeline (mesh stage > 1), every figure is one device of one stage: its L/S layers, the
+  GPipe loop's saved iterations, the stage's share of the embedding and head (compile_estimates.py);
 - the verdict against the target's memory (times `--usable`, default 0.92: the runtime and the
   allocator keep some), decided on the analytic GPU estimate; the XLA CPU figure is printed with it.
 
@@ -60,6 +64,8 @@ import time
 from maxtext_rocm.targets import (FNUZ_TARGETS, TARGETS, cluster_mesh, dumped_optimized_hlo, flash_attention_for,
                                   force_host_devices, parse_target, target_nodes)
 
+from maxtext_rocm.compile_estimates import analytic_activations  # noqa: F401 - the estimate's home is there
+
 GIB = 2 ** 30
 USAGE = ("usage: python -m maxtext_rocm.compile CONFIG.py[:VARIANT] --target=KIND:N|KIND:NODESxGPUS "
          f"[--search] [--comm] [--max-compiles=K] [--usable=0.92] [--json OUT] [--config.KEY=VALUE ...]; "
@@ -81,49 +87,6 @@ def _sharded_bytes(tree) -> int:
     return total
 
 
-def analytic_activations(cfg, axis_sizes: dict[str, int], n_devices: int) -> dict[str, float]:
-    """The activation estimate of the module docstring, per device, in bytes."""
-    m, tr = cfg.model, cfg.train
-    c = 4 if cfg.precision.policy == "fp32" else 2
-    t = axis_sizes["tensor"]
-    batch_shards = axis_sizes["data"] * axis_sizes["fsdp"] * axis_sizes["expert"]
-    b = tr.per_device_batch_size * n_devices / tr.grad_accum / batch_shards
-    s = tr.seq_len
-    T = b * s / axis_sizes["sequence"]
-    d, L, V = m.d_model, m.n_layers, m.vocab_size
-    q = m.n_heads * m.head_dim / t
-    kv = 2 * m.n_kv_heads * m.head_dim / t
-    f = m.mlp_dim / t
-    if m.n_experts > 1:
-        f *= m.experts_per_token * m.moe_capacity_factor
-    S = b * (m.n_heads / t) * s * (s / axis_sizes["sequence"])
-    if m.attention != "xla":  # fused flash attention keeps only the softmax statistics
-        S = b * (m.n_heads / t) * s * 4 / (4 + c)
-    layer_all = T * c * (4 * d + 2 * q + kv + 3 * f) + S * (4 + c)
-    minimal = T * c * (2 * d + q + kv + 2 * f) + T * d * c
-    saved = {"full": T * d * c, "minimal": minimal, "save_dots": minimal + S * 4 + T * q * c,
-             "none": layer_all}[m.remat if m.scan_layers or m.remat != "none" else "none"]
-    from maxtext_rocm import cross_entropy
-    from maxtext_rocm.step import fused_head_loss
-
-    if fused_head_loss(m, cfg.precision.policy == "fp8" and cfg.precision.fp8_lm_head):
-        chunk = cross_entropy.chunk_length(s, m.loss_chunk_len)
-        logits = T * chunk / s * V / t * (c + 8) + 4 * d * V / t
-    else:
-        logits = T * V / t * (c + 8)
-    return {"layers": L * saved + 2 * layer_all, "logits": logits}
-
-
-def _layer_param_bytes(cfg, axis_sizes) -> float:
-    """One layer's parameters in fp32, gathered (tensor and expert parallelism still split them)."""
-    from maxtext_rocm import metrics
-    m = cfg.model
-    per_layer = metrics._attention_params(m) + (  # expert weights stay split over `expert`
-        3 * m.d_model * m.mlp_dim * m.n_experts / axis_sizes["expert"] + m.d_model * m.n_experts
-        if m.n_experts > 1 else metrics._ffn_params(m))
-    return 4 * per_layer / axis_sizes["tensor"]
-
-
 # ----------------------------------------------------------------------------------------------
 # The compile
 
@@ -135,8 +98,10 @@ def analyse(cfg, kind: str, n_devices: int, usable: float = 0.92, compile_it: bo
     import jax
     import jax.numpy as jnp
 
+    from maxtext_rocm import compile_estimates as estimates
     from maxtext_rocm import config as config_lib
     from maxtext_rocm import metrics, sharding
+    from maxtext_rocm.config_checks import pipeline_microbatches
     from maxtext_rocm.models import build_model
     from maxtext_rocm.parallel import context, experts, pipeline
     from maxtext_rocm.precision import policy_from_config
@@ -173,8 +138,9 @@ def analyse(cfg, kind: str, n_devices: int, usable: float = 0.92, compile_it: bo
     # keeps a running sum beside each micro-batch's gradients.
     grads = state_bytes["params"] * (2 if cfg.train.grad_accum > 1 else 1)
     fsdp_sharded = sizes["fsdp"] * sizes["sequence"] * sizes["expert"] > 1
-    act = analytic_activations(cfg, sizes, n_devices)
-    act["gathered_weights"] = 2 * _layer_param_bytes(cfg, sizes) if fsdp_sharded else 0.0
+    microbatches = pipeline_microbatches(cfg.pipeline, sizes["stage"]) if sizes["stage"] > 1 else 1
+    act = estimates.analytic_activations(cfg, sizes, n_devices, microbatches)
+    act["gathered_weights"] = 2 * estimates.layer_param_bytes(cfg, sizes) if fsdp_sharded else 0.0
     analytic_act = sum(act.values())
     analytic_total = sum(state_bytes.values()) + grads + analytic_act
     capacity = TARGETS[kind] * GIB
@@ -198,8 +164,10 @@ def analyse(cfg, kind: str, n_devices: int, usable: float = 0.92, compile_it: bo
     if cfg.model.n_experts > 1:
         from maxtext_rocm.models.moe import resolve_implementation
         report["moe_impl"] = resolve_implementation(cfg.model.moe_impl)
-    if sizes["stage"] > 1:  # schedule, microbatches, bubble (the analytic memory is not yet per stage)
+    if sizes["stage"] > 1:  # schedule, microbatches, bubble; every figure above is one stage's device
         report["pipeline"] = pipeline.describe(cfg.pipeline, sizes["stage"])
+        report["stages"] = estimates.per_stage(abstract.params, sizes["stage"])
+    report["analytic_dot_flops"] = estimates.analytic_device_flops(cfg, sizes, n_devices, microbatches)
     if not compile_it:
         return report
 
@@ -216,7 +184,7 @@ def analyse(cfg, kind: str, n_devices: int, usable: float = 0.92, compile_it: bo
         lowered = step.lower(abstract, batch, optimizer_hyperparameters(cfg, mesh, abstract=True))
         try:
             compiled = lowered.compile()
-            hlo = compiled.as_text() if comm else None
+            hlo = compiled.as_text()  # its dot FLOPs are always counted; its collectives under --comm
         except Exception as error:  # noqa: BLE001 - only XLA:CPU's missing GPU collective is expected
             if "ragged-all-to-all" not in str(error):
                 raise
@@ -227,10 +195,15 @@ def analyse(cfg, kind: str, n_devices: int, usable: float = 0.92, compile_it: bo
                                   "no CPU code): no XLA memory figures" +
                                   ("; communication counted on XLA's dump of the optimized program" if hlo else ""))
     report["compile_s"] = time.perf_counter() - started
-    if comm and hlo:
+    if hlo:
         from maxtext_rocm import comm as comm_lib
         layout = comm_lib.MeshLayout.of(mesh, config_lib.mesh_shape(cfg.mesh, n_devices, nodes), compiled)
-        report["comm"] = comm_lib.report(hlo, layout, cfg.model, cfg.train, cfg.precision.policy, kind)
+        counted = comm_lib.account(hlo, layout)
+        report["compiled_dot_flops"] = counted["dot_flops"]
+        report["compiled_flops_lower_bound"] = bool(counted["unknown_trip_count_dot_loops"])
+        if comm:
+            report["comm"] = comm_lib.report(hlo, layout, cfg.model, cfg.train, cfg.precision.policy, kind,
+                                             microbatches, counted)
     if compiled is None:
         return report
     mem = compiled.memory_analysis()
@@ -325,6 +298,11 @@ def format_report(r: dict) -> str:
     ]
     if r.get("xla_note"):
         lines.append(f"  ({r['xla_note']})")
+    if r.get("stages"):
+        st = r["stages"]
+        lines.append(f"per stage ({st['stages']} stages, every figure above is one device of one stage; all "
+                     f"stages alike, so the worst is any): parameters split over stage {_gib(st['layer_param_bytes']).strip()}, "
+                     f"on every stage {_gib(st['other_param_bytes']).strip()}: {st['note']}")
     flops = r["flops_per_step"]
     n = int(r["target"].split(":")[1])
     timing = ""
@@ -332,6 +310,18 @@ def format_report(r: dict) -> str:
         timing = f"; >= {flops / n / (r['peak_tflops_per_device'] * 1e12):.3f} s/step at 100% MFU"
     lines.append(f"FLOPs: {flops / 1e15:.2f} PFLOP/step ({flops / n / 1e12:.1f} TFLOP/device, "
                  f"{r['flops_per_token'] / 1e9:.2f} GFLOP/token, analytic 6N + attention){timing}")
+    if "compiled_dot_flops" in r and r["analytic_dot_flops"]:
+        a = r["analytic_dot_flops"]
+        bubble = f" x bubble (M+S-1)/M = {a['bubble_factor']:.3f} on the layers" if a["bubble_factor"] > 1 else ""
+        head = (f", LM head on every stage ({a['redundant_head'] / 1e12:.3f} TFLOP/device redundant)"
+                if a["redundant_head"] else "")
+        lines.append(f"compiled dot FLOPs per device per step: {r['compiled_dot_flops'] / 1e12:.3f} TFLOP vs analytic "
+                     f"{a['total'] / 1e12:.3f} TFLOP (6N + attention"
+                     f"{' + ' + a['remat'] + ' remat recompute' if a['terms']['remat recompute'] else ''}"
+                     f"{' + masked attention' if a['terms']['masked attention'] else ''}{bubble}{head}): ratio "
+                     f"{r['compiled_dot_flops'] / a['total']:.3f}"
+                     + (" (a LOWER bound: dots inside loops without a known trip count, e.g. the blockwise "
+                        "attention's, count once)" if r["compiled_flops_lower_bound"] else ""))
     agree = ""
     if "xla_fits" in r:
         agree = ("; the XLA CPU figure agrees" if r["xla_fits"] == r["fits"] else

@@ -35,6 +35,11 @@ def array_bytes(dtype: str, dims: str) -> float:
     return (element_bytes(dtype) or 0.0) * math.prod(sizes)
 
 
+def array_dims(shape: str) -> list[int]:
+    """The dimensions of an array shape such as f32[4,256]{1,0} (bounded dims <=N: the bound)."""
+    return [int(d.replace("<=", "")) for d in _ARRAY.search(shape).group(2).split(",") if d]
+
+
 def tuple_element(shape: str, index: int) -> str:
     """The index-th array shape of a (tuple) shape, as text."""
     return [m.group(0) for m in _ARRAY.finditer(shape) if element_bytes(m.group(1)) is not None][index]

@@ -73,6 +73,32 @@ def train_flops_per_token(model_cfg, seq_len: int) -> float:
     return float(dense + attention)
 
 
+def executed_flops_per_token(model_cfg, seq_len: int, remat: str) -> dict[str, float]:
+    """Per token, the dot FLOPs a compiled train step of this model runs, split into
+    FLOPS_CONVENTION's terms (sum: train_flops_per_token) and what the program runs beyond them, so
+    that the compiled program can be held to the one formula (`python -m maxtext_rocm.compile`):
+
+    - "layers", "LM head", "causal attention": the convention's 6N and halved attention;
+    - "masked attention": the other half, which an "xla" attention computes and then masks (the
+      blockwise and flash kernels skip most of it, inside loops whose trip counts are run-time);
+    - "remat recompute": the forward matmuls the backward pass runs again under `remat`: "full",
+      every matmul of the block except the MLP's down projection (its output only joins the
+      residual, which the backward does not need, so XLA drops it); "minimal", the attention
+      einsums (QK^T and AV, unhalved: the projections are saved); "save_dots" and "none", nothing.
+    Dense models only: a MoE step runs its capacity slots or every expert, which is not model FLOPs.
+    """
+    m = model_cfg
+    if m.n_experts > 1:
+        raise NotImplementedError("executed_flops_per_token counts dense models only")
+    attention_fwd = 4 * seq_len * m.n_heads * m.head_dim * m.n_layers  # QK^T and AV, unmasked, forward
+    per_layer = _attention_params(m) + _ffn_params(m)
+    recompute = {"full": 2 * m.n_layers * (per_layer - m.d_model * m.mlp_dim) + attention_fwd,
+                 "minimal": attention_fwd, "save_dots": 0, "none": 0}[remat]
+    return {"layers": 6.0 * m.n_layers * per_layer, "LM head": 6.0 * m.d_model * m.vocab_size,
+            "causal attention": 3.0 * attention_fwd / 2, "masked attention": 3.0 * attention_fwd / 2,
+            "remat recompute": float(recompute)}
+
+
 # ----------------------------------------------------------------------------------------------
 # Peak throughput and MFU
 

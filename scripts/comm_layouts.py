@@ -33,7 +33,7 @@ MOE = ["configs/tiny_mixtral.py", "--config.model.mlp_dim=512", "--config.model.
 
 
 def mesh(**axes: int) -> list[str]:
-    sizes = {"data": 1, "fsdp": 1, "expert": 1, "sequence": 1, "tensor": 1, **axes}
+    sizes = {"stage": 1, "data": 1, "fsdp": 1, "expert": 1, "sequence": 1, "tensor": 1, **axes}
     return [f"--config.mesh.ici.{a}={n}" for a, n in sizes.items()]
 
 
@@ -41,6 +41,8 @@ LAYOUTS = {
     "fsdp=8": DENSE + mesh(fsdp=8),
     "fsdp=4 x tensor=2": DENSE + mesh(fsdp=4, tensor=2),
     "fsdp=4 x sequence=2": DENSE + mesh(fsdp=4, sequence=2),
+    # GPipe, 2 microbatches: the stage boundary's permutes, and the loop's bubble iterations
+    "stage=2 x fsdp=4": DENSE + mesh(stage=2, fsdp=4),
     "MoE expert=8, dropless": MOE + mesh(expert=8) + ["--config.model.moe_impl=dropless"],
     "MoE expert=8, capacity 1.25": MOE + mesh(expert=8) + ["--config.model.moe_impl=capacity",
                                                           "--config.model.moe_capacity_factor=1.25"],

@@ -1,0 +1,154 @@
+"""The analytic side of `python -m maxtext_rocm.compile`: activations per device (per pipeline
+stage), and the dot FLOPs the compiled step should run, which the report holds the compiled
+program's own count to (maxtext_rocm/comm.py walks the HLO for both collectives and FLOPs).
+
+Activations (symbols in maxtext_rocm/compile.py's docstring) without a pipeline:
+    L*saved + 2*layer_all + logits (+ the gathered weights, in compile.py)
+
+With a GPipe pipeline of S stages and M microbatches (maxtext_rocm/parallel/pipeline.py), each
+device holds K = L/S layers and runs the loop's I = M + S - 1 iterations on T/M tokens at a time
+(circular schedules and stacks that do not divide: `loop_shape`); the loop's autodiff saves every
+iteration's residuals, the bubble's included:
+    I * (K*saved + T_mb*d*c)            each iteration: its K layers' saved tensors + the stage's input
+    + 2*layer_all(T_mb)                 one layer recomputed + its gradients, a microbatch at a time
+    + I*T_mb*d*c                        the last stage's outputs the loop stacks
+    + logits (T tokens)                 the LM head and loss run after the loop on the whole batch shard
+with T_mb = T/M. Under a pipeline remat "minimal" keeps what "full" keeps: the stages run as a vmap,
+so every projection gains the stage axis as a batch dimension and the policy
+(dots_with_no_batch_dims_saveable) saves none of them; the compiled FLOPs show the recompute.
+
+The stage's state: sharding.py maps only the stacked layers' "layers" axis to `stage`; the
+embedding, the LM head and the final norm are replicated over it, so every stage holds them
+(sharded by fsdp/tensor as without a pipeline) and every stage is alike: `per_stage` says so,
+from the abstract state's shardings rather than by assumption.
+"""
+
+from __future__ import annotations
+
+import math
+
+# A policy's name -> the one it acts as under a pipeline (see the module docstring).
+PIPELINE_REMAT = {"minimal": "full"}
+
+
+def effective_remat(remat: str, stages: int) -> str:
+    return PIPELINE_REMAT.get(remat, remat) if stages > 1 else remat
+
+
+def loop_shape(pipeline_cfg, n_layers: int, stages: int, microbatches: int) -> tuple[int, int]:
+    """(iterations, layer slots each device runs per iteration) of the pipeline loop: GPipe
+    M + S - 1 iterations of ceil(L/S) slots; a circular schedule of R repeats R M + S - 1 of
+    ceil(L/(S R)). A stack that does not divide is padded with empty slots, which run the layer on
+    zeros like any other (parallel/pipeline.py), so they count in memory and FLOPs."""
+    R = pipeline_cfg.repeats if pipeline_cfg.schedule == "circular" else 1
+    return R * microbatches + stages - 1, math.ceil(n_layers / (stages * R))
+
+
+def analytic_activations(cfg, axis_sizes: dict[str, int], n_devices: int, microbatches: int = 1) -> dict[str, float]:
+    # (a circular schedule's buffer, which holds the last stage's output until stage 0 is free, is
+    # not counted: one microbatch's block output per device)
+    """The activation estimate of compile.py's docstring (and this module's, under a pipeline),
+    per device, in bytes."""
+    m, tr = cfg.model, cfg.train
+    c = 4 if cfg.precision.policy == "fp32" else 2
+    t, S_p = axis_sizes["tensor"], axis_sizes.get("stage", 1)
+    batch_shards = axis_sizes["data"] * axis_sizes["fsdp"] * axis_sizes["expert"]
+    b = tr.per_device_batch_size * n_devices / tr.grad_accum / batch_shards
+    s = tr.seq_len
+    T = b * s / axis_sizes["sequence"]
+    d, L, V = m.d_model, m.n_layers, m.vocab_size
+    q = m.n_heads * m.head_dim / t
+    kv = 2 * m.n_kv_heads * m.head_dim / t
+    f = m.mlp_dim / t
+    if m.n_experts > 1:
+        f *= m.experts_per_token * m.moe_capacity_factor
+    S = b * (m.n_heads / t) * s * (s / axis_sizes["sequence"])
+    if m.attention != "xla":  # fused flash attention keeps only the softmax statistics
+        S = b * (m.n_heads / t) * s * 4 / (4 + c)
+    layer_all = T * c * (4 * d + 2 * q + kv + 3 * f) + S * (4 + c)
+    minimal = T * c * (2 * d + q + kv + 2 * f) + T * d * c
+    remat = effective_remat(m.remat if m.scan_layers or m.remat != "none" else "none", S_p)
+    saved = {"full": T * d * c, "minimal": minimal, "save_dots": minimal + S * 4 + T * q * c,
+             "none": layer_all}[remat]
+    from maxtext_rocm import cross_entropy
+    from maxtext_rocm.step import fused_head_loss
+
+    if fused_head_loss(m, cfg.precision.policy == "fp8" and cfg.precision.fp8_lm_head):
+        chunk = cross_entropy.chunk_length(s, m.loss_chunk_len)
+        logits = T * chunk / s * V / t * (c + 8) + 4 * d * V / t
+    else:
+        logits = T * V / t * (c + 8)
+    if S_p <= 1:
+        return {"layers": L * saved + 2 * layer_all, "logits": logits}
+    M = microbatches
+    I, K = loop_shape(cfg.pipeline, L, S_p, M)
+    T_mb = T / M  # saved and layer_all are linear in the tokens
+    return {"layers": I * (K * saved / M + T_mb * d * c) + 2 * layer_all / M,
+            "pipeline loop": I * T_mb * d * c, "logits": logits}
+
+
+def layer_param_bytes(cfg, axis_sizes) -> float:
+    """One layer's parameters in fp32, gathered (tensor and expert parallelism still split them)."""
+    from maxtext_rocm import metrics
+    m = cfg.model
+    per_layer = metrics._attention_params(m) + (  # expert weights stay split over `expert`
+        3 * m.d_model * m.mlp_dim * m.n_experts / axis_sizes["expert"] + m.d_model * m.n_experts
+        if m.n_experts > 1 else metrics._ffn_params(m))
+    return 4 * per_layer / axis_sizes["tensor"]
+
+
+def per_stage(params, stages: int) -> dict:
+    """Per-device parameter bytes of a pipeline stage, read from the abstract state's shardings: the
+    leaves split over `stage` (each stage holds its own share) and the leaves replicated over it
+    (every stage holds them whole, as split by the other axes), named."""
+    import jax
+    split = replicated = 0
+    names = []
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+        shard = leaf.sharding.shard_shape(leaf.shape) if leaf.sharding is not None else leaf.shape
+        size = math.prod(shard) * leaf.dtype.itemsize
+        spec = getattr(leaf.sharding, "spec", ())
+        axes = {a for entry in spec if entry for a in ((entry,) if isinstance(entry, str) else entry)}
+        if "stage" in axes:
+            split += size
+        else:
+            replicated += size
+            names.append("/".join(str(getattr(k, "key", k)) for k in path))
+    return {"stages": stages, "layer_param_bytes": split, "other_param_bytes": replicated,
+            "replicated_over_stage": names,
+            "note": f"{', '.join(names) or 'nothing'} replicated over `stage` (sharding.py maps only the stacked "
+                    "layers' axis to it): every stage holds them, and the head and loss run on every stage's "
+                    "batch shard, so all stages are alike"}
+
+
+# ----------------------------------------------------------------------------------------------
+# FLOPs
+
+
+def analytic_device_flops(cfg, axis_sizes: dict[str, int], n_devices: int, microbatches: int = 1) -> dict:
+    """Dot FLOPs per device per step that the compiled train step should run: the one formula's
+    terms (metrics.executed_flops_per_token) for the step's tokens, split over the devices, with a
+    pipeline's layers x (M + S - 1)/M (the bubble's iterations compute on dropped data; see
+    loop_shape for circular schedules and padded stacks) and its LM
+    head x S (it runs on every stage: see per_stage). None for a MoE model, whose executed FLOPs
+    depend on the implementation (capacity slots, every expert on the dense path)."""
+    from maxtext_rocm import config as config_lib
+    from maxtext_rocm import metrics
+
+    if cfg.model.n_experts > 1:
+        return None
+    S = axis_sizes.get("stage", 1)
+    remat = effective_remat(cfg.model.remat if cfg.model.scan_layers or cfg.model.remat != "none" else "none", S)
+    terms = metrics.executed_flops_per_token(cfg.model, cfg.train.seq_len, remat)
+    if cfg.model.attention != "xla":  # the blockwise/flash kernels skip the masked blocks
+        terms["masked attention"] = 0.0
+    tokens = config_lib.global_batch_size(cfg, n_devices) * cfg.train.seq_len
+    bubble = 1.0
+    if S > 1:  # layer passes per device against the L/S x M of a schedule without a bubble
+        I, K = loop_shape(cfg.pipeline, cfg.model.n_layers, S, microbatches)
+        bubble = I * K * S / (cfg.model.n_layers * microbatches)
+    per_device = {k: v * tokens / n_devices * (S if k == "LM head" else bubble) for k, v in terms.items()}
+    convention = metrics.train_flops_per_token(cfg.model, cfg.train.seq_len) * tokens / n_devices
+    return {"terms": per_device, "total": sum(per_device.values()), "convention_per_device": convention,
+            "bubble_factor": bubble, "remat": remat,
+            "redundant_head": per_device["LM head"] * (S - 1) / S if S > 1 else 0.0}
