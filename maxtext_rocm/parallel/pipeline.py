@@ -107,9 +107,8 @@ def merge_microbatches(x: Array) -> Array:
 
 def _shift(state: Array, first_stage_input: Array, mesh: Mesh) -> Array:
     """Each stage's output to the next stage; stage 0 takes its row of `first_stage_input` [S, ...]
-    instead. s to s + 1
-    only: GPipe needs no rotation, which would also send the last stage's output back to stage 0
-    for nothing."""
+    instead. s to s + 1 only: GPipe needs no rotation, which would also send the last stage's
+    output back to stage 0 for nothing."""
     shifted = _permute(state, mesh, [(s, s + 1) for s in range(state.shape[0] - 1)])
     return jnp.where(_is_first(state), first_stage_input, shifted)
 
