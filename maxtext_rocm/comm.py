@@ -401,8 +401,9 @@ def format_report(r: dict) -> str:
                      f"`stage` against a minimum of {st['minimum_bytes'] / MIB:.2f} MiB (each microbatch's activations "
                      "forward and cotangents back, once; the loop's M+S-1 iterations also move the bubble's): "
                      f"collective-permutes {st['permute_bytes'] / MIB:.2f} MiB, other collectives "
-                     f"{st['other_bytes'] / MIB:.2f} MiB (how XLA partitions the loop's stage shift and the last "
-                     "stage's output, which every stage receives each iteration)")
+                     f"{st['other_bytes'] / MIB:.2f} MiB (once a step, as the embedding and LM head are replicated over "
+                     "`stage`: the last stage's output to the others, the inputs' cotangent from stage 0, "
+                     "XLA's split of the embedding over stage)")
     lines.append(f"time at {r['target']} link bandwidth ({name} {intra:g} GB/s, NIC {inter:g} GB/s per GPU "
                  f"per direction): measured {r['measured_seconds'] * 1e3:.3f} ms, minimum "
                  f"{r['minimum_seconds'] * 1e3:.3f} ms per step (bytes / bandwidth, no overlap, no latency)")

@@ -13,9 +13,9 @@ iteration's residuals, the bubble's included:
     + 2*layer_all(T_mb)                 one layer recomputed + its gradients, a microbatch at a time
     + I*T_mb*d*c                        the last stage's outputs the loop stacks
     + logits (T tokens)                 the LM head and loss run after the loop on the whole batch shard
-with T_mb = T/M. Under a pipeline remat "minimal" keeps what "full" keeps: the stages run as a vmap,
-so every projection gains the stage axis as a batch dimension and the policy
-(dots_with_no_batch_dims_saveable) saves none of them; the compiled FLOPs show the recompute.
+with T_mb = T/M. Under a pipeline remat "minimal" keeps what it keeps without one: the stages run
+as a vmap, so every projection gains the stage axis as a batch dimension, and the policy finds them
+by the names Policy.dot_general gives them (precision.py) rather than by their batch dimensions.
 
 The stage's state: sharding.py maps only the stacked layers' "layers" axis to `stage`; the
 embedding, the LM head and the final norm are replicated over it, so every stage holds them
@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import math
 
-# A policy's name -> the one it acts as under a pipeline (see the module docstring).
-PIPELINE_REMAT = {"minimal": "full"}
+# A policy's name -> the one it acts as under a pipeline (see the module docstring): none differs.
+PIPELINE_REMAT: dict[str, str] = {}
 
 
 def effective_remat(remat: str, stages: int) -> str:

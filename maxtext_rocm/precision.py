@@ -4,7 +4,8 @@ which dot_general the dense layers use.
 Parameters always stay in fp32 (the optimizer's update is too small for bf16 to hold); the
 policy decides the compute dtype. Dense layers take their dot from `Policy.dot_general_cls` so
 that an fp8 quantize-dot-dequantize op slots in without touching the models, and otherwise from
-`Policy.dot_general`: XLA's own, except for bf16 on the CPU (`f32_accumulating_dot_general`).
+`Policy.dot_general`: XLA's own with its result named for remat, except for bf16 on the CPU
+(`f32_accumulating_dot_general`, named likewise).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def policy_from_config(precision_cfg, device=None, platform: str | None = None) 
     name = precision_cfg.policy
     dtype = _COMPUTE_DTYPES[name]
     on_cpu = (platform or device.platform) == "cpu"
-    dot = f32_accumulating_dot_general if dtype == jnp.bfloat16 and on_cpu else jax.lax.dot_general
+    dot = f32_accumulating_dot_general if dtype == jnp.bfloat16 and on_cpu else named_dot_general
     if name != "fp8":
         return Policy(name, dtype, dot_general=dot)
     fmt = fp8.resolve_format(precision_cfg.fp8_format, device)
@@ -77,10 +78,20 @@ def _einsum_f32(lhs_subscripts: str, rhs_subscripts: str, out_subscripts: str, l
                       preferred_element_type=jnp.float32)
 
 
-# Names of f32_accumulating_dot_general's results, for the remat policies that keep matmul
-# outputs (models/llama.py): remat sees the custom VJP below as one opaque call, not a dot.
+# Names of Policy.dot_general's results, for the remat policies that keep matmul outputs
+# (models/llama.py): remat sees the CPU's bf16 custom VJP below as one opaque call, not a dot, and
+# under a pipeline (parallel/pipeline.py vmaps the stages) every dot has the stage as a batch axis,
+# so dots_with_no_batch_dims_saveable would keep none. The name is chosen from the model's own
+# dimension numbers, which vmap does not change.
 DOT_WITHOUT_BATCH_AXES = "f32_accumulated_dot"
 DOT_WITH_BATCH_AXES = "f32_accumulated_batched_dot"
+
+
+def named_dot_general(lhs: Array, rhs: Array, dimension_numbers, precision=None,
+                      preferred_element_type=None) -> Array:
+    """lax.dot_general, its result named by whether the model's dot has batch axes."""
+    out = jax.lax.dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type)
+    return checkpoint_name(out, DOT_WITH_BATCH_AXES if dimension_numbers[1][0] else DOT_WITHOUT_BATCH_AXES)
 
 
 def f32_accumulating_dot_general(lhs: Array, rhs: Array, dimension_numbers, precision=None,

@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
-from jax.sharding import Mesh
+from jax.sharding import Mesh, PartitionSpec as P
 
 from maxtext_rocm.config_checks import pipeline_microbatches
 from maxtext_rocm.errors import ConfigError
@@ -91,7 +91,7 @@ def layer_stack(pipeline_cfg, model_cfg, mesh: Mesh) -> Callable | None:
         raise ConfigError(f"model.n_layers={model_cfg.n_layers} leaves some of mesh stage={stages} x "
                           f"pipeline.repeats={pipeline_cfg.repeats} virtual stages without a layer")
     return functools.partial(_schedule, layout=StackLayout(model_cfg.n_layers, stages, pipeline_cfg.repeats),
-                             microbatches=_resolved(pipeline_cfg))
+                             microbatches=_resolved(pipeline_cfg), mesh=mesh)
 
 
 def resolve_microbatches(cfg, mesh: Mesh) -> None:
@@ -126,13 +126,40 @@ def merge_microbatches(x: Array) -> Array:
     return jnp.swapaxes(x, 0, 1).reshape(x.shape[0] * x.shape[1], *x.shape[2:])
 
 
-def _shift(state: Array, first_stage_input: Array) -> Array:
-    """Each stage's output to the next stage; stage 0 takes `first_stage_input` instead. The
-    slice-and-concatenate along the stage-sharded axis is a collective-permute in the HLO, s to
-    s + 1 only: GPipe needs no rotation, which would also send the last stage's output back to
-    stage 0 for nothing."""
-    shifted = jnp.concatenate([jnp.zeros_like(state[:1]), state[:-1]], axis=0)
-    return jnp.where(_is_first(state), first_stage_input[None], shifted)
+def _shift(state: Array, first_stage_input: Array, mesh: Mesh) -> Array:
+    """Each stage's output to the next stage; stage 0 takes its row of `first_stage_input` [S, ...]
+    instead. s to s + 1 only: GPipe needs no rotation, which would also send the last stage's
+    output back to stage 0 for nothing."""
+    shifted = _permute(state, mesh, [(s, s + 1) for s in range(state.shape[0] - 1)])
+    return jnp.where(_is_first(state), first_stage_input, shifted)
+
+
+def _permute(state: Array, mesh: Mesh, pairs: list[tuple[int, int]]) -> Array:
+    """`state` [S, ...] (sharded over `stage`) sent from stage a to stage b for each (a, b) of
+    `pairs`; a stage no pair sends to gets zeros. An explicit ppermute, manual over `stage` alone
+    (the other axes stay GSPMD's): the same shift written as a slice-and-concatenate along the
+    sharded axis was lowered as an all-to-all over `stage`."""
+    def local(block):  # block: this stage's [1, ...]
+        return jax.lax.ppermute(block, STAGE_AXIS, pairs)
+    return jax.shard_map(local, mesh=mesh, in_specs=P(STAGE_AXIS), out_specs=P(STAGE_AXIS),
+                         axis_names=frozenset({STAGE_AXIS}))(state)
+
+
+def _from_stage(stacked: Array, stage: int, mesh: Mesh) -> Array:
+    """stacked[stage] on every stage, for `stacked` [S, ...] sharded over `stage`: one all-reduce
+    of what that stage holds (the others add zeros), whose transpose moves nothing (each stage
+    keeps the cotangent of its own copy). Indexing the sharded axis instead was lowered as a
+    permute to stage 0 and an all-reduce forward, and a permute back for the cotangent.
+    In at least fp32: XLA:CPU (jax 0.10.2) aborts compiling a 16-bit all-reduce whose reducer jax
+    wraps in a sharding constraint, as it does under a partial-manual shard_map ("Invalid binary
+    instruction opcode copy" in AllReducePromotion). Once per step; the CPU count is unchanged (it
+    shows bf16 collectives as f32 anyway), a GPU sends this one broadcast at twice bf16's bytes."""
+    def local(block):  # block: this stage's [1, ...]
+        mine = jax.lax.axis_index(STAGE_AXIS) == stage
+        wide = block[0].astype(jnp.promote_types(block.dtype, jnp.float32))
+        return jax.lax.psum(jnp.where(mine, wide, jnp.zeros_like(wide)), STAGE_AXIS).astype(block.dtype)
+    return jax.shard_map(local, mesh=mesh, in_specs=P(STAGE_AXIS), out_specs=P(),
+                         axis_names=frozenset({STAGE_AXIS}))(stacked)
 
 
 def _is_first(state: Array) -> Array:
@@ -140,7 +167,7 @@ def _is_first(state: Array) -> Array:
 
 
 def _schedule(stack: nn.Module, scanned: Callable, x: Array, positions: Array, segment_ids: Array | None, *,
-              layout: StackLayout, microbatches: int):
+              layout: StackLayout, microbatches: int, mesh: Mesh):
     variables = dict(stack.variables)
     extra = set(variables) - {"params", FP8_COLLECTION}
     if extra:
@@ -186,6 +213,11 @@ def _schedule(stack: nn.Module, scanned: Callable, x: Array, positions: Array, s
 
     inputs, pos_in, seg_in = (None if a is None else split_microbatches(a, M) for a in (x, positions, segment_ids))
     stage_ids = jnp.arange(S)
+    # A copy of the inputs per stage, sharded over `stage` (each device already holds all of them):
+    # stage 0's use of its copy in the loop is local, and the cotangent (its transpose, a sum over
+    # the copies) is one all-reduce after the loop rather than one per iteration, the bubble's too.
+    staged = nn.with_logical_constraint(jnp.broadcast_to(inputs[None], (S, *inputs.shape)),
+                                        ("activation_stage", None) + BLOCK_OUTPUT_AXES)
 
     def iteration(carry, xs):
         out, circling = carry
@@ -194,17 +226,17 @@ def _schedule(stack: nn.Module, scanned: Callable, x: Array, positions: Array, s
         # bubble, whose results are dropped and so get no cotangent).
         work = jnp.clip(t - stage_ids, 0, R * M - 1)
         micro, repeat = work % M, work // M
-        fresh = jax.lax.dynamic_index_in_dim(inputs, jnp.minimum(t, M - 1), keepdims=False)
+        fresh = jax.lax.dynamic_index_in_dim(staged, jnp.minimum(t, M - 1), axis=1, keepdims=False)
         if R == 1:
-            h = _shift(out, fresh)
+            h = _shift(out, fresh, mesh)
         else:
             # A rotation: stage S-1's output goes on to stage 0 for its next repeat, through a
             # buffer (every stage keeps its own copy; only stage 0's is read) that holds it the
             # M - S iterations until stage 0 is free for it.
-            rotated = jnp.roll(out, 1, axis=0)
+            rotated = _permute(out, mesh, [(s, (s + 1) % S) for s in range(S)])
             circling = jax.lax.dynamic_update_index_in_dim(circling, rotated, (t - S) % M, axis=1)
             again = jax.lax.dynamic_index_in_dim(circling, t % M, axis=1, keepdims=False)
-            h = jnp.where(_is_first(rotated), jnp.where(t < M, fresh[None], again), rotated)
+            h = jnp.where(_is_first(rotated), jnp.where(t < M, fresh, again), rotated)
         h = nn.with_logical_constraint(h, state_axes)
         # Positions and segments are indexed per stage from the inputs every stage holds.
         pos = nn.with_logical_constraint(jnp.take(pos_in, micro, axis=0), token_axes)
@@ -212,16 +244,19 @@ def _schedule(stack: nn.Module, scanned: Callable, x: Array, positions: Array, s
         stage_vars = {"params": params} if fp8_now is None else {"params": params, FP8_COLLECTION: fp8_now}
         out, sown = all_stages(stage_vars, real, repeat, h, pos, seg)
         out = nn.with_logical_constraint(out, state_axes)
-        return (out, circling), (out[-1] if R == 1 else None, sown)
+        # Every stage's output, kept where it is (stage-sharded): reading out[-1] here instead made
+        # GSPMD send the last stage's output to every stage in every iteration, the bubble's too.
+        return (out, circling), (out if R == 1 else None, sown)
 
     circling = None if R == 1 else jnp.zeros((S, M, *inputs.shape[1:]), inputs.dtype)
-    (out, circling), (last_stage, sown) = jax.lax.scan(
+    (out, circling), (every_stage, sown) = jax.lax.scan(
         iteration, (jnp.zeros((S, *inputs.shape[1:]), inputs.dtype), circling),
         (jnp.arange(n_iterations), fp8_per_iteration))
-    if R == 1:  # the last stage finishes microbatch m in iteration m + S - 1
-        y = last_stage[S - 1:]
+    if R == 1:  # the last stage finishes microbatch m in iteration m + S - 1: moved off it once, here
+        y = _from_stage(jnp.swapaxes(every_stage[S - 1:], 0, 1), S - 1, mesh)
     else:  # the last repeat's outputs, stored as if for one more: stage 0's copy of the buffer
-        y = jax.lax.dynamic_update_index_in_dim(circling, jnp.roll(out, 1, axis=0), (n_iterations - S) % M, axis=1)[0]
+        y = _from_stage(jax.lax.dynamic_update_index_in_dim(circling, _permute(out, mesh, [(S - 1, 0)]),
+                                                            (n_iterations - S) % M, axis=1), 0, mesh)
     y = nn.with_logical_constraint(merge_microbatches(y), BLOCK_OUTPUT_AXES)
     return y, {AUX_LOSSES: jax.tree_util.tree_map(functools.partial(_real_work, layout, M), sown)}
 
