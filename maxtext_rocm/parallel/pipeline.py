@@ -202,10 +202,17 @@ def _schedule(stack: nn.Module, scanned: Callable, x: Array, positions: Array, s
         return jax.lax.scan(slot, h, (chunk_vars, chunk_real))
 
     def run_stage(stage_vars, stage_real, repeat, h, pos, seg):
-        # The chunk of this repeat: an index into the device's own [R, ...] block.
-        chunk = jax.tree_util.tree_map(lambda p: jax.lax.dynamic_index_in_dim(p, repeat, keepdims=False),
-                                       stage_vars)
-        return run_chunk(chunk, jax.lax.dynamic_index_in_dim(stage_real, repeat, keepdims=False), h, pos, seg)
+        # The chunk of this repeat: an index into the device's own [R, ...] block. With one repeat
+        # the index is static: a slice that varies with the iteration would be a new value in
+        # each, which the loop's autodiff saves once per iteration (M + S - 1 copies of the
+        # stage's weights: 70B on 4 stages, 161 GiB of XLA buffers instead of 106); a static one
+        # of the loop-invariant weights is saved once. Circular's repeat does vary, so it still
+        # pays that (its chunk, 1/R of the stage's weights, per iteration; docs/parallelism.md).
+        if R == 1:
+            pick = functools.partial(jax.lax.index_in_dim, index=0, keepdims=False)
+        else:
+            pick = functools.partial(jax.lax.dynamic_index_in_dim, index=repeat, keepdims=False)
+        return run_chunk(jax.tree_util.tree_map(pick, stage_vars), pick(stage_real), h, pos, seg)
 
     all_stages = jax.vmap(run_stage, spmd_axis_name=STAGE_AXIS)
     state_axes = ("activation_stage",) + BLOCK_OUTPUT_AXES
