@@ -223,8 +223,8 @@ def pipeline_microbatches(pipe, stages: int, sequences_per_shard: int) -> int:
     return max(m for m in range(1, AUTO_MICROBATCHES_PER_STAGE * stages + 1) if sequences_per_shard % m == 0)
 
 
-def _validate_pipeline_against_mesh(cfg, stages: int, micro_batch: int, batch_shards: int, sequence: int) -> None:
-    """A pipeline over `stages` devices: its layers, its microbatches, the parts it composes with."""
+def _validate_pipeline_against_mesh(cfg, stages: int, micro_batch: int, batch_shards: int) -> None:
+    """A pipeline over `stages` devices: its layers and its microbatches."""
     m, pipe = cfg.model, cfg.pipeline
     # A stack that does not divide is padded with empty slots (parallel/pipeline_layout.py); one
     # with fewer layers than virtual stages would leave some with nothing to run.
@@ -233,15 +233,6 @@ def _validate_pipeline_against_mesh(cfg, stages: int, micro_batch: int, batch_sh
              f"model.n_layers={m.n_layers} leaves some of mesh stage={stages} x pipeline.repeats={pipe.repeats} "
              f"= {virtual} virtual stages without a layer; choose stage x repeats <= {m.n_layers}")
     _require(m.scan_layers, "mesh stage > 1 pipelines the scanned layer stack; set model.scan_layers=True")
-    if m.family == "mixtral":
-        _require(m.moe_impl in ("capacity", "dense"),
-                 f"model.moe_impl={m.moe_impl!r} (the dropless expert exchange) is not supported under a "
-                 "pipeline (mesh stage > 1) yet: its shard_map does not run inside the stages' vmap in this "
-                 "JAX; use model.moe_impl='capacity' (with model.moe_capacity_factor >= n_experts / "
-                 "experts_per_token to drop nothing) or 'dense'")
-    _require(sequence == 1,
-             f"mesh sequence={sequence} (context parallelism) with mesh stage={stages} (a pipeline) is not supported yet: "
-             "its shard_map does not run inside the stages' vmap; use one of the two")
     micro = pipeline_microbatches(pipe, stages, max(1, micro_batch // batch_shards))
     _require(pipe.schedule != "circular" or micro >= stages,
              f"pipeline.microbatches={micro} is fewer than mesh stage={stages}: a circular schedule sends each "
@@ -321,7 +312,7 @@ def _validate_against_mesh(cfg, shape, device_count: int) -> None:
              f"(mesh axes {' x '.join(batch_axes)}); raise train.per_device_batch_size, lower train.grad_accum, "
              "or split each sequence over mesh.ici.sequence instead")
     if sizes["stage"] > 1:
-        _validate_pipeline_against_mesh(cfg, sizes["stage"], micro, batch_shards, sizes["sequence"])
+        _validate_pipeline_against_mesh(cfg, sizes["stage"], micro, batch_shards)
     _require(t.seq_len % sizes["sequence"] == 0,
              f"train.seq_len={t.seq_len} does not divide over mesh sequence={sizes['sequence']}")
     if sizes["sequence"] > 1 and m.context_load_balance:

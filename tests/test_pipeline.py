@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from maxtext_rocm import config as config_lib
-from maxtext_rocm.parallel import pipeline, pipeline_layout
+from maxtext_rocm.parallel import context, experts, pipeline, pipeline_layout
 from maxtext_rocm.train import Trainer
 
 from conftest import small_config
@@ -221,17 +221,43 @@ def test_bad_pipeline_settings_are_one_sentence_before_compiling(overrides, mess
         config_lib.validate(cfg, device_count=8)
 
 
-def test_context_parallelism_is_refused_under_a_pipeline_for_now():
-    cfg = llama(**dict(SINGLE, **{"mesh.ici.stage": 2, "mesh.ici.fsdp": 2, "mesh.ici.sequence": 2}))
-    with pytest.raises(config_lib.ConfigError, match=r"mesh sequence=2 \(context parallelism\) with mesh stage=2"):
-        config_lib.validate(cfg, device_count=8)
+@pytest.mark.parametrize("mode", [pytest.param("ring", marks=pytest.mark.slow), "all_gather"])
+def test_context_parallelism_inside_the_stages_matches_one_device(mode, one_device, devices, tmp_path):
+    """stage=2 x sequence=2 x fsdp=2: each stage's attention runs context.py's shard_map over
+    `sequence` inside the stages' vmap (unchecked there: varying.check_vma)."""
+    calls = []
+    real = getattr(context, "_ring" if mode == "ring" else "_gathered")
+    with pytest.MonkeyPatch.context() as patch:  # counts the sequence-sharded attention's uses
+        patch.setattr(context, real.__name__, lambda *a, **k: calls.append(mode) or real(*a, **k))
+        loss, grads, _ = loss_and_grads(on_mesh(llama, {"stage": 2, "sequence": 2, "fsdp": 2}, tmp_path,
+                                                **{"model.context_parallel": mode}), devices)
+    assert calls  # the context-parallel attention ran, not the fallback for unsplittable batches
+    ref_loss, ref_grads, _ = one_device
+    assert_close(loss, ref_loss)
+    assert_close(grads, ref_grads)
 
 
-def test_dropless_experts_are_refused_under_a_pipeline_for_now():
-    cfg = mixtral(**dict(SINGLE, **{"mesh.ici.stage": 2, "mesh.ici.fsdp": 4}), **{"model.moe_impl": "auto"})
-    message = r"model.moe_impl='auto' \(the dropless expert exchange\) is not supported under a pipeline"
-    with pytest.raises(config_lib.ConfigError, match=message):
-        config_lib.validate(cfg, device_count=8)
+@pytest.mark.slow  # about 30 s each on 2 cores
+@pytest.mark.parametrize("mesh, overrides", [
+    ({"stage": 2, "expert": 2, "fsdp": 2}, {}),
+    # Two microbatches, as the reference accumulates: the router losses are per microbatch.
+    ({"stage": 2, "expert": 2, "tensor": 2}, {**CIRCULAR, "pipeline.microbatches": 2}),
+])
+def test_mixtral_pipeline_with_the_dropless_expert_exchange_matches_one_device(mesh, overrides, devices, tmp_path):
+    """moe_impl='dropless': experts.py's exchange (its CPU path, the padded all-to-all) over
+    `expert` inside the stages' vmap (unchecked there: varying.check_vma), with gpipe and circular."""
+    ref = mixtral(**SINGLE, **{"train.per_device_batch_size": 8, "train.grad_accum": 2,
+                               "output_dir": str(tmp_path / "one")})
+    ref_loss, ref_grads, _ = loss_and_grads(ref, devices[:1])
+    calls = []
+    real = experts.padded_ragged_all_to_all
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(experts, "padded_ragged_all_to_all", lambda *a, **k: calls.append(1) or real(*a, **k))
+        loss, grads, _ = loss_and_grads(on_mesh(mixtral, mesh, tmp_path / "pp", **{"model.moe_impl": "dropless"},
+                                                **overrides), devices)
+    assert calls  # the exchange ran
+    assert_close(loss, ref_loss)
+    assert_close(grads, ref_grads)
 
 
 @pytest.mark.slow  # about a minute on 2 cores

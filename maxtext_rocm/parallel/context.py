@@ -177,7 +177,8 @@ def _sharded_attention(q, k, v, segment_ids, *, mesh: Mesh, layout: Layout, mode
 
     args = (q, k, v) if segment_ids is None else (q, k, v, segment_ids)
     specs = (q_spec, kv_spec, kv_spec) + (() if segment_ids is None else (tokens,))
-    return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=q_spec)(*args)
+    return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=q_spec,
+                         check_vma=varying.check_vma(mesh))(*args)
 
 
 def _unsplit_attention(q, k, v, segment_ids, layout: Layout, window: int):

@@ -219,5 +219,5 @@ def _expert_parallel_dropless(x, weights, experts, gate, up, down, *, mesh: Mesh
         return jax.lax.psum(y, tensor_axes) if tensor_axes else y
 
     return jax.shard_map(local, mesh=mesh, in_specs=(tokens, tokens, tokens, gate_up, gate_up, down_spec),
-                         out_specs=tokens)(x, weights, experts, gate, up, down)
+                         out_specs=tokens, check_vma=varying.check_vma(mesh))(x, weights, experts, gate, up, down)
 

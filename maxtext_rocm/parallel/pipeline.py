@@ -19,6 +19,8 @@ as [S, R, K, ...] (a reshape of the sharded axis, no data moves) and the S stage
 vmapped stage function whose vmapped axis is sharded over `stage` (`spmd_axis_name`): every
 logical constraint inside the layers keeps its meaning, with the stage axis in front, so the
 pipeline composes with fsdp, tensor, expert and sequence sharding as the unpipelined stack does.
+The layers' own shard_maps (the dropless expert exchange, context-parallel attention) are batched
+by that vmap, the stage axis added to their specs; they run unchecked here (varying.check_vma).
 An empty slot runs the layer on its zeros and keeps its input (`where`), so it gets zero gradient.
 
 Work a stage does in the bubble (on zeros or a repeated microbatch) is dropped and gets no
