@@ -154,6 +154,20 @@ def three_layers_on_two_stages(tmp_path_factory):
                           jax.devices())
 
 
+@pytest.mark.slow  # an eight-layer reference compiled for it
+def test_circular_schedule_on_four_stages_matches_one_device(devices, tmp_path):
+    """stage=4 x fsdp=2, two repeats: eight layers, device s runs layers s and s + 4."""
+    eight = {"model.n_layers": 8}
+    ref_loss, ref_grads, _ = loss_and_grads(llama(**SINGLE, **eight, **{"train.per_device_batch_size": 8,
+                                                                     "output_dir": str(tmp_path / "one")}),
+                                            devices[:1])
+    cfg = on_mesh(llama, {"stage": 4, "fsdp": 2}, tmp_path / "pp", **eight, **CIRCULAR)
+    loss, grads, _ = loss_and_grads(cfg, devices)
+    assert cfg.pipeline.microbatches >= 4
+    assert_close(loss, ref_loss)
+    assert_close(grads, ref_grads)
+
+
 @pytest.mark.slow  # a second model compiled for the reference
 def test_stack_that_does_not_divide_into_stages_matches_one_device(three_layers_on_two_stages, devices, tmp_path):
     ref_loss, ref_grads, _ = loss_and_grads(
