@@ -201,7 +201,8 @@ def _validate_moe(m, seq_len: int) -> None:
 def _validate_pipeline(pipe) -> None:
     _one_of("pipeline.schedule", pipe.schedule, PIPELINE_SCHEDULES)
     _require(isinstance(pipe.microbatches, int) and pipe.microbatches >= 0,
-             f"pipeline.microbatches={pipe.microbatches!r} is not valid; use a count >= 1, or 0 for as many as stages")
+             f"pipeline.microbatches={pipe.microbatches!r} is not valid; use a count >= 1, or 0 to choose "
+             "(up to 4 per stage, as the batch allows)")
     _require(isinstance(pipe.repeats, int) and pipe.repeats >= 1,
              f"pipeline.repeats={pipe.repeats!r} is not valid; use a count >= 1 of virtual stages per device")
     _require(pipe.repeats == 1 or pipe.schedule == "circular",
