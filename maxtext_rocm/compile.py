@@ -141,6 +141,12 @@ def analyse(cfg, kind: str, n_devices: int, usable: float = 0.92, compile_it: bo
     microbatches = cfg.pipeline.microbatches if sizes["stage"] > 1 else 1
     act = estimates.analytic_activations(cfg, sizes, n_devices, microbatches)
     act["gathered_weights"] = 2 * estimates.layer_param_bytes(cfg, sizes) if fsdp_sharded else 0.0
+    if sizes["stage"] > 1 and cfg.pipeline.schedule == "circular" and cfg.pipeline.repeats > 1:
+        # The chunk a stage runs changes per iteration, so the loop's autodiff saves its weights
+        # (this device's share, 1/R of its slots) once per iteration (parallel/pipeline.py).
+        iterations, _ = estimates.loop_shape(cfg.pipeline, cfg.model.n_layers, sizes["stage"], microbatches)
+        split = estimates.per_stage(abstract.params, sizes["stage"])["layer_param_bytes"]
+        act["circular chunk weights"] = iterations * split / cfg.pipeline.repeats
     analytic_act = sum(act.values())
     analytic_total = sum(state_bytes.values()) + grads + analytic_act
     capacity = TARGETS[kind] * GIB

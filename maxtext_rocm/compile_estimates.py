@@ -45,10 +45,10 @@ def loop_shape(pipeline_cfg, n_layers: int, stages: int, microbatches: int) -> t
 
 
 def analytic_activations(cfg, axis_sizes: dict[str, int], n_devices: int, microbatches: int = 1) -> dict[str, float]:
-    # (a circular schedule's buffer, which holds the last stage's output until stage 0 is free, is
-    # not counted: one microbatch's block output per device)
     """The activation estimate of compile.py's docstring (and this module's, under a pipeline),
-    per device, in bytes."""
+    per device, in bytes. (A circular schedule's buffer, which holds the last stage's output until
+    stage 0 is free, is not counted: one microbatch's block output per device. Its chunk weights
+    saved per iteration are, in compile.py, from the state's shardings.)"""
     m, tr = cfg.model, cfg.train
     c = 4 if cfg.precision.policy == "fp32" else 2
     t, S_p = axis_sizes["tensor"], axis_sizes.get("stage", 1)
