@@ -338,14 +338,15 @@ def link_seconds(bytes_by_link: dict[str, float], kind: str) -> float:
 
 
 def report(hlo_text: str, layout: MeshLayout, model_cfg, train_cfg, policy: str, kind: str,
-           microbatches: int = 1, measured: dict | None = None) -> dict:
+           microbatches: int = 1, measured: dict | None = None, repeats: int = 1) -> dict:
     """The measured collectives of a compiled train step beside the layout's analytic minimum
-    (`microbatches`: a pipeline's, under mesh stage > 1; `measured`: account()'s result if at hand)."""
+    (`microbatches`, `repeats`: a pipeline's, under mesh stage > 1; `measured`: account()'s result
+    if at hand)."""
     from maxtext_rocm import comm_minimum
 
     measured = dict(measured or account(hlo_text, layout))
     sizes = dict(zip(layout.axis_names, (i * d for i, d in zip(layout.ici_sizes, layout.dcn_sizes))))
-    least = comm_minimum.minimum(model_cfg, train_cfg, policy, sizes, microbatches=microbatches)
+    least = comm_minimum.minimum(model_cfg, train_cfg, policy, sizes, microbatches=microbatches, repeats=repeats)
     least_by_link = {"ICI": 0.0, "DCN": 0.0}
     for term in least["terms"]:
         axes = [a for a in term["axes"].split(",") if a in layout.axis_names]
@@ -399,10 +400,10 @@ def format_report(r: dict) -> str:
         st = r["stages"]
         lines.append(f"between stages ({st['link']}): {(st['permute_bytes'] + st['other_bytes']) / MIB:.2f} MiB over "
                      f"`stage` against a minimum of {st['minimum_bytes'] / MIB:.2f} MiB (each microbatch's activations "
-                     "forward and cotangents back, once; the loop's M+S-1 iterations also move the bubble's): "
-                     f"collective-permutes {st['permute_bytes'] / MIB:.2f} MiB, other collectives "
+                     "forward and cotangents back, once per pass round the stages; the loop's idle iterations also "
+                     f"move the bubble's): collective-permutes {st['permute_bytes'] / MIB:.2f} MiB, other collectives "
                      f"{st['other_bytes'] / MIB:.2f} MiB (once a step, as the embedding and LM head are replicated over "
-                     "`stage`: the last stage's output to the others, the inputs' cotangent from stage 0, "
+                     "`stage`: the final outputs to every stage, the inputs' cotangent from stage 0, "
                      "XLA's split of the embedding over stage)")
     lines.append(f"time at {r['target']} link bandwidth ({name} {intra:g} GB/s, NIC {inter:g} GB/s per GPU "
                  f"per direction): measured {r['measured_seconds'] * 1e3:.3f} ms, minimum "

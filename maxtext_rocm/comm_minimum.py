@@ -67,9 +67,10 @@ the layers (each microbatch gathers the stage's weights and reduce-scatters thei
 gradient-accumulation micro-batch does) and T the tokens per device per microbatch; the
 embedding and LM head run outside the pipeline, once per micro-batch on all of its tokens. One term
 is added:
-    stage activations  A*M*2*T*d*c                     each microbatch's block output crosses each
+    stage activations  A*M*R*2*T*d*c                   each microbatch's block output crosses each
                                                         stage boundary forward, its cotangent back
-                                                        (a busiest inner stage sends both)
+                                                        (a busiest inner stage sends both), R times
+                                                        under a circular schedule of R repeats
 The bubble's iterations are not in the minimum: the loop of M + P - 1 iterations also moves
 (and gathers weights for) the data of idle stages, P - 1 iterations of it, which a schedule that
 skipped idle stages would not; the measured figure includes them, so the pipeline's ratio is at
@@ -104,11 +105,11 @@ def _params(m, t: int, E: int) -> tuple[float, float]:
 
 
 def minimum(model_cfg, train_cfg, policy: str, sizes: dict[str, int], param_bytes: int = GRAD_BYTES,
-            microbatches: int = 1) -> dict:
+            microbatches: int = 1, repeats: int = 1) -> dict:
     """The minimum bytes per device per step: {"terms": [...], "cpu_bytes", "gpu_bytes"}, each term
     with its mesh axes, CPU-dtype and GPU-dtype bytes, and its formula with the numbers put in.
-    Under a pipeline (sizes["stage"] = P > 1, `microbatches` M) the terms are per stage: see
-    PIPELINE in this module's docstring."""
+    Under a pipeline (sizes["stage"] = P > 1, `microbatches` M, a circular schedule's `repeats` R)
+    the terms are per stage: see PIPELINE in this module's docstring."""
     m = model_cfg
     D, Fs, E, S, t = (sizes.get(a, 1) for a in ("data", "fsdp", "expert", "sequence", "tensor"))
     P = sizes.get("stage", 1)
@@ -163,8 +164,9 @@ def minimum(model_cfg, train_cfg, policy: str, sizes: dict[str, int], param_byte
              f"A*L*(g+1+r)*2*(S-1)*T*kv/t*c = {A}*{L}*({g}+1+{r_ring})*2*({S}-1)*{T:.0f}*{kv}/{t}*{c}"),
         ]
         if P > 1:
-            rows.append(("stage activations", "stage", A * 2 * T * d * c,
-                         f"A*M*2*T_mb*d*c = {A}*2*{T:.0f}*{d}*{c}"))
+            R = repeats
+            rows.append(("stage activations", "stage", A * R * 2 * T * d * c,
+                         f"A*M*R*2*T_mb*d*c = {A}*{R}*2*{T:.0f}*{d}*{c}"))
         return rows
 
     w_gpu = min(gpu_c, param_bytes)

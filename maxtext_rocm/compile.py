@@ -215,8 +215,9 @@ def analyse(cfg, kind: str, n_devices: int, usable: float = 0.92, compile_it: bo
         report["compiled_dot_flops"] = counted["dot_flops"]
         report["compiled_flops_lower_bound"] = bool(counted["unknown_trip_count_dot_loops"])
         if comm:
+            repeats = cfg.pipeline.repeats if cfg.pipeline.schedule == "circular" else 1
             report["comm"] = comm_lib.report(hlo, layout, cfg.model, cfg.train, cfg.precision.policy, kind,
-                                             microbatches, counted)
+                                             microbatches, counted, repeats=repeats)
     if compiled is None:
         return report
     mem = compiled.memory_analysis()
@@ -230,13 +231,18 @@ def analyse(cfg, kind: str, n_devices: int, usable: float = 0.92, compile_it: bo
     return report
 
 
-def search(cfg, kind: str, n_devices: int, usable: float, max_compiles: int, log=print, nodes: int = 1) -> dict:
+def search(cfg, kind: str, n_devices: int, usable: float, max_compiles: int, log=print, nodes: int = 1,
+           microbatches: int | None = None) -> dict:
     """Largest per-device batch that fits for each remat policy (by the estimate), confirmed by
-    compiling at most `max_compiles` candidates."""
+    compiling at most `max_compiles` candidates. `microbatches`: the pipeline.microbatches the user
+    asked for, where `cfg` has been through analyse (which resolves 0, auto, for its own batch):
+    each trial batch resolves it afresh."""
     def with_(remat, batch, attention=None):
         trial = copy.deepcopy(cfg)
         trial.model.remat, trial.train.per_device_batch_size, trial.train.grad_accum = remat, batch, 1
         trial.model.attention = attention or cfg.model.attention
+        if microbatches is not None:
+            trial.pipeline.microbatches = microbatches
         return trial
 
     def largest_by_remat(attention=None):
@@ -424,9 +430,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = config_lib.load(spec, overrides)
         nodes = target_nodes(options["target"])
+        asked_microbatches = cfg.pipeline.microbatches  # analyse resolves auto for the configured batch
         report = analyse(cfg, kind, n, usable, comm=options["comm"], nodes=nodes)
         if options["search"] or not report["fits"]:
-            report["search"] = search(cfg, kind, n, usable, max_compiles, nodes=nodes)
+            report["search"] = search(cfg, kind, n, usable, max_compiles, nodes=nodes,
+                                      microbatches=asked_microbatches)
     except config_lib.UserError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -48,9 +48,9 @@ def run_model(cfg, mesh, device):
 
 def abstract_state(cfg, model, mesh):
     """(init fn, its key, the state as ShapeDtypeStructs carrying their shardings, the shardings):
-    the state's layout without allocating it (the Trainer and the AOT fit check share it). Under a
-    pipeline that stores the layer stack in its own order (parallel/pipeline_layout.py) these are
-    the storage order's: what the train step sees."""
+    the state's layout without allocating it (stored_state's first four, which the Trainer and the
+    AOT fit check share). Under a pipeline that stores the layer stack in its own order
+    (parallel/pipeline_layout.py) these are the storage order's: what the train step sees."""
     return stored_state(cfg, model, mesh)[:4]
 
 

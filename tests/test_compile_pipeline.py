@@ -210,3 +210,13 @@ def test_circular_estimate_counts_the_chunk_weights_saved_per_iteration():
     assert r["analytic_activation_terms_bytes"]["circular chunk weights"] == 5 * r["stages"]["layer_param_bytes"] / 2
     assert "circular chunk weights" not in compile_lib.analyse(_tiny(2), "mi355x", 8, compile_it=False)[
         "analytic_activation_terms_bytes"]
+
+
+def test_the_batch_search_resolves_auto_microbatches_for_each_trial_batch():
+    """analyse resolves pipeline.microbatches=0 for the configured batch (4 per device: 8 per
+    batch shard, M = 8); the search's trial batches (1 per device: 2 per shard) resolve it afresh
+    instead of keeping an M that no longer divides them."""
+    cfg = _tiny(2, **{"train.per_device_batch_size": 4})
+    assert compile_lib.analyse(cfg, "mi355x", 8, compile_it=False) and cfg.pipeline.microbatches == 8
+    found = compile_lib.search(cfg, "mi355x", 8, 0.92, max_compiles=0, log=lambda *_: None, microbatches=0)
+    assert found["largest_batch"]

@@ -6,12 +6,12 @@ NamedSharding splits the [n_layers, ...] axis over `stage` in contiguous blocks.
 schedule runs layer chunk v (of S x R chunks, in model order) on device v mod S, and a stack of
 126 layers cannot split over 8 devices at all. So the pipeline stores the stack as S x R x K
 slots, K = ceil(L / (S R)): device s's contiguous block is its chunks s, s+S, s+2S, ..., and the
-S R K - L slots no layer fills (at most one per chunk, in the last chunks, which the last stage,
-also holding the LM head, runs) hold zeros that the stage function skips. Every state leaf whose
-leading logical axis is "layers" (parameters, the optimizer's moments) is stored so. The
-permutation runs once at those boundaries (a jitted reshape/transpose/pad), never per step:
-moving weights every step would defeat a pipeline over slow links. Checkpoints hold model order
-only, so they restore across any stage count, schedule or padding.
+S R K - L slots no layer fills (at most one per chunk, in the last chunks, on their devices v mod
+S) hold zeros that the stage function skips. Every state leaf whose leading logical axis is
+"layers" (parameters, the optimizer's moments) is stored so. The permutation runs once at those
+boundaries (a jitted reshape/transpose/pad), never per step: moving weights every step would
+defeat a pipeline over slow links. Checkpoints hold model order only, so they restore across any
+stage count, schedule or padding.
 """
 
 from __future__ import annotations
