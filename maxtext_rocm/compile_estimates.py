@@ -27,14 +27,6 @@ from __future__ import annotations
 
 import math
 
-# A policy's name -> the one it acts as under a pipeline (see the module docstring): none differs.
-PIPELINE_REMAT: dict[str, str] = {}
-
-
-def effective_remat(remat: str, stages: int) -> str:
-    return PIPELINE_REMAT.get(remat, remat) if stages > 1 else remat
-
-
 def loop_shape(pipeline_cfg, n_layers: int, stages: int, microbatches: int) -> tuple[int, int]:
     """(iterations, layer slots each device runs per iteration) of the pipeline loop: GPipe
     M + S - 1 iterations of ceil(L/S) slots; a circular schedule of R repeats R M + S - 1 of
@@ -67,7 +59,7 @@ def analytic_activations(cfg, axis_sizes: dict[str, int], n_devices: int, microb
         S = b * (m.n_heads / t) * s * 4 / (4 + c)
     layer_all = T * c * (4 * d + 2 * q + kv + 3 * f) + S * (4 + c)
     minimal = T * c * (2 * d + q + kv + 2 * f) + T * d * c
-    remat = effective_remat(m.remat if m.scan_layers or m.remat != "none" else "none", S_p)
+    remat = m.remat
     saved = {"full": T * d * c, "minimal": minimal, "save_dots": minimal + S * 4 + T * q * c,
              "none": layer_all}[remat]
     from maxtext_rocm import cross_entropy
@@ -138,7 +130,7 @@ def analytic_device_flops(cfg, axis_sizes: dict[str, int], n_devices: int, micro
     if cfg.model.n_experts > 1:
         return None
     S = axis_sizes.get("stage", 1)
-    remat = effective_remat(cfg.model.remat if cfg.model.scan_layers or cfg.model.remat != "none" else "none", S)
+    remat = cfg.model.remat
     terms = metrics.executed_flops_per_token(cfg.model, cfg.train.seq_len, remat)
     if cfg.model.attention != "xla":  # the blockwise/flash kernels skip the masked blocks
         terms["masked attention"] = 0.0
