@@ -130,3 +130,25 @@ def test_a_row_cut_short_by_an_earlier_crash_is_removed_before_appending(tmp_pat
     path.write_text('{"step": 1, "lo')  # no whole row at all
     JsonlFile(str(path), warn=warnings.append).close()
     assert path.read_text() == "" and len(warnings) == 1 and "cut short" in warnings[0]
+
+
+def test_a_failed_async_save_does_not_flood_stderr_with_closed_event_loops(monkeypatch):
+    """What the Checkpointer's constructor installs (quiet_orbax_error_logs) drops the callbacks'
+    "Event loop is closed" reports that a full disk during an async save set off, and nothing else."""
+    import sys
+    import types
+
+    from maxtext_rocm import checkpoint_errors
+
+    reported = []
+    monkeypatch.setattr(sys, "unraisablehook", reported.append)  # what would reach stderr
+    checkpoint_errors.quiet_orbax_error_logs()
+
+    def report(error):
+        sys.unraisablehook(types.SimpleNamespace(exc_type=type(error), exc_value=error, exc_traceback=None,
+                                                 err_msg="Exception ignored in", object=None))
+    for _ in range(240):
+        report(RuntimeError("Event loop is closed"))
+    assert reported == []
+    report(ValueError("something else"))
+    assert [str(r.exc_value) for r in reported] == ["something else"]
