@@ -11,10 +11,11 @@ import sys
 
 
 def quiet_closed_loop_callbacks() -> None:
-    """When one read of a restore fails, orbax closes its event loop while tensorstore still has
-    reads in flight; each of their callbacks then reports "Event loop is closed" through
-    sys.unraisablehook, a traceback apiece. They say nothing the one-sentence error does not,
-    so drop exactly those (installed once, before the first restore)."""
+    """When one read of a restore fails, or one write of an async save (a full disk), orbax closes
+    its event loop while tensorstore still has operations in flight; each of their callbacks then
+    reports "Event loop is closed" through sys.unraisablehook, a traceback apiece (240 of them,
+    728 lines, for one full disk). They say nothing the one-sentence error does not, so drop
+    exactly those (installed once, by the Checkpointer's constructor and before restores)."""
     previous = sys.unraisablehook
     if getattr(previous, "_drops_closed_loop", False):
         return
@@ -56,7 +57,9 @@ class OrbaxErrorLogFilter(logging.Filter):
 
 
 def quiet_orbax_error_logs() -> None:
-    """Installs OrbaxErrorLogFilter on absl's logger (which orbax logs through), once."""
+    """Installs OrbaxErrorLogFilter on absl's logger (which orbax logs through), and the
+    closed-event-loop filter for saves as for restores, once (the Checkpointer's constructor)."""
+    quiet_closed_loop_callbacks()
     logger = logging.getLogger("absl")
     if not any(isinstance(f, OrbaxErrorLogFilter) for f in logger.filters):
         logger.addFilter(OrbaxErrorLogFilter())

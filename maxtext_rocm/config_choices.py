@@ -18,3 +18,31 @@ CONTEXT_PARALLEL_MODES = ("auto", "all_gather", "ring")  # attention under mesh 
 PRECISION_VARIANTS = ("", "bf16", "fp32", "fp8")
 NONFINITE_ACTIONS = ("skip", "stop")
 PIPELINE_SCHEDULES = ("gpipe", "circular")  # circular: pipeline.repeats virtual stages per device
+
+# The range of every number that is not a count (counts are checked one by one in
+# config_checks.py): (low, low included, high, high included), None for no bound. Every float in a
+# config must also be finite; config_checks._validate_numbers checks both, before anything else, and
+# tests/test_config.py holds every float key of config.defaults() to an entry here.
+NUMBER_RANGES = {
+    "model.rope_theta": (0, False, None, False),
+    "model.norm_eps": (0, False, None, False),
+    "model.embed_init_std": (0, False, None, False),
+    "model.moe_capacity_factor": (0, False, None, False),
+    "model.moe_aux_loss_weight": (0, True, None, False),
+    "model.moe_router_z_loss_weight": (0, True, None, False),
+    "optimizer.lr": (0, True, None, False),
+    "optimizer.min_lr_ratio": (0, True, 1, True),
+    "optimizer.weight_decay": (0, True, None, False),
+    "optimizer.clip_norm": (0, True, None, False),
+    "optimizer.b1": (0, True, 1, False),
+    "optimizer.b2": (0, True, 1, False),
+    "optimizer.eps": (0, True, None, False),
+    "train.per_device_batch_size": (0, False, None, False),
+    "train.z_loss_weight": (0, True, None, False),
+    "train.hang_timeout_s": (0, True, None, False),
+    "train.startup_timeout_s": (0, True, None, False),
+    "log.peak_tflops": (0, True, None, False),
+    # Seeds: numpy's generators refuse negative ones, jax.random.key anything past int64.
+    "train.seed": (0, True, 2**63, False),
+    "data.seed": (0, True, 2**63, False),
+}

@@ -307,6 +307,20 @@ def _watch_peers(cluster: Cluster, dist_cfg) -> None:
               "be reported by JAX's heartbeat instead (exit status 134)", file=sys.stderr, flush=True)
 
 
+def agree_on_config(cfg) -> None:
+    """Every process's resolved config is process 0's, or every process raises one UserError
+    naming the first key that differs (maxtext_rocm/config_agreement.py); nothing for one process."""
+    from jax._src import distributed as jax_distributed
+
+    state = jax_distributed.global_state
+    if state.client is None or (state.num_processes or 1) < 2:
+        return
+    from maxtext_rocm import config_agreement
+
+    config_agreement.check(cfg, state.client, state.process_id, state.num_processes, cfg.distributed.init_timeout_s,
+                           on_disagreement=_peer_watch.end_together if _peer_watch is not None else None)
+
+
 def wait_if_peer_lost(grace_s: float = 3.0) -> None:
     """See PeerWatch.wait_if_peer_lost; nothing for a single process."""
     if _peer_watch is not None:

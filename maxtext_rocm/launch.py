@@ -139,6 +139,10 @@ def launch(cfg, model, mesh, batch_sharding, batch_dtypes, checkpointer, context
             f"from in {cfg.output_dir}; raise train.steps above {newest} to train on, or use "
             "another output_dir to start afresh")
     if resume:
+        if cfg.checkpoint.load_params_from:  # resume wins; say so, or the user believes the parameters came in
+            log(f"warning: checkpoint.load_params_from={cfg.checkpoint.load_params_from!r} is ignored: output_dir "
+                f"{cfg.output_dir} holds checkpoint {resume.steps[0]}, which this run resumes from; give the run a new "
+                "output_dir to start from those parameters")
         made = compilation.in_thread(restored_state, checkpointer, resume, abstract, log, stack)
     else:
         init_jit = jax.jit(lambda k: nn.meta.unbox(init(k)), out_shardings=state_sharding)

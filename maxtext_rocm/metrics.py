@@ -16,7 +16,7 @@ import os
 import resource
 from typing import Any, Mapping
 
-from maxtext_rocm.metric_sinks import TensorBoardSink, WandbSink
+from maxtext_rocm.metric_sinks import JsonlFile, TensorBoardSink, WandbSink
 
 FLOPS_CONVENTION = (
     "FLOPs/token = 6 x matmul params (incl. LM head, excl. embedding gather) "
@@ -202,15 +202,14 @@ class MetricsWriter:
             self._sinks.append(WandbSink(wandb_project, wandb_run_name, run_config, output_dir))
         if tensorboard:
             self._sinks.append(TensorBoardSink(os.path.join(output_dir, "tensorboard")))
-        # Append, so a resumed run continues the same file.
-        self._jsonl = open(os.path.join(output_dir, "metrics.jsonl"), "a", encoding="utf-8")
+        # Append, so a resumed run continues the same file (a row an earlier launch left cut short is removed).
+        self._jsonl = JsonlFile(os.path.join(output_dir, "metrics.jsonl"))
 
     def write(self, step: int, metrics: Mapping[str, float | None]) -> None:
         if not self.enabled:
             return
         record = {"step": int(step), **{k: _json_value(v) for k, v in metrics.items()}}
-        self._jsonl.write(json.dumps(record) + "\n")
-        self._jsonl.flush()  # one line at a time, so a crash loses at most the current line
+        self._jsonl.write(json.dumps(record))  # one write per row: a crash loses at most this row
         # NaN is kept here: TensorBoard and W&B draw it, which shows where a run diverged.
         scalars = {k: float(v) for k, v in metrics.items() if v is not None}
         for sink in self._sinks:

@@ -149,6 +149,12 @@ class PeerWatch:
         if self._lost.wait(grace_s):
             threading.Event().wait()  # the watch thread ends the process
 
+    def end_together(self) -> None:
+        """Every process is about to end with the same error (a config disagreement): no goodbye
+        and no report of a peer whose connection closes from here on."""
+        with self._lock:
+            self._closing = True
+
     def say_goodbye(self, status: int) -> None:
         """This process ends with `status`: the others learn it before its sockets close."""
         with self._lock:

@@ -77,9 +77,14 @@ def acquire(output_dir: str, warn=None) -> None:
         _held[key] = [-1, 1]
         return
     # Ours now (a dead holder's lock is released by the kernel): record who holds it.
-    os.ftruncate(fd, 0)
     stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    os.pwrite(fd, f"process {os.getpid()} on host {socket.gethostname()} (since {stamp})\n".encode(), 0)
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"process {os.getpid()} on host {socket.gethostname()} (since {stamp})\n".encode(), 0)
+    except OSError as error:  # ENOSPC, EDQUOT, EIO: the run could write nothing else there either
+        os.close(fd)
+        raise UserError(f"cannot write {path} ({error.strerror}); free space on output_dir's filesystem "
+                        "or set output_dir to another directory") from None
     _held[key] = [fd, 1]
 
 

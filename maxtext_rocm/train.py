@@ -274,6 +274,7 @@ def _main(argv: list[str]) -> int:
     try:
         cfg = config_lib.load(argv[0], argv[1:])
         distributed.initialize(cfg.distributed)  # before anything touches a device
+        distributed.agree_on_config(cfg)  # every process trains process 0's config, or all stop naming the key
         if cfg.train.hang_timeout_s:
             watchdog = HangWatchdog(cfg.train.hang_timeout_s, cfg.train.startup_timeout_s, cfg.output_dir,
                                     cfg.train.steps, process_index=jax.process_index()).start()
