@@ -327,7 +327,8 @@ class FilesSource:
             epochs=data_cfg.get("epochs", 0) if split == "train" else 0, name=f"{key} ({', '.join(map(str, self.files[:3]))}{' ...' * (len(self.files) > 3)})")
         self.shard, self.shards = process_index, process_count  # this process's group of rows, of how many
         self.allow_changed = bool(data_cfg.get("allow_changed", False))
-        self._fingerprint = None
+        # Taken as the files are read (JSON Lines and Parquet are read whole here), not at the first save.
+        self._fingerprint = resume.fingerprint(self.files) if split == "train" else None
         self._start = {"step": 0, "epoch": 0, "cursor": 0, "offset": 0}
         self._state = dict(self._start)
         self._thread = None
