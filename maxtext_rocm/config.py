@@ -131,6 +131,9 @@ def defaults() -> ml_collections.ConfigDict:
         packing=True,  # several documents per row (segment ids); off: one per row, truncated/padded
         epochs=0,  # passes over data.paths before the run stops with an error; 0: no limit
         prefetch=4,  # batches a background thread builds ahead of the step
+        # Resume over data files that changed since the checkpoint (appended, replaced, removed), or
+        # with another number of data-loading processes mid-epoch: refused (one sentence) unless true.
+        allow_changed=False,
     )
     cfg.train = dict(
         steps=1000,

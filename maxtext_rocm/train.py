@@ -22,6 +22,7 @@ from maxtext_rocm import metrics as metrics_lib
 from maxtext_rocm.divergence import TrainingDiverged  # noqa: F401 - where callers have imported it from
 from maxtext_rocm.launch import data_sources, jit_eval_step, launch, optimizer_hyperparameters, place_batch, run_model
 from maxtext_rocm.data import batch_spec
+from maxtext_rocm.data.resume import saved_state as saved_data_state
 from maxtext_rocm.parallel import context
 from maxtext_rocm.preemption import PreemptionGuard
 from maxtext_rocm.profiling import Profiler
@@ -126,10 +127,10 @@ class Trainer:
 
         self.commit_run_record()  # checkpoints of this launch's config: its record goes with them
         step, in_a_row = (int(x) for x in jax.device_get((self.state.step, self.state.skipped_in_a_row)))
-        data_state = self.data.state() if hasattr(self.data, "state") else {}
-        data_state = data_state if data_state.get("step") == step else {}  # else: replayed up to step
+        # Every data-loading process's position (a collective), or the step alone: replayed up to it.
+        data_state = saved_data_state(self.data, step)
         try:
-            self.checkpointer.save(step, self.state_in_model_order(), {**data_state, "step": step}, self.cfg.model)
+            self.checkpointer.save(step, self.state_in_model_order(), data_state, self.cfg.model)
         except NonFiniteState as error:
             raise divergence.bad_checkpoint(error, self.checkpointer.manager.latest_step()) from None
         if divergence.skip_limit_reached(self.cfg.train, in_a_row):  # saved: the frozen state is the last good one

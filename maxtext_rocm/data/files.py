@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
+from maxtext_rocm.data import resume
 from maxtext_rocm.data.checks import DataError, check_jsonl, check_text, json_text
 from maxtext_rocm.data.synthetic import local_rows
 from maxtext_rocm.data.tokenizer import check_vocab, load_tokenizer
@@ -122,7 +123,10 @@ class Documents:
         meta_path = Path(str(path) + META_SUFFIX)
         if meta_path.is_file():
             self.meta = json.loads(meta_path.read_text())
-        source = grain.sources.ArrayRecordDataSource([str(path)])
+        try:
+            source = grain.sources.ArrayRecordDataSource([str(path)])
+        except (RuntimeError, OSError, ValueError) as error:  # array_record's reader: truncated or not one
+            raise unreadable_arrayrecord(path, error) from None
         if len(source) == 0:
             raise DataError(f"{path} holds no records; give it documents")
         return source
@@ -134,7 +138,12 @@ class Documents:
         part = int(np.searchsorted(self._ends, index, side="right"))
         kind, path, items = self._parts[part]
         local = index - (int(self._ends[part - 1]) if part else 0)
-        item = items[local]
+        try:
+            item = items[local]
+        except (RuntimeError, OSError, ValueError) as error:  # an ArrayRecord damaged after its footer was read
+            if kind != ARRAYRECORD:
+                raise
+            raise unreadable_arrayrecord(path, error) from None
         if kind == JSONL:
             return json_text(item, self.text_field, path, local + 1)
         if kind == TEXT:
@@ -142,6 +151,12 @@ class Documents:
         if kind == PARQUET:
             return item if isinstance(item, str) else ("" if item is None else str(item))
         return np.frombuffer(item, dtype="<i4").astype(np.int32)
+
+
+def unreadable_arrayrecord(path: Path, error: BaseException) -> DataError:
+    first = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+    return DataError(f"{path} cannot be read as ArrayRecord ({first}); it may be truncated or corrupt: write it "
+                     "again with scripts/pretokenize.py or leave it out of the data paths")
 
 
 def check_inputs(data_cfg, model_vocab_size: int) -> None:
@@ -310,6 +325,10 @@ class FilesSource:
             dataset=self.dataset, seq_len=seq_len, seed=data_cfg.seed, process_index=process_index,
             process_count=process_count, packing=self.packing, shuffle=split == "train",
             epochs=data_cfg.get("epochs", 0) if split == "train" else 0, name=f"{key} ({', '.join(map(str, self.files[:3]))}{' ...' * (len(self.files) > 3)})")
+        self.shard, self.shards = process_index, process_count  # this process's group of rows, of how many
+        self.allow_changed = bool(data_cfg.get("allow_changed", False))
+        # Taken as the files are read (JSON Lines and Parquet are read whole here), not at the first save.
+        self._fingerprint = resume.fingerprint(self.files) if split == "train" else None
         self._start = {"step": 0, "epoch": 0, "cursor": 0, "offset": 0}
         self._state = dict(self._start)
         self._thread = None
@@ -372,12 +391,34 @@ class FilesSource:
         """The position after the last batch handed out (JSON-able)."""
         return dict(self._state)
 
+    def fingerprint(self) -> list[dict]:
+        """The files' names, sizes and content hashes (data/resume.py), computed once."""
+        if self._fingerprint is None:
+            self._fingerprint = resume.fingerprint(self.files)
+        return self._fingerprint
+
+    def position_record(self, step: int) -> dict:
+        """What this process adds to a checkpoint of `step` (data/resume.py gathers every process's):
+        its group of rows and its position, None where the last batch handed out was not step's."""
+        state = self.state()
+        position = {k: int(state[k]) for k in resume.POSITION_KEYS} if state.get("step") == step else None
+        return {"shard": self.shard, "shards": self.shards, "position": position}
+
     def restore(self, state: dict) -> None:
-        """Continue after the position `state()` gave; a state without the position (an older
-        checkpoint, another source's) replays up to its step on the first batch."""
+        """Continue after the position saved in a checkpoint's data item (resume.saved_state's, or
+        an older checkpoint's flat `state()`); the data files must be the ones it was saved over
+        (data.allow_changed lets a run go on over changed ones). A state without a usable position
+        (another source's, an older multi-process checkpoint's) replays up to its step on the
+        first batch."""
         self._stop_thread()
-        if all(k in state for k in ("epoch", "cursor", "offset")):
-            self._start = {k: int(state[k]) for k in ("step", "epoch", "cursor", "offset")}
+        step = int(state.get("step", 0))
+        if "files" in state:
+            resume.check_files(state["files"], self.fingerprint(), step, self.allow_changed)
+        position = resume.own_position(state, self.shard, self.shards, self.allow_changed)
+        if position is not None:
+            position = resume.check_position(position, self.num_docs, self.shard, self.shards, step,
+                                             self.allow_changed)
+            self._start = {"step": step, **{k: int(position[k]) for k in resume.POSITION_KEYS}}
         else:
             self._start = {"step": 0, "epoch": 0, "cursor": 0, "offset": 0}
         self._state = dict(self._start)

@@ -1,0 +1,168 @@
+"""What a checkpoint keeps of the files source, and how a resumed run finds its place again.
+
+A checkpoint's data item (checkpoint.py's DATA, written by process 0) holds every data-loading
+process's position, gathered before the save, and a fingerprint of the data files:
+
+    {"step": 12, "shards": 2, "positions": [{"epoch": 0, "cursor": 22, "offset": 14},
+                                            {"epoch": 0, "cursor": 33, "offset": 54}],
+     "files": [{"file": "corpus/a.jsonl", "size": 123456, "hash": "9f0c..."}, ...]}
+
+`shards` counts the groups of processes that load distinct batch rows (sharding.batch_rows_of_process:
+usually the process count; pipeline stages across hosts load the same rows); `positions[i]` is
+group i's (epoch, document cursor, token offset). On resume each process takes its own group's.
+
+Older checkpoints hold one flat position ({"step", "epoch", "cursor", "offset"}), process 0's:
+restored as it is in a one-process run; a run of several processes replays its stream up to the
+step instead (exact for an unchanged layout, at the cost of reading those steps' data once).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from maxtext_rocm.data.checks import DataError
+
+FINGERPRINT_BYTES = 64 * 1024  # hashed from each end of a file: cheap on corpora of any size
+POSITION_KEYS = ("epoch", "cursor", "offset")
+ALLOW = "set data.allow_changed=true"
+
+
+def fingerprint(files: list[Path]) -> list[dict]:
+    """Each file's name, size and a hash of its size, first and last 64 KiB: an append, a truncation or
+    a replacement by other content shows (an edit in the middle of a large file of the same size does
+    not; that would need reading it all). Not the modification time, which a plain copy changes."""
+    out = []
+    for path in files:
+        size = path.stat().st_size
+        digest = hashlib.blake2b(str(size).encode(), digest_size=16)
+        with open(path, "rb") as f:
+            digest.update(f.read(FINGERPRINT_BYTES))
+            if size > FINGERPRINT_BYTES:
+                f.seek(max(FINGERPRINT_BYTES, size - FINGERPRINT_BYTES))
+                digest.update(f.read())
+        out.append({"file": str(path), "size": size, "hash": digest.hexdigest()})
+    return out
+
+
+def first_difference(saved: list[dict], now: list[dict]) -> str | None:
+    """How the data files differ from the ones a checkpoint was saved over (content, in order; a
+    file that moved or was renamed with the same content is the same data), or None."""
+    for then, current in zip(saved, now):
+        if (then["size"], then["hash"]) == (current["size"], current["hash"]):
+            continue
+        if then["file"] != current["file"]:
+            return f"the data files differ from {current['file']} on (the checkpoint's data had {then['file']} there)"
+        if current["size"] > then["size"]:
+            return f"{current['file']} grew from {then['size']:,} to {current['size']:,} bytes"
+        if current["size"] < then["size"]:
+            return f"{current['file']} shrank from {then['size']:,} to {current['size']:,} bytes"
+        return f"{current['file']} was replaced (same size, other content)"
+    if len(now) > len(saved):
+        return f"the data paths now also name {now[len(saved)]['file']} ({len(now)} files, the checkpoint's data had {len(saved)})"
+    if len(now) < len(saved):
+        return (f"{saved[len(now)]['file']} is no longer among the data paths ({len(now)} files, the checkpoint's "
+                f"data had {len(saved)})")
+    return None
+
+
+def check_files(saved: list[dict] | None, now: list[dict], step: int, allow_changed: bool) -> None:
+    """DataError if the data changed since checkpoint `step` (unless allowed: then a warning)."""
+    difference = None if saved is None else first_difference(saved, now)
+    if difference is None:
+        return
+    if allow_changed:
+        warn(f"{difference} since checkpoint step {step} was saved; data.allow_changed=true: the run "
+             "continues at the saved data position over the changed data")
+        return
+    raise DataError(f"{difference} since checkpoint step {step} was saved, so resuming at its data position "
+                    f"would skip or repeat documents; restore the data as it was, or {ALLOW} to continue "
+                    "at the saved position over the changed data")
+
+
+def own_position(saved: dict, shard: int, shards: int, allow_changed: bool) -> dict | None:
+    """This data-loading group's position in checkpoint data item `saved`, or None: replay the
+    stream up to the saved step."""
+    step = int(saved.get("step", 0))
+    if "positions" in saved:
+        positions = saved["positions"]
+        if int(saved["shards"]) == shards:
+            return dict(positions[shard])
+        epochs = {int(p["epoch"]) for p in positions}
+        if len(epochs) == 1 and all(int(p["cursor"]) == 0 and int(p["offset"]) == 0 for p in positions):
+            return {"epoch": epochs.pop(), "cursor": 0, "offset": 0}  # an epoch boundary: any count starts it
+        if allow_changed:
+            warn(f"checkpoint step {step} was saved by {saved['shards']} data-loading processes mid-epoch and this "
+                 f"run has {shards}; data.allow_changed=true: this layout's data is replayed up to step {step}")
+            return None
+        raise DataError(
+            f"checkpoint step {step} holds the data positions of {saved['shards']} data-loading processes in the "
+            f"middle of epoch {min(epochs)}, and this run loads data with {shards}: each process reads its "
+            "own share of an epoch, so the position cannot move to another count before the epoch ends; resume "
+            f"with {saved['shards']} data-loading processes (the checkpoint's mesh.dcn layout), or {ALLOW} to "
+            f"replay this layout's data up to step {step} (documents of the epoch may then repeat or be skipped)")
+    if all(k in saved for k in POSITION_KEYS) and shards == 1:
+        return {k: int(saved[k]) for k in POSITION_KEYS}  # an older checkpoint of one process
+    return None  # no position, or an older multi-process one (process 0's only): replay
+
+
+def check_position(position: dict, documents: int, shard: int, shards: int, step: int,
+                   allow_changed: bool) -> dict:
+    """`position` if this process's share of `documents` still holds its document; else a DataError
+    (the data shrank), or under data.allow_changed the start of the next epoch."""
+    share = len(range(shard, documents, shards))
+    if int(position["cursor"]) < share:
+        return position
+    if allow_changed:
+        return {"epoch": int(position["epoch"]) + 1, "cursor": 0, "offset": 0}
+    raise DataError(f"the data position of checkpoint step {step} (document {int(position['cursor']) + 1} of "
+                    f"epoch {int(position['epoch'])} for this process) lies past the {share} documents this "
+                    f"process reads now: the data files shrank since it was saved; restore them, or {ALLOW} "
+                    "to go on from the next epoch")
+
+
+def gather(local: dict, size: int = 2048) -> list[dict]:
+    """Every process's JSON-able `local`, in process order: a collective, which every process calls
+    at the same point (the Trainer's save)."""
+    import jax
+
+    if jax.process_count() == 1:
+        return [local]
+    from jax.experimental import multihost_utils
+
+    encoded = json.dumps(local, sort_keys=True).encode()
+    if len(encoded) > size:
+        raise ValueError(f"a data position of {len(encoded)} bytes does not fit {size}")
+    codes = np.zeros(size, np.int32)  # int32: any platform's collectives carry it
+    codes[:len(encoded)] = np.frombuffer(encoded, np.uint8)
+    everyone = np.asarray(multihost_utils.process_allgather(codes)).reshape(-1, size)
+    return [json.loads(bytes(row[row > 0].astype(np.uint8))) for row in everyone]
+
+
+def saved_state(source, step: int) -> dict:
+    """The checkpoint's data item at `step`: every data-loading process's position and the files'
+    fingerprint; {"step": step} alone (replayed on resume) for a source without a position, or
+    where a process's position is not at `step`. All processes call it together."""
+    if not hasattr(source, "position_record"):
+        return {"step": step}
+    everyone = gather(source.position_record(step))
+    if any(e["position"] is None for e in everyone):
+        return {"step": step}
+    shards = int(everyone[0]["shards"])
+    positions = {}
+    for e in everyone:  # processes that load the same rows (pipeline stages) hold the same position
+        positions.setdefault(int(e["shard"]), e["position"])
+    if sorted(positions) != list(range(shards)):
+        raise ValueError(f"data positions of shards {sorted(positions)} were gathered, not of all {shards}")
+    return {"step": step, "shards": shards, "positions": [positions[i] for i in range(shards)],
+            "files": source.fingerprint()}
+
+
+def warn(message: str) -> None:
+    import jax
+
+    if jax.process_index() == 0:  # process 0 speaks for every process
+        print(f"warning: {message}", file=sys.stderr, flush=True)
