@@ -48,6 +48,16 @@ class Trainer:
         # Before anything is written: a second trainer on this output_dir stops here (run_lock.py).
         run_lock.acquire_for_run(cfg.output_dir, jax.process_index(), jax.process_count())
         self._holds_lock = jax.process_index() == 0
+        try:
+            self._build(cfg, devices)
+        except BaseException:  # a trainer that failed to start frees output_dir for the next one
+            if self._holds_lock:
+                self._holds_lock = False
+                run_lock.release(cfg.output_dir)
+            raise
+
+    def _build(self, cfg, devices) -> None:
+        """Everything after the run lock: the mesh, the model, the state, the data, the writers."""
         self.on_step = None  # called as on_step(step, metrics) at each dispatch (the hang watchdog)
         self.mesh = sharding.make_mesh(cfg.mesh, devices)
         self.n_devices = len(devices)

@@ -270,6 +270,19 @@ def test_a_second_trainer_on_the_same_output_dir_stops_at_once(tmp_path):
     assert f"process {first.pid} " not in (run / "run.lock").read_text()
 
 
+def test_a_trainer_that_fails_to_start_frees_its_output_dir(devices, tmp_path):
+    """A Trainer whose start fails after it took the run lock (here: a resume step that does not
+    exist) releases it, so another process (a command-line run beside the notebook) can start there."""
+    cfg = small_config(**{"output_dir": str(tmp_path), "checkpoint.resume": "7"})
+    with pytest.raises(CheckpointError, match="checkpoint.resume=7 is not a saved step"):
+        Trainer(cfg, devices=devices[:1], log=lambda *_: None)
+    from maxtext_rocm import run_lock
+
+    assert str(tmp_path.resolve()) not in run_lock._held  # unlocked: another process could start there
+    retry = Trainer(small_config(**{"output_dir": str(tmp_path)}), devices=devices[:1], log=lambda *_: None)
+    retry.close()
+
+
 # ----------------------------------------------------------------------------------------------
 # Divergence is never hidden
 
