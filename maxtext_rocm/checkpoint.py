@@ -34,7 +34,8 @@ import orbax.checkpoint as ocp
 from orbax.checkpoint.checkpoint_managers import preservation_policy as policies
 
 from maxtext_rocm import checksums
-from maxtext_rocm.checkpoint_errors import cause, first_line, quiet_closed_loop_callbacks, quiet_orbax_error_logs
+from maxtext_rocm.checkpoint_errors import (cause, first_line, quiet_closed_loop_callbacks, quiet_orbax_error_logs,
+                                            release_orbax_waiters)
 from maxtext_rocm.config import CheckpointError, UserError
 
 STATE, DATA, META = "state", "data", "meta"
@@ -169,11 +170,13 @@ class Checkpointer:
 
     def _save_failed(self, step: int, error: BaseException) -> SaveFailed:
         """Removes what the failed save left (orbax's temporary directory; it never deletes older
-        steps before the new one is committed) and says so in one sentence."""
+        steps before the new one is committed) and its threads still waiting on it (the exit would
+        wait for them), and says so in one sentence."""
+        release_orbax_waiters()
         if self.is_primary:
             for partial in self.directory.glob(f"{step}.orbax-checkpoint-tmp*"):
                 shutil.rmtree(partial, ignore_errors=True)
-        intact = _complete_steps(self.directory)
+        intact = committed_steps(self.directory)
         after = (f"checkpoints {', '.join(map(str, intact))} are untouched and a restart resumes from step "
                  f"{intact[-1]}" if intact else "there is no earlier checkpoint, so a restart begins at step 0")
         return SaveFailed(f"saving checkpoint {step} in {self.directory} failed ({cause(error)}); its partial "
@@ -318,7 +321,7 @@ def _sync_processes(name: str) -> None:
         multihost_utils.sync_global_devices(name)
 
 
-def _complete_steps(directory: Path) -> list[int]:
+def committed_steps(directory: Path) -> list[int]:
     """Steps with a committed checkpoint directory (orbax renames a step's directory into place
     only once it is complete)."""
     return sorted(int(p.name) for p in directory.glob("*") if p.name.isdigit() and p.is_dir()) \

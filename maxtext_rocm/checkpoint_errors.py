@@ -63,3 +63,30 @@ def quiet_orbax_error_logs() -> None:
     logger = logging.getLogger("absl")
     if not any(isinstance(f, OrbaxErrorLogFilter) for f in logger.filters):
         logger.addFilter(OrbaxErrorLogFilter())
+
+
+def release_orbax_waiters() -> int:
+    """After a failed save: ends orbax's background threads still waiting for a signal that the
+    failed step will never send (the directory it could not create, say). They are not daemon
+    threads, and they wait for orbax's coordination timeout, so the interpreter's exit would wait
+    for them (a run that reported its failure and then hung). Each is cancelled and its awaited
+    signal set, so it returns at once without running its work. Returns how many were released."""
+    try:
+        from orbax.checkpoint._src.futures import future
+    except ImportError:  # another orbax layout: nothing known to release
+        return 0
+    import threading
+    import warnings
+
+    # Their coroutines, never started, would each be reported at exit ("never awaited"): expected here.
+    warnings.filterwarnings("ignore", message="coroutine .* was never awaited", category=RuntimeWarning)
+    released = 0
+    for thread in threading.enumerate():
+        if isinstance(thread, getattr(future, "_SignalingThread", ())) and thread.is_alive():
+            try:
+                thread.cancel()
+                future.set_signals(thread._receive_signals, operation_id=thread._operation_id)
+                released += 1
+            except Exception:  # noqa: BLE001 - best effort: the failure is reported either way
+                pass
+    return released

@@ -189,13 +189,15 @@ class Trainer:
     def run(self, steps: int | None = None) -> dict | None:
         """Trains `steps` more steps (default: up to train.steps); returns the last logged metrics.
 
-        SIGTERM or SIGINT finishes the current step, checkpoints it and returns, with the signal
-        in `stopped_by_signal`; a second signal exits at once.
+        SIGTERM or SIGINT (on any process) stops every process at one agreed step, which is
+        checkpointed; the signal is then in `stopped_by_signal` (preemption.py).
         """
         end = self.cfg.train.steps if steps is None else self.step_count + steps
         logged, mark_time, mark_step = None, None, self.step_count
-        with PreemptionGuard() as preemption:
-            while self.step_count < end and not preemption.requested(self.step_count):
+        # The guard covers the final save too: a signal while it commits is answered with a line.
+        with PreemptionGuard(self.step_count, describe_saved=self._describe_saved,
+                             timeout_s=self._stop_timeout_s()) as preemption:
+            while self.step_count < end and preemption.proceed(self.step_count):
                 step_metrics = self.step()
                 if self.checkpointer:
                     self.checkpointer.poll()  # a failed background save stops the run now, not at the next
@@ -204,7 +206,7 @@ class Trainer:
                     jax.block_until_ready(step_metrics)
                     self._log_first_step()
                     mark_time, mark_step = time.perf_counter(), self.step_count
-                stopping = preemption.requested(self.step_count)
+                stopping = preemption.stopping_at(self.step_count)  # agreed by every process: no host sync
                 if self.checkpointer and (
                         stopping or self.checkpointer.should_save(self.step_count, self.cfg.train.steps)):
                     self.save_checkpoint()
@@ -233,13 +235,24 @@ class Trainer:
                     if self.checkpointer:
                         self.save_checkpoint()  # raises, once the last good state is saved
                     raise divergence.skipped_too_many(self.cfg.train, int(jax.device_get(self.state.step)), saved=False)
-            self.stopped_by_signal = preemption.signal
-        self.profiler.stop(self.state)  # a trace still open when the run ends early
-        if self.checkpointer:
-            if self.stopped_by_signal is not None:  # the signal may have come between two steps
-                self.save_checkpoint()
-            self.checkpointer.wait()
+            self.profiler.stop(self.state)  # a trace still open when the run ends early
+            if self.checkpointer:
+                if preemption.signal is not None:  # the stop step is agreed: every process saves it
+                    self.save_checkpoint()
+                self.checkpointer.wait()
+            self.stopped_by_signal = preemption.signal  # also one that came while the last save committed
         return logged
+
+    def _describe_saved(self) -> str:
+        """The newest committed checkpoint, for the line of a save abandoned by a repeated SIGINT."""
+        from maxtext_rocm.checkpoint import committed_steps
+
+        steps = committed_steps(self.checkpointer.directory) if self.checkpointer else []
+        return str(self.checkpointer.directory / str(steps[-1])) if steps else "none"
+
+    def _stop_timeout_s(self) -> float:
+        """How long processes wait for each other to agree on a stop step: a peer silent longer is lost."""
+        return float(max(60, 2 * self.cfg.distributed.heartbeat_timeout_s))
 
     def _log_first_step(self) -> None:
         """Once per Trainer: how long launch to the first finished step took, and why."""

@@ -1,0 +1,221 @@
+"""Issue 34, items 1-3 in one process: the agreement on a stop step (with a fake key-value store
+standing in for JAX's coordination service), a signal while the final checkpoint commits, and a
+checkpoint directory that cannot be written with asynchronous saves. The two-process runs are in
+tests/test_multihost_stop.py."""
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from maxtext_rocm.preemption import PreemptionGuard, StopAgreement, StopNotAgreed
+
+REPO = Path(__file__).resolve().parent.parent
+SMALL = ["--config.model.vocab_size=128", "--config.model.d_model=64", "--config.model.n_layers=2",
+         "--config.model.n_heads=4", "--config.model.n_kv_heads=2", "--config.model.head_dim=16",
+         "--config.model.mlp_dim=128", "--config.data.source=synthetic", "--config.train.seq_len=32",
+         "--config.train.per_device_batch_size=2", "--config.log.every=1", "--config.log.tensorboard=false",
+         "--config.train.compilation_cache=off"]
+ENV = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", PYTHONPATH=str(REPO))
+
+
+class FakeClient:
+    """The two calls of the coordination service's key-value store that the agreement uses."""
+
+    def __init__(self):
+        self.data, self.cond = {}, threading.Condition()
+
+    def key_value_set(self, key, value, allow_overwrite=False):
+        with self.cond:
+            assert allow_overwrite or key not in self.data, key
+            self.data[key] = value
+            self.cond.notify_all()
+
+    def blocking_key_value_get(self, key, timeout_ms):
+        with self.cond:
+            if not self.cond.wait_for(lambda: key in self.data, timeout_ms / 1000):
+                raise TimeoutError(key)
+            return self.data[key]
+
+
+def agreements(n, start=0, timeout_s=10.0, generation=0):
+    client = FakeClient()
+    return client, [StopAgreement(start, i, n, client, timeout_s=timeout_s, generation=generation) for i in range(n)]
+
+
+def run_loop(agreement, end, reached, stopped_at):
+    """A training loop's use of the agreement: proceed before each step, stopping_at after it."""
+    step = 0
+    while step < end and agreement.proceed(step):
+        step += 1
+        reached.wait() if step == 3 else time.sleep(0.001)
+        if agreement.stopping_at(step):
+            break
+    stopped_at.append(step)
+    agreement.close()
+
+
+def test_processes_at_different_steps_stop_at_the_same_step():
+    _, group = agreements(3)
+    # Process 2 is ahead (the others are slower to dispatch), process 0 is at step 0.
+    assert group[2].proceed(0) and group[2].proceed(1) and group[2].proceed(2) and group[2].proceed(3)
+    assert group[0].proceed(0)
+    group[1].request(signal.SIGTERM)  # process 1 alone got the signal
+    for a in group:
+        assert a._decided.wait(5)
+    assert [a.stop_step for a in group] == [4, 4, 4]  # the furthest any process was cleared to reach
+    assert [a.signal for a in group] == [signal.SIGTERM] * 3
+    # Each loop runs up to the agreed step and no further.
+    steps = [0, 0, 4]
+    for i, a in enumerate(group):
+        while a.proceed(steps[i]):
+            steps[i] += 1
+    assert steps == [4, 4, 4] and all(a.stopping_at(4) for a in group)
+
+
+def test_threaded_loops_and_a_signal_at_any_moment_agree():
+    _, group = agreements(2)
+    reached, stopped_at = threading.Event(), []
+    loops = [threading.Thread(target=run_loop, args=(a, 1000, reached, stopped_at)) for a in group]
+    for t in loops:
+        t.start()
+    group[1].request(signal.SIGINT)
+    reached.set()
+    for t in loops:
+        t.join(10)
+    assert len(stopped_at) == 2 and stopped_at[0] == stopped_at[1] < 1000, stopped_at
+
+
+def test_a_process_whose_loop_ended_still_answers_a_late_request():
+    _, group = agreements(2)
+    for step in range(10):
+        group[0].proceed(step), group[1].proceed(step)
+    group[0].close()  # train.steps reached: its loop is over, its guard closed
+    group[1].request(signal.SIGTERM)  # a signal during process 1's final save
+    assert group[1]._decided.wait(5) and group[1].stop_step == 10
+    assert not group[1].proceed(10)
+
+
+def test_a_peer_that_never_answers_is_one_sentence_not_a_hang():
+    client = FakeClient()
+    alone = StopAgreement(0, 0, 2, client, timeout_s=0.5, generation=1)  # process 1 never joins
+    alone.proceed(0)
+    alone.request(signal.SIGTERM)
+    started = time.monotonic()
+    with pytest.raises(StopNotAgreed, match="did not hear every process's step within 0.5 s"):
+        step = 1
+        while alone.proceed(step):  # until the watcher freezes the loop, then no further
+            step += 1
+            time.sleep(0.001)  # a step's time, in which the watcher runs
+            assert step < 1000
+    assert time.monotonic() - started < 5
+
+
+def test_one_process_stops_at_the_step_it_was_cleared_to_reach():
+    alone = StopAgreement(5)
+    assert alone.proceed(5) and alone.proceed(6)
+    alone.request(signal.SIGTERM)
+    assert alone.stop_step == 7 and alone.proceed(6) and not alone.proceed(7) and alone.stopping_at(7)
+
+
+def test_repeated_signals_say_so_and_a_third_sigint_abandons(capsys):
+    exits = []
+    guard = PreemptionGuard(describe_saved=lambda: "/run/checkpoints/4", exit=exits.append)
+    guard.agreement = StopAgreement(6)
+    guard.agreement.proceed(6)
+    guard.received(signal.SIGTERM)
+    guard.received(signal.SIGTERM)
+    guard.received(signal.SIGINT)
+    assert not exits
+    guard.received(signal.SIGINT)
+    assert exits == [130]
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == [
+        "SIGTERM again: already stopping at step 7; its checkpoint is being committed (SIGINT 2 more times "
+        "abandons it)",
+        "SIGINT again: already stopping at step 7; its checkpoint is being committed (SIGINT 1 more time "
+        "abandons it)",
+        "error: abandoned by a repeated SIGINT before the checkpoint was committed; the newest committed "
+        "checkpoint is /run/checkpoints/4"]
+
+
+# ----------------------------------------------------------------------------------------------
+# Real trainers
+
+
+def wrapped(patch: str, args: list[str]) -> subprocess.Popen:
+    code = f"import sys, time\n{patch}\nfrom maxtext_rocm import train\nsys.exit(train.main({args!r}))\n"
+    return subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=ENV, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def committed(run: Path) -> list[int]:
+    return sorted(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit())
+
+
+SLOW_WAIT = """
+from maxtext_rocm import checkpoint
+original = checkpoint.Checkpointer.wait
+def wait(self):
+    print("WAITING", flush=True)
+    time.sleep(2.0)  # the final save is still committing when the signals come
+    original(self)
+checkpoint.Checkpointer.wait = wait
+"""
+
+
+def test_signals_while_the_final_checkpoint_commits_keep_it(tmp_path):
+    run = tmp_path / "run"
+    process = wrapped(SLOW_WAIT, ["configs/tiny_llama.py", *SMALL, "--config.train.steps=4",
+                                  f"--config.output_dir={run}"])
+    deadline = time.monotonic() + 240
+    while "WAITING" not in process.stdout.readline():
+        assert time.monotonic() < deadline and process.poll() is None, process.communicate()
+    process.send_signal(signal.SIGTERM)
+    time.sleep(0.02)
+    process.send_signal(signal.SIGTERM)
+    out, err = process.communicate(timeout=60)
+    assert process.returncode == 0, err
+    assert err.strip().splitlines() == [
+        "SIGTERM again: already stopping at step 4; its checkpoint is being committed (SIGINT 2 more times "
+        "abandons it)",
+        "stopped by signal 15 at step 4; checkpoint committed"], err
+    assert committed(run) == [4]
+    assert not [p for p in (run / "checkpoints").iterdir() if "tmp" in p.name]
+
+
+READ_ONLY_CHECKPOINTS = """
+import errno, os
+real_mkdir = os.mkdir
+def mkdir(path, *args, **kwargs):  # what a read-only mount or an immutable checkpoints/ does to orbax
+    if "orbax-checkpoint-tmp" in str(path):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+    return real_mkdir(path, *args, **kwargs)
+os.mkdir = mkdir
+"""
+
+
+def test_an_unwritable_checkpoint_directory_exits_2_in_seconds_with_async_saves(tmp_path):
+    run = tmp_path / "run"
+    process = wrapped(READ_ONLY_CHECKPOINTS, ["configs/tiny_llama.py", *SMALL, "--config.train.steps=8",
+                                              "--config.checkpoint.every=2", "--config.checkpoint.async_save=true",
+                                              f"--config.output_dir={run}"])
+    deadline = time.monotonic() + 240
+    while "step 2/8" not in process.stdout.readline():
+        assert time.monotonic() < deadline and process.poll() is None, process.communicate()
+    failed_at = time.monotonic()
+    try:
+        out, err = process.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        raise AssertionError("the run hung after its save failed") from None
+    assert process.returncode == 2, err
+    assert time.monotonic() - failed_at < 20
+    assert err.strip().splitlines() == [
+        f"error: saving checkpoint 2 in {run / 'checkpoints'} failed ({os.strerror(30)}); its partial directory "
+        "was removed, there is no earlier checkpoint, so a restart begins at step 0"], err
