@@ -261,6 +261,10 @@ def initialize(dist_cfg, env: Mapping[str, str] | None = None) -> Cluster | None
     # CPU collectives across processes: gloo over TCP (the default in recent JAX; say so anyway).
     if not jax.config.jax_cpu_collectives_implementation:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    # JAX's preemption service installs a C++ SIGTERM handler here, which would take SIGTERM from
+    # the start-up handler (startup_signals: exit at once with one line) until the training loop
+    # reinstalls its own. The stop is agreed by maxtext_rocm/preemption.py instead, for SIGINT too.
+    jax.config.update("jax_enable_preemption_service", False)
 
     connected = threading.Event()
     watchdog = threading.Thread(target=_exit_unless_connected, daemon=True, name="distributed-init-watchdog",

@@ -193,54 +193,70 @@ class Trainer:
         checkpointed; the signal is then in `stopped_by_signal` (preemption.py).
         """
         end = self.cfg.train.steps if steps is None else self.step_count + steps
-        logged, mark_time, mark_step = None, None, self.step_count
+        logged, step_metrics, logged_at, since = None, None, None, None
         # The guard covers the final save too: a signal while it commits is answered with a line.
         with PreemptionGuard(self.step_count, describe_saved=self._describe_saved,
                              timeout_s=self._stop_timeout_s()) as preemption:
+            # Everything in the loop that runs a collective (saves, evaluations, the divergence
+            # checks) depends on the step count alone, never on whether this process has heard of
+            # the stop yet: every process runs the same collectives in the same order.
             while self.step_count < end and preemption.proceed(self.step_count):
                 step_metrics = self.step()
                 if self.checkpointer:
                     self.checkpointer.poll()  # a failed background save stops the run now, not at the next
-                if mark_time is None:
+                if since is None:
                     # Time from the end of this call's first step (the Trainer's first includes compilation).
                     jax.block_until_ready(step_metrics)
                     self._log_first_step()
-                    mark_time, mark_step = time.perf_counter(), self.step_count
-                stopping = preemption.stopping_at(self.step_count)  # agreed by every process: no host sync
-                if self.checkpointer and (
-                        stopping or self.checkpointer.should_save(self.step_count, self.cfg.train.steps)):
+                    since = (time.perf_counter(), self.step_count)
+                if self.checkpointer and self.checkpointer.should_save(self.step_count, self.cfg.train.steps):
                     self.save_checkpoint()
                 if self.eval_data is not None and self.step_count % self.cfg.train.eval_every == 0:
-                    jax.block_until_ready(step_metrics)  # eval time stays out of the step time
-                    eval_started = time.perf_counter()
-                    evaluated = self.evaluate()
-                    mark_time += time.perf_counter() - eval_started
-                    self.writer.write(self.step_count, evaluated)
-                    self.log(f"step {self.step_count}: eval loss {evaluated['eval_loss']:.4f}, "
-                             f"perplexity {evaluated['eval_perplexity']:.2f}")
-                if self.step_count % self.cfg.log.every and self.step_count != end and not stopping:
-                    continue
-                fetched = jax.device_get(step_metrics)  # the only host sync, on logging steps
-                now, timed_steps = time.perf_counter(), self.step_count - mark_step
-                step_time = (now - mark_time) / timed_steps if timed_steps else None
-                mark_time, mark_step = now, self.step_count
-                logged = run_report.logged_row(self.cfg, fetched, step_time, self.global_batch, self.n_devices,
-                                              self.flops_per_token, self.peak_tflops)
-                self.writer.write(self.step_count, logged)
-                if self.is_logger:
-                    self.log(metrics_lib.format_line(self.step_count, self.cfg.train.steps, logged))
-                if fetched["nonfinite_steps"] and self.cfg.train.on_nonfinite == "stop":
-                    self._stop_on_nonfinite()
-                if divergence.skip_limit_reached(self.cfg.train, int(fetched["skipped_in_a_row"])):
-                    if self.checkpointer:
-                        self.save_checkpoint()  # raises, once the last good state is saved
-                    raise divergence.skipped_too_many(self.cfg.train, int(jax.device_get(self.state.step)), saved=False)
+                    since = self._evaluate_and_log(step_metrics, since)
+                if self.step_count % self.cfg.log.every == 0 or self.step_count == end:
+                    logged, since, logged_at = self._log_row(step_metrics, since), (time.perf_counter(), self.step_count), self.step_count
+            # Every process leaves the loop at the same step: `end`, or the stop step they agreed on.
+            stopped_early = self.step_count < end
+            if stopped_early and step_metrics is not None and logged_at != self.step_count:
+                logged = self._log_row(step_metrics, since)  # the stop step's row
             self.profiler.stop(self.state)  # a trace still open when the run ends early
             if self.checkpointer:
-                if preemption.signal is not None:  # the stop step is agreed: every process saves it
+                # One process alone may also save a signal that came at the very end (a notebook's run(n)).
+                if stopped_early or (preemption.signal is not None and jax.process_count() == 1):
                     self.save_checkpoint()
                 self.checkpointer.wait()
             self.stopped_by_signal = preemption.signal  # also one that came while the last save committed
+        return logged
+
+    def _evaluate_and_log(self, step_metrics, since):
+        """Runs the evaluation of this step and writes its row; returns `since` moved on by the
+        evaluation's time, which stays out of the step time."""
+        jax.block_until_ready(step_metrics)
+        eval_started = time.perf_counter()
+        evaluated = self.evaluate()
+        self.writer.write(self.step_count, evaluated)
+        self.log(f"step {self.step_count}: eval loss {evaluated['eval_loss']:.4f}, "
+                 f"perplexity {evaluated['eval_perplexity']:.2f}")
+        return since[0] + time.perf_counter() - eval_started, since[1]
+
+    def _log_row(self, step_metrics, since) -> dict:
+        """Fetches the step's metrics (the loop's only host sync), writes and prints its row, and
+        stops the run on divergence (train.on_nonfinite, train.max_skipped_steps). `since`: the
+        (time, step count) that the step time is measured from."""
+        fetched = jax.device_get(step_metrics)
+        timed_steps = self.step_count - since[1]
+        step_time = (time.perf_counter() - since[0]) / timed_steps if timed_steps else None
+        logged = run_report.logged_row(self.cfg, fetched, step_time, self.global_batch, self.n_devices,
+                                      self.flops_per_token, self.peak_tflops)
+        self.writer.write(self.step_count, logged)
+        if self.is_logger:
+            self.log(metrics_lib.format_line(self.step_count, self.cfg.train.steps, logged))
+        if fetched["nonfinite_steps"] and self.cfg.train.on_nonfinite == "stop":
+            self._stop_on_nonfinite()
+        if divergence.skip_limit_reached(self.cfg.train, int(fetched["skipped_in_a_row"])):
+            if self.checkpointer:
+                self.save_checkpoint()  # raises, once the last good state is saved
+            raise divergence.skipped_too_many(self.cfg.train, int(jax.device_get(self.state.step)), saved=False)
         return logged
 
     def _describe_saved(self) -> str:

@@ -112,8 +112,8 @@ def test_a_peer_that_never_answers_is_one_sentence_not_a_hang():
         while alone.proceed(step):  # until the watcher freezes the loop, then no further
             step += 1
             time.sleep(0.001)  # a step's time, in which the watcher runs
-            assert step < 1000
-    assert time.monotonic() - started < 5
+            assert step < 5000  # ~5 s: the watcher thread gets the CPU by then, even on a loaded machine
+    assert time.monotonic() - started < 10
 
 
 def test_one_process_stops_at_the_step_it_was_cleared_to_reach():
