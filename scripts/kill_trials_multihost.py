@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kill_trials import REPO, TINY, final_state, rows, saves_begun  # noqa: E402
+from kill_trials import REPO, TINY, rows, saves_begun  # noqa: E402
 
 SAVE_EVERY = 3
 PROCESSES = 2
@@ -58,6 +58,23 @@ def write_corpus(path: Path, seed: int = 0, documents: int = 400) -> Path:
     return path
 
 
+VOCAB = ["--config.model.vocab_size=320"]  # the byte tokenizer's 259 ids
+
+
+def final_state(run_dir: Path, steps: int):
+    """(params as NumPy arrays, the saved checksums of every array) of checkpoint `steps`."""
+    import jax
+    import numpy as np
+
+    from maxtext_rocm import config as config_lib
+    from maxtext_rocm.checkpoint import restore_params_to_host
+
+    cfg = config_lib.load("configs/tiny_llama.py", TINY + VOCAB)
+    params = restore_params_to_host(run_dir / "checkpoints" / str(steps), cfg)
+    meta = json.loads((run_dir / "checkpoints" / str(steps) / "meta" / "metadata").read_text())
+    return jax.tree_util.tree_map(np.asarray, params), meta["checksums"]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -68,6 +85,7 @@ def launch(run_dir: Path, steps: int, cache: Path, corpus: Path, logs: list[Path
     port = free_port()
     args = [sys.executable, "-m", "maxtext_rocm.train", "configs/tiny_llama.py", *TINY,
             "--config.data.source=files", f"--config.data.paths={corpus}", "--config.data.tokenizer=byte",
+            *VOCAB,
             "--config.mesh.dcn.data=2", "--config.mesh.ici.fsdp=2",
             f"--config.train.steps={steps}", f"--config.output_dir={run_dir}",
             f"--config.checkpoint.every={SAVE_EVERY}", f"--config.train.compilation_cache={cache}",
@@ -190,8 +208,9 @@ def main() -> int:
         if trial > 0:  # this launch's rows check the resume that the previous trial's stop forced
             exact += ok
         clean += bool(ended_well) if trial < args.trials else 0
-        resumed = next((line for line in logs[0].read_text(errors="replace").splitlines()
-                        if line.startswith("resumed from ")), "started afresh")
+        text0 = logs[0].read_text(errors="replace")
+        resumed = next((line for line in text0.splitlines() if line.startswith("resumed from ")),
+                       "started afresh" if "first step done" in text0 else "stopped before it had restored or started")
         print(f"launch {trial}: {resumed}, {matched}/{len(new) - torn} logged losses equal the reference's"
               f"{f' ({torn} line cut short)' if torn else ''}; "
               + (f"trial {trial + 1}: {when}; exits {statuses}{'' if ended_well else ' (NOT as expected)'}"
