@@ -190,7 +190,8 @@ class Checkpointer:
             if steps:  # a fresh run would collide with (and then delete) them
                 raise CheckpointError(
                     f"checkpoint.resume=never but {self.directory} already holds checkpoints "
-                    f"(steps {', '.join(map(str, sorted(steps)))}); use a new output_dir or remove them")
+                    f"(steps {', '.join(map(str, sorted(steps)))}); "
+                    "use a new output_dir for a fresh start, or checkpoint.resume=auto to continue from them")
             return None
         if choice == "auto":
             return Resume(self.manager, steps, explicit=False, own=True) if steps else None
