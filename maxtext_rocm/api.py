@@ -80,9 +80,10 @@ def run_config(path) -> ml_collections.ConfigDict:
 
 
 def load_params(path, cfg=None):
-    """The parameters saved in a run directory (its newest checkpoint), a checkpoints/<step>
-    directory or a params export, sharded like `init_params` would shard them. `cfg` defaults to
-    the run's own config (`run_config(path)`)."""
+    """The parameters saved in a run directory (its newest intact checkpoint), a checkpoints/<step>
+    directory or a params export, sharded like `init_params` would shard them, verified against
+    the checksums saved with them (CheckpointError if a named step or export is damaged). `cfg`
+    defaults to the run's own config (`run_config(path)`)."""
     cfg = run_config(path) if cfg is None else cfg
     _, boxed, shardings = _abstract_params(cfg)
     abstract = jax.tree_util.tree_map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
