@@ -29,13 +29,13 @@ import time
 from pathlib import Path
 
 import jax
-import numpy as np
 import orbax.checkpoint as ocp
 from orbax.checkpoint.checkpoint_managers import preservation_policy as policies
 
 from maxtext_rocm import checksums
 from maxtext_rocm.checkpoint_errors import cause, quiet_closed_loop_callbacks, quiet_orbax_error_logs
-from maxtext_rocm.checkpoint_params import export_params, restore_params, restore_params_to_host  # noqa: F401
+from maxtext_rocm.checkpoint_params import (  # noqa: F401 - the readers, re-exported
+    _on_every_process, _shape_mismatch, export_params, restore_params, restore_params_to_host)
 from maxtext_rocm.config import CheckpointError, UserError
 
 STATE, DATA, META = "state", "data", "meta"
@@ -45,23 +45,6 @@ def _handlers():
     # Named up front so that a manager that has not saved yet can read metadata and restore.
     return {STATE: ocp.StandardCheckpointHandler(), DATA: ocp.JsonCheckpointHandler(),
             META: ocp.JsonCheckpointHandler()}
-
-
-def _flat_shapes(tree) -> dict[str, tuple]:
-    """{"params.layers.mlp.up.kernel": shape}: comparable between live pytrees and orbax's metadata."""
-    return dict(zip(checksums.leaf_names(tree), (tuple(leaf.shape) for leaf in jax.tree_util.tree_leaves(tree))))
-
-
-def _shape_mismatch(abstract, on_disk) -> str | None:
-    """The first parameter whose presence or shape differs, as a phrase; None if all fit."""
-    want, have = _flat_shapes(abstract), _flat_shapes(on_disk)
-    for key in want:
-        if key not in have:
-            return f"{key} is missing from it"
-        if want[key] != have[key]:
-            return f"{key} has shape {have[key]} there but {want[key]} in this model"
-    extra = sorted(set(have) - set(want))
-    return f"it holds {extra[0]}, which this model does not have" if extra else None
 
 
 class SaveFailed(CheckpointError):
@@ -298,14 +281,6 @@ class Checkpointer:
 def _damaged_unless(ok: bool, why: str) -> None:
     if not ok:
         raise _Damaged(why)
-
-
-def _on_every_process(ok: bool) -> bool:
-    if jax.process_count() == 1:
-        return ok
-    from jax.experimental import multihost_utils
-
-    return bool(multihost_utils.process_allgather(np.int32(ok)).min())
 
 
 def _sync_processes(name: str) -> None:

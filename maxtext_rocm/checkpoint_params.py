@@ -64,6 +64,31 @@ class _Source:
         return stored, record.get("checksum_algorithm")
 
 
+def _flat_shapes(tree) -> dict[str, tuple]:
+    """{"params.layers.mlp.up.kernel": shape}: comparable between live pytrees and orbax's metadata."""
+    return dict(zip(checksums.leaf_names(tree), (tuple(leaf.shape) for leaf in jax.tree_util.tree_leaves(tree))))
+
+
+def _shape_mismatch(abstract, on_disk) -> str | None:
+    """The first parameter whose presence or shape differs, as a phrase; None if all fit."""
+    want, have = _flat_shapes(abstract), _flat_shapes(on_disk)
+    for key in want:
+        if key not in have:
+            return f"{key} is missing from it"
+        if want[key] != have[key]:
+            return f"{key} has shape {have[key]} there but {want[key]} in this model"
+    extra = sorted(set(have) - set(want))
+    return f"it holds {extra[0]}, which this model does not have" if extra else None
+
+
+def _on_every_process(ok: bool) -> bool:
+    if jax.process_count() == 1:
+        return ok
+    from jax.experimental import multihost_utils
+
+    return bool(multihost_utils.process_allgather(np.int32(ok)).min())
+
+
 def _sources(path: Path) -> tuple[list[_Source], bool]:
     """(where to read from, newest first; whether the user named exactly one) for an export, a
     checkpoint step, a checkpoints directory or a run directory."""
@@ -91,8 +116,6 @@ def _warn(message: str) -> None:
 def _read_verified(source: _Source, abstract_params):
     """(params, their checksums) of one source, checked. _Damaged if it is not intact;
     CheckpointError if it is intact but holds another model."""
-    from maxtext_rocm.checkpoint import _on_every_process, _shape_mismatch
-
     stored, algorithm = source.stored_checksums()
     if stored is not None and algorithm != checksums.ALGORITHM:
         raise _Damaged(f"has checksums of an unknown kind ({algorithm!r})")
