@@ -12,8 +12,9 @@ of every element's bits, modulo 2**32, over the whole global array:
     sum_i  bits(x_i) * w_i     with w_i odd and drawn from the element's global index i
 
 Integer addition modulo 2**32 is associative and commutative, so the sum is the same however the
-array is split over devices and processes, and XLA computes it as partial sums plus an
-all-reduce: one read of the state at memory bandwidth, no host copy. Every process gets the
+array is split over devices and processes, and XLA computes it as each device's partial sums
+(one fused reduction per array: no temporaries of the array's size) combined across devices
+(a few bytes each): one read of the state at memory bandwidth, no host copy. Every process gets the
 same answer, so all agree on whether a checkpoint is intact. Any single changed element changes
 the sum (an odd weight times a non-zero difference is non-zero modulo 2**32); a second,
 differently weighted sum makes cancelling changes a ~2**-64 event.
