@@ -14,9 +14,11 @@ moving it back restores it). A save that fails (disk full, I/O error) stops the 
 save with one sentence; a state holding inf/NaN is never written.
 
     python -m maxtext_rocm.checkpoint export RUN_DIR OUT_DIR [--step N]
+    python -m maxtext_rocm.checkpoint verify DIR
 
-writes a params-only export (`OUT_DIR/params` + `checksums.json` + `config.json`) that
-`checkpoint.load_params_from` (or a notebook) starts from. Every reader of parameters (export,
+`export` writes a params-only export (`OUT_DIR/params` + `checksums.json` + `config.json`) that
+`checkpoint.load_params_from` (or a notebook) starts from; `verify` checks the parameters of a run's
+newest intact step, of one step or of an export against their checksums. Every reader of parameters (export,
 conversion, load_params, generate, load_params_from) verifies them: maxtext_rocm/checkpoint_params.py.
 """
 
@@ -35,7 +37,7 @@ from orbax.checkpoint.checkpoint_managers import preservation_policy as policies
 from maxtext_rocm import checksums
 from maxtext_rocm.checkpoint_errors import cause, quiet_closed_loop_callbacks, quiet_orbax_error_logs
 from maxtext_rocm.checkpoint_params import (  # noqa: F401 - the readers, re-exported
-    _on_every_process, _shape_mismatch, export_params, restore_params, restore_params_to_host)
+    _on_every_process, _shape_mismatch, export_params, restore_params, restore_params_to_host, verify_params)
 from maxtext_rocm.config import CheckpointError, UserError
 
 STATE, DATA, META = "state", "data", "meta"
@@ -304,13 +306,18 @@ def _reader(directory) -> ocp.CheckpointManager:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    usage = "usage: python -m maxtext_rocm.checkpoint export RUN_DIR OUT_DIR [--step N]"
-    if len(argv) not in (3, 5) or argv[0] != "export" or (len(argv) == 5 and argv[3] != "--step"):
+    usage = ("usage: python -m maxtext_rocm.checkpoint export RUN_DIR OUT_DIR [--step N]\n"
+             "       python -m maxtext_rocm.checkpoint verify DIR   (a run, one of its checkpoints/<step>, an export)")
+    export = len(argv) in (3, 5) and argv[0] == "export" and (len(argv) == 3 or argv[3] == "--step")
+    if not (export or (len(argv) == 2 and argv[0] == "verify")):
         print(usage, file=sys.stderr)
         return 2
     try:
-        step = int(argv[4]) if len(argv) == 5 else None
-        print(f"wrote {export_params(argv[1], argv[2], step)}")
+        if argv[0] == "verify":
+            print(verify_params(argv[1]))
+        else:
+            step = int(argv[4]) if len(argv) == 5 else None
+            print(f"wrote {export_params(argv[1], argv[2], step)}")
     except (UserError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

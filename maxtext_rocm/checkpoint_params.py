@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 
 import jax
+import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
 
@@ -171,8 +172,8 @@ def restore_params_checked(path, abstract_params):
             skipped.append((source, str(damage)))
             continue
         for bad, why in skipped:
-            _warn(f"{bad.label} {why}; reading {source.label} instead, the newest intact one "
-                  "(the damaged one is left where it is)")
+            _warn(f"{bad.label} {why}; reading {source.label} instead, the newest intact one (the other is "
+                  f"left where it is; python -m maxtext_rocm.checkpoint verify {bad.tree_dir.parent} checks it)")
         return params, computed
     raise CheckpointError(f"no checkpoint under {Path(path).absolute()} is intact ("
                           + "; ".join(f"{s.tree_dir.parent.name}: {why}" for s, why in skipped) + ")")
@@ -214,8 +215,6 @@ def write_params(directory: Path, params, sums: dict[str, str] | None = None) ->
 def export_params(run_dir, out_dir, step: int | None = None) -> Path:
     """Writes `out_dir/params`, `out_dir/checksums.json` and `out_dir/config.json` from a run's
     checkpoint (the newest intact one unless `step`), after verifying it."""
-    import ml_collections
-
     run_dir, out_dir = Path(run_dir).absolute(), Path(out_dir).absolute()
     if out_dir.exists():
         raise CheckpointError(f"{out_dir} already exists; choose a new directory for the export")
@@ -234,3 +233,30 @@ def export_params(run_dir, out_dir, step: int | None = None) -> Path:
     (tmp / "config.json").write_text(json.dumps(record, indent=2) + "\n")
     tmp.rename(out_dir)
     return out_dir
+
+
+def run_config(path):
+    """The config a run was made with, from the config.json of a run directory, of the run above a
+    checkpoints/ or checkpoints/<step> directory, or of a params export."""
+    path = Path(path)
+    for folder in (path, path.parent, path.parent.parent):
+        if (folder / "config.json").is_file():
+            try:
+                return ml_collections.ConfigDict(json.loads((folder / "config.json").read_text())["config"])
+            except (ValueError, KeyError) as error:
+                raise CheckpointError(f"{folder / 'config.json'} is not a run's config.json ({error})") from None
+    if not path.exists():
+        raise CheckpointError(f"{path} does not exist; give a run directory (output_dir), one of its "
+                              "checkpoints/<step>, or a params export")
+    raise CheckpointError(f"no config.json in or above {path}; give a run directory (output_dir), one of "
+                          "its checkpoints/<step>, or a params export")
+
+
+def verify_params(path) -> str:
+    """`checkpoint verify PATH`: reads the parameters of PATH (a run directory: its newest intact
+    step) with its own config and checks them; a sentence saying what was verified, or
+    CheckpointError saying what failed."""
+    path = Path(path).absolute()
+    params, sums = restore_params_checked(path, _host_abstract(run_config(path)))
+    n = len(jax.tree_util.tree_leaves(params))
+    return f"the parameters in {path} are intact ({n} arrays match their checksums, none holds inf/NaN)"

@@ -94,6 +94,7 @@ def test_every_reader_passes_over_a_damaged_newest_checkpoint_for_the_older_inta
     def warned():
         err = capsys.readouterr().err
         assert "checkpoints/4 " in err and "checkpoints/2 instead" in err and "error" not in err, err
+        assert f"maxtext_rocm.checkpoint verify {out / 'checkpoints' / '4'} checks it" in err, err
         assert "delete" not in err.lower()
 
     # checkpoint export: exit 0, the export holds step 2's parameters
@@ -123,6 +124,11 @@ def test_every_reader_passes_over_a_damaged_newest_checkpoint_for_the_older_inta
                             "output_dir": str(tmp_path / "fine_tune"), "checkpoint.load_params_from": str(out)})
     trainer = Trainer(fresh, devices=jax.devices()[:2], log=lambda *_: None)
     warned()
+    # checkpoint verify: the run's newest intact step (with the warning), and step 4 refused
+    assert checkpoint.main(["verify", str(out)]) == 0
+    assert "are intact" in capsys.readouterr().out
+    assert checkpoint.main(["verify", str(out / "checkpoints" / "4")]) == 2
+    assert_one_sentence(capsys.readouterr().err, str(out / "checkpoints" / "4"))
     assert all(np.array_equal(a, b) for a, b in zip(host(trainer.state.params), at_2))
 
 
@@ -179,6 +185,7 @@ def test_relative_symlinked_and_spaced_paths_are_paths(run, tmp_path, monkeypatc
     assert convert_main(["to-hf", "out 1", "hf2"]) == 0
     assert generate_main(["my runs/x", *PROMPT]) == 0
     assert generate_main(["link/checkpoints/4", *PROMPT]) == 0
+    assert checkpoint.main(["verify", "out 1"]) == 0 and checkpoint.main(["verify", "link/checkpoints/2"]) == 0
     err = capsys.readouterr().err
     assert "error" not in err and "warning" not in err, err
     for source in ("my runs/x", "link", "out 1", "out2", "link/checkpoints/4"):
