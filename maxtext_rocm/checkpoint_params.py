@@ -61,7 +61,7 @@ class _Source:
             raise _Damaged(f"has an unreadable checksum record {record_path} ({error})") from None
         if "checksums" not in record:
             return None, None
-        stored = {k: v for k, v in record["checksums"].items() if k == "params" or k.startswith("params.")}
+        stored = {k: v for k, v in record["checksums"].items() if k.startswith("params.")}
         return stored, record.get("checksum_algorithm")
 
 
