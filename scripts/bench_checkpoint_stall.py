@@ -22,6 +22,7 @@ To compare with an older commit, run the same script against that commit's packa
 from __future__ import annotations
 
 import argparse
+import shutil
 import statistics
 import tempfile
 import time
@@ -108,6 +109,7 @@ def main() -> None:
     print(f"checksum alone on the live state: median {statistics.median(alone):.3f} s "
           f"({state_bytes / statistics.median(alone) / 1e9:.1f} GB/s)")
     trainer.checkpointer.close()
+    shutil.rmtree(cfg.output_dir, ignore_errors=True)  # ~3 GB of checkpoints
 
 
 if __name__ == "__main__":
