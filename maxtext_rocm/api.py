@@ -11,8 +11,6 @@
 from __future__ import annotations
 
 import functools
-import json
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +20,6 @@ from flax import linen as nn
 from maxtext_rocm import compilation
 from maxtext_rocm import config as config_lib
 from maxtext_rocm import sharding
-from maxtext_rocm.config import CheckpointError
 from maxtext_rocm.models import build_model
 from maxtext_rocm.precision import policy_from_config
 from maxtext_rocm.step import summed_loss
@@ -65,24 +62,16 @@ def init_params(cfg, seed: int = 0):
 def run_config(path) -> ml_collections.ConfigDict:
     """The config a run was made with, from the config.json of a run directory, of the run above a
     checkpoints/ or checkpoints/<step> directory, or of a params export."""
-    path = Path(path)
-    for folder in (path, path.parent, path.parent.parent):
-        if (folder / "config.json").is_file():
-            try:
-                return ml_collections.ConfigDict(json.loads((folder / "config.json").read_text())["config"])
-            except (ValueError, KeyError) as error:
-                raise CheckpointError(f"{folder / 'config.json'} is not a run's config.json ({error})") from None
-    if not path.exists():
-        raise CheckpointError(f"{path} does not exist; give a run directory (output_dir), one of its "
-                              "checkpoints/<step>, or a params export")
-    raise CheckpointError(f"no config.json in or above {path}; give a run directory (output_dir), one of "
-                          "its checkpoints/<step>, or a params export")
+    from maxtext_rocm.checkpoint_params import run_config as read  # orbax, imported when needed
+
+    return read(path)
 
 
 def load_params(path, cfg=None):
-    """The parameters saved in a run directory (its newest checkpoint), a checkpoints/<step>
-    directory or a params export, sharded like `init_params` would shard them. `cfg` defaults to
-    the run's own config (`run_config(path)`)."""
+    """The parameters saved in a run directory (its newest intact checkpoint), a checkpoints/<step>
+    directory or a params export, sharded like `init_params` would shard them, verified against
+    the checksums saved with them (CheckpointError if a named step or export is damaged). `cfg`
+    defaults to the run's own config (`run_config(path)`)."""
     cfg = run_config(path) if cfg is None else cfg
     _, boxed, shardings = _abstract_params(cfg)
     abstract = jax.tree_util.tree_map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),

@@ -14,28 +14,30 @@ moving it back restores it). A save that fails (disk full, I/O error) stops the 
 save with one sentence; a state holding inf/NaN is never written.
 
     python -m maxtext_rocm.checkpoint export RUN_DIR OUT_DIR [--step N]
+    python -m maxtext_rocm.checkpoint verify DIR
 
-writes a params-only export (`OUT_DIR/params` + `OUT_DIR/config.json`) that
-`checkpoint.load_params_from` (or a notebook) starts from.
+`export` writes a params-only export (`OUT_DIR/params` + `checksums.json` + `config.json`) that
+`checkpoint.load_params_from` (or a notebook) starts from; `verify` checks the parameters of a run's
+newest intact step, of one step or of an export against their checksums. Every reader of parameters (export,
+conversion, load_params, generate, load_params_from) verifies them: maxtext_rocm/checkpoint_params.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import shutil
 import sys
 import time
 from pathlib import Path
 
 import jax
-import numpy as np
 import orbax.checkpoint as ocp
 from orbax.checkpoint.checkpoint_managers import preservation_policy as policies
 
 from maxtext_rocm import checksums
-from maxtext_rocm.checkpoint_errors import (cause, first_line, quiet_closed_loop_callbacks, quiet_orbax_error_logs,
-                                            release_orbax_waiters)
+from maxtext_rocm.checkpoint_errors import cause, quiet_closed_loop_callbacks, quiet_orbax_error_logs, release_orbax_waiters
+from maxtext_rocm.checkpoint_params import (  # noqa: F401 - the readers, re-exported
+    _on_every_process, _shape_mismatch, export_params, restore_params, restore_params_to_host, verify_params)
 from maxtext_rocm.config import CheckpointError, UserError
 
 STATE, DATA, META = "state", "data", "meta"
@@ -45,28 +47,6 @@ def _handlers():
     # Named up front so that a manager that has not saved yet can read metadata and restore.
     return {STATE: ocp.StandardCheckpointHandler(), DATA: ocp.JsonCheckpointHandler(),
             META: ocp.JsonCheckpointHandler()}
-
-
-def _flat_shapes(tree) -> dict[str, tuple]:
-    """{"params.layers.mlp.up.kernel": shape}: comparable between live pytrees and orbax's metadata."""
-    return dict(zip(checksums.leaf_names(tree), (tuple(leaf.shape) for leaf in jax.tree_util.tree_leaves(tree))))
-
-
-def _shape_mismatch(abstract, on_disk) -> str | None:
-    """The first parameter whose presence or shape differs, as a phrase; None if all fit."""
-    want, have = _flat_shapes(abstract), _flat_shapes(on_disk)
-    for key in want:
-        if key not in have:
-            return f"{key} is missing from it"
-        if want[key] != have[key]:
-            return f"{key} has shape {have[key]} there but {want[key]} in this model"
-    extra = sorted(set(have) - set(want))
-    return f"it holds {extra[0]}, which this model does not have" if extra else None
-
-
-def _unreadable(path, error: Exception) -> CheckpointError:
-    return CheckpointError(f"checkpoint {path} cannot be read ({type(error).__name__}: {first_line(error)}); "
-                           "delete that step directory or choose another with checkpoint.resume")
 
 
 class SaveFailed(CheckpointError):
@@ -197,7 +177,8 @@ class Checkpointer:
             if steps:  # a fresh run would collide with (and then delete) them
                 raise CheckpointError(
                     f"checkpoint.resume=never but {self.directory} already holds checkpoints "
-                    f"(steps {', '.join(map(str, sorted(steps)))}); use a new output_dir or remove them")
+                    f"(steps {', '.join(map(str, sorted(steps)))}); "
+                    "use a new output_dir for a fresh start, or checkpoint.resume=auto to continue from them")
             return None
         if choice == "auto":
             return Resume(self.manager, steps, explicit=False, own=True) if steps else None
@@ -306,14 +287,6 @@ def _damaged_unless(ok: bool, why: str) -> None:
         raise _Damaged(why)
 
 
-def _on_every_process(ok: bool) -> bool:
-    if jax.process_count() == 1:
-        return ok
-    from jax.experimental import multihost_utils
-
-    return bool(multihost_utils.process_allgather(np.int32(ok)).min())
-
-
 def _sync_processes(name: str) -> None:
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
@@ -333,86 +306,20 @@ def _reader(directory) -> ocp.CheckpointManager:
     return ocp.CheckpointManager(directory, options=options, item_handlers=_handlers())
 
 
-def _params_location(path: Path) -> tuple[Path, bool]:
-    """(pytree directory, whether it holds a whole TrainState) for an export, a checkpoint step,
-    a checkpoints directory or a run directory (the newest step of the last two)."""
-    if (path / "params").is_dir():
-        return path / "params", False
-    if (path / STATE).is_dir():
-        return path / STATE, True
-    folder = path / "checkpoints" if (path / "checkpoints").is_dir() else path
-    steps = sorted(int(p.name) for p in folder.glob("*") if p.name.isdigit() and (p / STATE).is_dir())
-    if not steps:
-        raise CheckpointError(f"{path} holds no params export or checkpoint; give a directory written by "
-                              "a run (output_dir), one of its checkpoints/<step>, or an export")
-    return folder / str(steps[-1]) / STATE, True
-
-
-def restore_params(path, abstract_params):
-    """Only the parameters, from any of the places `_params_location` understands."""
-    tree_dir, whole_state = _params_location(Path(path))
-    item = {"params": abstract_params} if whole_state else abstract_params
-    quiet_closed_loop_callbacks()
-    try:
-        on_disk = ocp.PyTreeCheckpointer().metadata(tree_dir).item_metadata.tree
-        on_disk = on_disk["params"] if whole_state else on_disk
-    except Exception as error:  # noqa: BLE001
-        raise _unreadable(tree_dir, error) from None
-    mismatch = _shape_mismatch(abstract_params, on_disk)
-    if mismatch:
-        raise CheckpointError(f"parameters in {tree_dir} do not fit this model: {mismatch}")
-    try:
-        restored = ocp.PyTreeCheckpointer().restore(tree_dir, args=ocp.args.PyTreeRestore(
-            item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True))
-    except Exception as error:  # noqa: BLE001
-        raise _unreadable(tree_dir, error) from None
-    return restored["params"] if whole_state else restored
-
-
-def restore_params_to_host(path, cfg):
-    """`cfg`'s parameters from `path` into host memory: for exports and conversions, which go to
-    disk next and whose model need not fit one accelerator."""
-    from flax import linen as nn
-
-    from maxtext_rocm.models import abstract_params
-
-    host = jax.sharding.SingleDeviceSharding(jax.local_devices(backend="cpu")[0])
-    abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=host),
-                                      nn.meta.unbox(abstract_params(cfg)))
-    return restore_params(path, abstract)
-
-
-def export_params(run_dir, out_dir, step: int | None = None) -> Path:
-    """Writes `out_dir/params` and `out_dir/config.json` from a run's checkpoint."""
-    import ml_collections
-
-    run_dir, out_dir = Path(run_dir), Path(out_dir)
-    if out_dir.exists():
-        raise CheckpointError(f"{out_dir} already exists; choose a new directory for the export")
-    config_path = run_dir / "config.json"
-    if not config_path.is_file():
-        raise CheckpointError(f"{config_path} does not exist; give the output_dir of a run")
-    record = json.loads(config_path.read_text())
-    cfg = ml_collections.ConfigDict(record["config"])
-    source = run_dir / "checkpoints" / str(step) if step is not None else run_dir
-    params = restore_params_to_host(source, cfg)
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    ocp.PyTreeCheckpointer().save(tmp / "params", params)
-    (tmp / "config.json").write_text(json.dumps(record, indent=2) + "\n")
-    tmp.rename(out_dir)
-    return out_dir
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    usage = "usage: python -m maxtext_rocm.checkpoint export RUN_DIR OUT_DIR [--step N]"
-    if len(argv) not in (3, 5) or argv[0] != "export" or (len(argv) == 5 and argv[3] != "--step"):
+    usage = ("usage: python -m maxtext_rocm.checkpoint export RUN_DIR OUT_DIR [--step N]\n"
+             "       python -m maxtext_rocm.checkpoint verify DIR   (a run, one of its checkpoints/<step>, an export)")
+    export = len(argv) in (3, 5) and argv[0] == "export" and (len(argv) == 3 or argv[3] == "--step")
+    if not (export or (len(argv) == 2 and argv[0] == "verify")):
         print(usage, file=sys.stderr)
         return 2
     try:
-        step = int(argv[4]) if len(argv) == 5 else None
-        print(f"wrote {export_params(argv[1], argv[2], step)}")
+        if argv[0] == "verify":
+            print(verify_params(argv[1]))
+        else:
+            step = int(argv[4]) if len(argv) == 5 else None
+            print(f"wrote {export_params(argv[1], argv[2], step)}")
     except (UserError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

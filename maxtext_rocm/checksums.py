@@ -12,8 +12,9 @@ of every element's bits, modulo 2**32, over the whole global array:
     sum_i  bits(x_i) * w_i     with w_i odd and drawn from the element's global index i
 
 Integer addition modulo 2**32 is associative and commutative, so the sum is the same however the
-array is split over devices and processes, and XLA computes it as partial sums plus an
-all-reduce: one read of the state at memory bandwidth, no host copy. Every process gets the
+array is split over devices and processes, and XLA computes it as each device's partial sums
+(one fused reduction per array: no temporaries of the array's size) combined across devices
+(a few bytes each): one read of the state at memory bandwidth, no host copy. Every process gets the
 same answer, so all agree on whether a checkpoint is intact. Any single changed element changes
 the sum (an odd weight times a non-zero difference is non-zero modulo 2**32); a second,
 differently weighted sum makes cancelling changes a ~2**-64 event.
@@ -64,19 +65,32 @@ def _global_index(shape) -> jax.Array:
     return index
 
 
+def _combine(a, b):
+    """The reducer: both sums modulo 2**32, and whether any element was non-finite."""
+    return a[0] + b[0], a[1] + b[1], a[2] | b[2]
+
+
 def _leaf_summary(x: jax.Array):
-    """(two uint32 sums, whether every element is finite) of one array."""
+    """(two uint32 sums, whether every element is finite) of one array, in one variadic reduction:
+    XLA fuses the iotas, the weights and the isfinite test into the reduce's loop, so the program
+    reads the array once and allocates no array-sized temporaries (separate jnp.sum calls
+    materialised the index and weight arrays: 2.25x the state). Each device reduces its own
+    block; the partitioner combines the partial sums across devices (a few bytes per array)."""
     bits, index = _bits(x), _global_index(x.shape)
     w1 = index * jnp.uint32(0x9E3779B1) | jnp.uint32(1)  # odd: every single change shows
     w2 = (index ^ jnp.uint32(0x5BD1E995)) * jnp.uint32(0x85EBCA77) | jnp.uint32(1)
     mixed = bits ^ (bits >> 15)  # so that the second sum does not see exactly what the first does
-    sums = jnp.stack([jnp.sum(bits * w1, dtype=jnp.uint32), jnp.sum(mixed * w2, dtype=jnp.uint32)])
-    finite = jnp.all(jnp.isfinite(x)) if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.bool_(True)
-    return sums, finite
+    if jnp.issubdtype(x.dtype, jnp.inexact):
+        bad = (~jnp.isfinite(x)).astype(jnp.uint32)
+    else:
+        bad = jnp.zeros(x.shape, jnp.uint32)
+    zero = jnp.uint32(0)
+    s1, s2, n_bad = jax.lax.reduce((bits * w1, mixed * w2, bad), (zero, zero, zero), _combine, tuple(range(x.ndim)))
+    return jnp.stack([s1, s2]), n_bad == 0
 
 
 @functools.lru_cache(maxsize=None)
-def _summariser(replicated):
+def summariser(replicated):
     """The jitted summaries, their results replicated over the arrays' mesh: every process then
     holds them whole and can read them (None: wherever XLA puts them, for unmeshed arrays)."""
     return jax.jit(lambda leaves: [_leaf_summary(x) for x in leaves], out_shardings=replicated)
@@ -88,7 +102,7 @@ def summarise(tree) -> tuple[dict[str, str], list[str]]:
     names, leaves = leaf_names(tree), jax.tree_util.tree_leaves(tree)
     meshes = {x.sharding.mesh for x in leaves if isinstance(getattr(x, "sharding", None), NamedSharding)}
     replicated = NamedSharding(meshes.pop(), PartitionSpec()) if len(meshes) == 1 else None
-    summaries = jax.device_get(_summariser(replicated)(leaves))
+    summaries = jax.device_get(summariser(replicated)(leaves))
     checksums, nonfinite = {}, []
     for name, (sums, finite) in zip(names, summaries):
         checksums[name] = "".join(f"{int(s):08x}" for s in np.asarray(sums))

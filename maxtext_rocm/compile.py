@@ -17,6 +17,8 @@ is allocated. Printed per device:
   layer once), and the compiled step's own dot FLOPs per device (comm.py's HLO walk, loops x trip
   counts) against what the one formula says it should run: remat's recompute, a pipeline's bubble
   and its LM head on every stage included (maxtext_rocm/compile_estimates.py);
+- the temporaries of the checkpoint checksum program (checksums.py) on this state: XLA's memory
+  analysis; it runs between steps, beside the state only;
 - under a pipeline (mesh stage > 1), every figure is one device of one stage: its L/S layers, the
   GPipe loop's saved iterations, the stage's share of the embedding and head (compile_estimates.py);
 - the verdict against the target's memory (times `--usable`, default 0.92: the runtime and the
@@ -85,6 +87,18 @@ def _sharded_bytes(tree) -> int:
         shape = leaf.sharding.shard_shape(leaf.shape) if leaf.sharding is not None else leaf.shape
         total += math.prod(shape) * leaf.dtype.itemsize
     return total
+
+
+def _checksum_temp_bytes(abstract, mesh) -> int | None:
+    """Temporaries per device of the program that checksums the state at each checkpoint save
+    (maxtext_rocm/checksums.py), compiled on the abstract state: XLA's memory analysis."""
+    import jax
+
+    from maxtext_rocm import checksums
+
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    mem = checksums.summariser(replicated).lower(jax.tree_util.tree_leaves(abstract)).compile().memory_analysis()
+    return None if mem is None else mem.temp_size_in_bytes
 
 
 # ----------------------------------------------------------------------------------------------
@@ -218,6 +232,9 @@ def analyse(cfg, kind: str, n_devices: int, usable: float = 0.92, compile_it: bo
             repeats = cfg.pipeline.repeats if cfg.pipeline.schedule == "circular" else 1
             report["comm"] = comm_lib.report(hlo, layout, cfg.model, cfg.train, cfg.precision.policy, kind,
                                              microbatches, counted, repeats=repeats)
+    checksum_temp = report["checkpoint_checksum_temp_bytes"] = _checksum_temp_bytes(abstract, mesh)
+    if checksum_temp is not None:  # between steps, at a save: the state and the checksum's temporaries
+        report["fits"] = report["fits"] and sum(state_bytes.values()) + checksum_temp <= usable * capacity
     if compiled is None:
         return report
     mem = compiled.memory_analysis()
@@ -325,6 +342,10 @@ def format_report(r: dict) -> str:
     if r.get("checkpoint_save_peak_bytes"):
         lines.append(f"checkpoint save peak (state + its layer leaves converted to model order, between steps): "
                      f"{_gib(r['checkpoint_save_peak_bytes']).strip()}")
+    if r.get("checkpoint_checksum_temp_bytes") is not None:
+        state = r["params_bytes"] + r["opt_state_bytes"] + r["fp8_state_bytes"]
+        lines.append(f"checkpoint checksum (at each save, XLA CPU): {r['checkpoint_checksum_temp_bytes']:,} bytes of "
+                     f"temporaries per device, {r['checkpoint_checksum_temp_bytes'] / state:.2g} x the state")
     flops = r["flops_per_step"]
     n = int(r["target"].split(":")[1])
     timing = ""

@@ -3,6 +3,7 @@ checkpoints, non-finite steps, and starting from another run's parameters."""
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -244,6 +245,7 @@ def test_resume_never_refuses_to_write_over_existing_checkpoints(devices, tmp_pa
     Trainer(cfg, devices=devices[:2], log=lambda *_: None).run()
     before = snapshot(tmp_path)
     again = small_config(**{"output_dir": str(tmp_path), "train.steps": 2, "checkpoint.resume": "never"})
-    with pytest.raises(CheckpointError, match="checkpoint.resume=never but .* already holds checkpoints \\(steps 2\\)"):
+    with pytest.raises(CheckpointError, match="checkpoint.resume=never but .* already holds checkpoints \\(steps 2\\)") as raised:
         Trainer(again, devices=devices[:2], log=lambda *_: None)
+    assert not re.search("delete|remove", str(raised.value)), raised.value  # they are intact (issue 34)
     assert snapshot(tmp_path) == before

@@ -36,6 +36,9 @@ def test_llama3_8b_fsdp8_compiles_and_fits_mi355x(tmp_path):
     assert report["xla_argument_bytes"] >= report["params_bytes"] + report["opt_state_bytes"]
     # Analytic FLOPs: the whole stack, not cost_analysis's one scanned layer.
     assert report["flops_per_step"] == pytest.approx(report["flops_per_token"] * 16 * 8192)
+    # The checksum of each checkpoint save reads the state once: no state-sized temporaries (issue 34).
+    assert 0 < report["checkpoint_checksum_temp_bytes"] < 1e-3 * report["params_bytes"]
+    assert "checkpoint checksum (at each save" in result.stdout
 
 
 def test_mixtral_8x7b_expert8_compiles(tmp_path):

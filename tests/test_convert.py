@@ -184,7 +184,7 @@ def test_round_trip_gives_identical_tensors_and_logits(family, kwargs, dtype, tm
     if "shard_size" in kwargs:
         assert (hf_in / "model.safetensors.index.json").is_file()
     assert convert_main(["from-hf", str(hf_in), str(export)]) == 0
-    assert sorted(p.name for p in export.iterdir()) == ["config.json", "params", "preset.py"]
+    assert sorted(p.name for p in export.iterdir()) == ["checksums.json", "config.json", "params", "preset.py"]
     extra = ["--max-shard-size", "40KB"] if "shard_size" in kwargs else []
     assert convert_main(["to-hf", str(export), str(hf_out), *extra]) == 0
     if "shard_size" in kwargs:

@@ -178,6 +178,7 @@ def run_main_with_recorder(monkeypatch, module: str, args: list[str], tmp_path: 
         from maxtext_rocm import checkpoint
 
         monkeypatch.setattr(checkpoint, "export_params", lambda run, out, step: done.append(step) or out)
+        monkeypatch.setattr(checkpoint, "verify_params", lambda path: done.append(path) or "")
         main = checkpoint.main
     else:
         return None  # argparse dry run instead

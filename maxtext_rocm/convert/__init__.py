@@ -187,7 +187,7 @@ def _staging(out_dir: Path) -> Path:
 
 def hf_to_export(hf_dir, out_dir, overrides=None) -> Path:
     """`from-hf`: a params export + config.json + preset.py in out_dir."""
-    import orbax.checkpoint as ocp
+    from maxtext_rocm.checkpoint_params import write_params
 
     hf_dir, out_dir = Path(hf_dir), Path(out_dir).absolute()
     if out_dir.exists():  # checked before the (long) read too
@@ -195,7 +195,7 @@ def hf_to_export(hf_dir, out_dir, overrides=None) -> Path:
     cfg, params = from_hf(hf_dir, overrides)
     tmp = _staging(out_dir)
     try:
-        ocp.PyTreeCheckpointer().save(tmp / "params", params)
+        write_params(tmp, params)  # params/ + checksums.json, verified by every reader
         record = {"config": cfg.to_dict(), "hf_config": read_hf_config(hf_dir), "converted_from": str(hf_dir.resolve())}
         (tmp / "config.json").write_text(json.dumps(record, indent=2) + "\n")
         (tmp / "preset.py").write_text(_preset_source(cfg, hf_dir.resolve()))
@@ -285,7 +285,7 @@ def checkpoint_to_hf(checkpoint_dir, out_dir, *, dtype: str | None = None,
 
     from maxtext_rocm.checkpoint import restore_params_to_host
 
-    checkpoint_dir, out_dir = Path(checkpoint_dir), Path(out_dir).absolute()
+    checkpoint_dir, out_dir = Path(checkpoint_dir).absolute(), Path(out_dir).absolute()
     if not checkpoint_dir.is_dir():
         raise ConvertError(f"{checkpoint_dir} is not a directory; give an export, a run directory or a checkpoint")
     if out_dir.exists():
