@@ -11,7 +11,7 @@ The names a notebook needs, re-exported:
 
 # `python -m maxtext_rocm.train`: a SIGTERM/SIGINT during the imports below (seconds of jax) and
 # the trainer's start-up exits with one line instead of silently or with a traceback.
-from maxtext_rocm import startup_signals as _startup_signals
+from maxtext_rocm.runtime import startup_signals as _startup_signals
 
 if _startup_signals.started_as_train_cli():
     _startup_signals.arm()

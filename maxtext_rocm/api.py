@@ -17,12 +17,12 @@ import jax.numpy as jnp
 import ml_collections
 from flax import linen as nn
 
-from maxtext_rocm import compilation
+from maxtext_rocm.trainer import compilation
 from maxtext_rocm import config as config_lib
-from maxtext_rocm import sharding
+from maxtext_rocm.parallel import sharding
 from maxtext_rocm.models import build_model
-from maxtext_rocm.precision import policy_from_config
-from maxtext_rocm.step import summed_loss
+from maxtext_rocm.numerics.precision import policy_from_config
+from maxtext_rocm.trainer.step import summed_loss
 
 
 def _param_mesh(cfg) -> jax.sharding.Mesh:
@@ -62,7 +62,7 @@ def init_params(cfg, seed: int = 0):
 def run_config(path) -> ml_collections.ConfigDict:
     """The config a run was made with, from the config.json of a run directory, of the run above a
     checkpoints/ or checkpoints/<step> directory, or of a params export."""
-    from maxtext_rocm.checkpoint_params import run_config as read  # orbax, imported when needed
+    from maxtext_rocm.checkpoint.params import run_config as read  # orbax, imported when needed
 
     return read(path)
 

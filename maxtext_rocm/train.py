@@ -16,18 +16,23 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from maxtext_rocm import compilation, distributed, divergence, memory_fit, run_lock, run_report, sharding, startup_signals
+from maxtext_rocm.trainer import compilation, divergence
+from maxtext_rocm.runtime import distributed, run_lock, startup_signals
+from maxtext_rocm.config import memory_fit
+from maxtext_rocm.reporting import run_report
+from maxtext_rocm.parallel import sharding
 from maxtext_rocm import config as config_lib
-from maxtext_rocm import metrics as metrics_lib
-from maxtext_rocm.divergence import TrainingDiverged  # noqa: F401 - where callers have imported it from
-from maxtext_rocm.launch import data_sources, jit_eval_step, launch, optimizer_hyperparameters, place_batch, run_model
+from maxtext_rocm.reporting import metrics as metrics_lib
+from maxtext_rocm.trainer.divergence import TrainingDiverged  # noqa: F401 - where callers have imported it from
+from maxtext_rocm.trainer.launch import data_sources, jit_eval_step, launch, optimizer_hyperparameters, place_batch, run_model
 from maxtext_rocm.data import batch_spec
 from maxtext_rocm.data.resume import saved_state as saved_data_state
 from maxtext_rocm.parallel import context
-from maxtext_rocm.preemption import PreemptionGuard
-from maxtext_rocm.profiling import Profiler
-from maxtext_rocm.run_info import write_config_json
-from maxtext_rocm.watchdog import HangWatchdog
+from maxtext_rocm.runtime.preemption import PreemptionGuard
+from maxtext_rocm.reporting.profiling import Profiler
+from maxtext_rocm.reporting.run_info import write_config_json
+from maxtext_rocm.runtime.watchdog import HangWatchdog
+from maxtext_rocm.trainer.preflight import check_run
 
 USAGE = "usage: python -m maxtext_rocm.train CONFIG.py[:VARIANT] [--config.GROUP.KEY=VALUE ...]"
 
@@ -43,7 +48,7 @@ class Trainer:
         self.cfg, self.log = cfg, log
         self._started = time.perf_counter()
         devices = list(jax.devices() if devices is None else devices)
-        config_lib.validate(cfg, len(devices), len({d.process_index for d in devices}))
+        check_run(cfg, len(devices), len({d.process_index for d in devices}))
         memory_fit.check_fits(cfg, devices)  # sizes that cannot fit stop here, before any allocation
         # Before anything is written: a second trainer on this output_dir stops here (run_lock.py).
         run_lock.acquire_for_run(cfg.output_dir, jax.process_index(), jax.process_count())

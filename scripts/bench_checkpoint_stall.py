@@ -39,7 +39,7 @@ def main() -> None:
     import jax
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from maxtext_rocm import checksums
+    from maxtext_rocm.checkpoint import checksums
     from maxtext_rocm import config as config_lib
     from maxtext_rocm.train import Trainer
 

@@ -22,7 +22,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from gpu_check import timed  # noqa: E402  (this directory)
-from maxtext_rocm.precision import f32_accumulating_dot_general  # noqa: E402
+from maxtext_rocm.numerics.precision import f32_accumulating_dot_general  # noqa: E402
 
 SHAPES = [(1024, 256, 1024), (1024, 1024, 256), (1024, 256, 256), (128, 256, 1024)]
 DIMS = (((1,), (0,)), ((), ()))

@@ -1,4 +1,4 @@
-"""What the stop agreement costs the training loop per step (maxtext_rocm/preemption.py).
+"""What the stop agreement costs the training loop per step (maxtext_rocm/runtime/preemption.py).
 
 The loop calls `proceed(step)` before each step and `stopping_at(step)` after it. Measured here:
 the pair of calls with one process (no watcher) and with a watcher thread blocked on the
@@ -13,7 +13,7 @@ import sys
 import threading
 import time
 
-from maxtext_rocm.preemption import StopAgreement
+from maxtext_rocm.runtime.preemption import StopAgreement
 
 
 class IdleStore:

@@ -12,7 +12,7 @@ benchmark figures.
    (segment ids), and (pallas) with documents and a sliding window.
 3. The trainer on the GPU against the same trainer on the CPU: tiny_llama in fp32, the losses of
    the first steps from the same initialisation and data.
-4. The fp8 dot (maxtext_rocm/fp8.py) at an 8B MLP's shape: output and gradients against fp32 dots
+4. The fp8 dot (maxtext_rocm/numerics/fp8.py) at an 8B MLP's shape: output and gradients against fp32 dots
    of the same quantized operands, which library kernels its compiled program calls, and its
    forward+backward time against the bf16 dot's.
 
@@ -142,8 +142,8 @@ def timed(fn, *args, repeats: int = 10) -> float:
 
 
 def fp8_dot_check(tokens=8192, d_model=4096, mlp=14336) -> dict:
-    from maxtext_rocm import fp8
-    from maxtext_rocm.compilation import library_calls
+    from maxtext_rocm.numerics import fp8
+    from maxtext_rocm.trainer.compilation import library_calls
 
     e4m3, e5m2 = fp8.FORMATS[fp8.resolve_format("auto", jax.devices()[0])]
     fmt = "fnuz" if e4m3 == jnp.float8_e4m3fnuz else "ocp"

@@ -7,10 +7,12 @@ import numpy as np
 from flax import linen as nn
 
 from maxtext_rocm import config as config_lib
-from maxtext_rocm import launch, sharding
+from maxtext_rocm.trainer import launch
+from maxtext_rocm.parallel import sharding
 from maxtext_rocm.data import batch_spec
 from maxtext_rocm.parallel import context
-from maxtext_rocm.step import gradients
+from maxtext_rocm.trainer.step import gradients
+from maxtext_rocm.trainer.preflight import check_run
 
 
 def initial_run(cfg, devices) -> types.SimpleNamespace:
@@ -18,7 +20,7 @@ def initial_run(cfg, devices) -> types.SimpleNamespace:
     data sources) without compiling the train step, which the numerical tests never run:
     .mesh, .model, .state, .batch(step) (a sharded device batch), .context() (for tracing) and
     .stack (a pipeline's storage <-> model order converter, or None: launch.stored_state)."""
-    config_lib.validate(cfg, len(devices), 1)
+    check_run(cfg, len(devices), 1)
     mesh = sharding.make_mesh(cfg.mesh, devices)
     _, model = launch.run_model(cfg, mesh, devices[0])
     init, key, _, state_sharding, stack = launch.stored_state(cfg, model, mesh)

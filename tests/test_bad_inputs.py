@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from maxtext_rocm import config as config_lib
-from maxtext_rocm import launch, train
+from maxtext_rocm.trainer import launch
+from maxtext_rocm import train
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # tiny_llama shrunk to compile in a few seconds on 8 fake CPU devices.
@@ -275,10 +276,11 @@ def test_memory_lower_bounds_stay_below_what_the_run_holds(preset, devices):
     bytes from its abstract arrays, compile.py's activation estimate) and be of its size."""
     import jax
 
-    from maxtext_rocm import compile as compile_lib
-    from maxtext_rocm import memory_fit, sharding
+    from maxtext_rocm.planner import report as compile_lib
+    from maxtext_rocm.config import memory_fit
+    from maxtext_rocm.parallel import sharding
     from maxtext_rocm.models import build_model
-    from maxtext_rocm.precision import policy_from_config
+    from maxtext_rocm.numerics.precision import policy_from_config
 
     cfg = config_lib.load(preset)
     bounds = memory_fit.lower_bounds(cfg, len(devices))

@@ -9,7 +9,7 @@ import pytest
 
 from maxtext_rocm import config as config_lib
 from maxtext_rocm import train
-from maxtext_rocm.config_choices import NUMBER_RANGES
+from maxtext_rocm.config.choices import NUMBER_RANGES
 
 
 @pytest.mark.parametrize("preset, override, fragment", [

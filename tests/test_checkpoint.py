@@ -149,7 +149,7 @@ def test_restore_onto_a_different_mesh(devices, tmp_path):
 
 def snapshot(folder):
     """Every file's size and mtime, except run.lock, whose text names the last process that held
-    the directory's lock (maxtext_rocm/run_lock.py) and so changes with every launch."""
+    the directory's lock (maxtext_rocm/runtime/run_lock.py) and so changes with every launch."""
     return {str(p): (p.stat().st_size, p.stat().st_mtime_ns) for p in Path(folder).rglob("*")
             if p.name != "run.lock"}
 

@@ -54,7 +54,7 @@ def stderr_lines(err: str) -> list[str]:
 
 
 def reference_checksum(x: np.ndarray) -> str:
-    """maxtext_rocm/checksums.py's sums, in NumPy on the host, one element at a time in row order."""
+    """maxtext_rocm/checkpoint/checksums.py's sums, in NumPy on the host, one element at a time in row order."""
     bits = (x.astype(np.uint32) if x.dtype == bool else x.view(f"u{x.dtype.itemsize}")).astype(np.uint64).ravel()
     index = np.arange(bits.size, dtype=np.uint64)
     w1 = (index * 0x9E3779B1 % 2**32) | 1
@@ -66,7 +66,7 @@ def reference_checksum(x: np.ndarray) -> str:
 
 
 def test_checksums_match_a_host_reference_however_the_arrays_are_sharded(devices):
-    from maxtext_rocm import checksums  # here, so the other tests also run (and fail) without it
+    from maxtext_rocm.checkpoint import checksums  # here, so the other tests also run (and fail) without it
 
     rng = np.random.default_rng(0)
     host = {"f32": rng.standard_normal((8, 16)).astype(np.float32),
@@ -98,7 +98,7 @@ def test_the_checksum_program_needs_no_array_sized_temporaries(devices):
     """Issue 34 item 10: the checksum reads the state once. XLA's memory analysis of its program on
     a sharded state of 6 MiB (a compile-time figure): the old one took 4.5x each device's share of
     the state in temporaries (2.25x on one device), which at 70B does not fit beside the state."""
-    from maxtext_rocm import checksums
+    from maxtext_rocm.checkpoint import checksums
 
     grid = Mesh(np.array(devices).reshape(2, 4), ("a", "b"))
     state = [jax.ShapeDtypeStruct((1024, 1024), np.float32, sharding=NamedSharding(grid, P("a", "b"))),
@@ -291,7 +291,7 @@ def test_a_trainer_that_fails_to_start_frees_its_output_dir(devices, tmp_path):
     cfg = small_config(**{"output_dir": str(tmp_path), "checkpoint.resume": "7"})
     with pytest.raises(CheckpointError, match="checkpoint.resume=7 is not a saved step"):
         Trainer(cfg, devices=devices[:1], log=lambda *_: None)
-    from maxtext_rocm import run_lock
+    from maxtext_rocm.runtime import run_lock
 
     assert str(tmp_path.resolve()) not in run_lock._held  # unlocked: another process could start there
     retry = Trainer(small_config(**{"output_dir": str(tmp_path)}), devices=devices[:1], log=lambda *_: None)

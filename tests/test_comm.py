@@ -1,4 +1,4 @@
-"""Collective accounting (maxtext_rocm/comm.py): hand-written HLO with known answers, a real compile
+"""Collective accounting (maxtext_rocm/planner/comm.py): hand-written HLO with known answers, a real compile
 of a program with known collectives, and a tiny model's report against a minimum worked by hand."""
 
 import json
@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, Mesh, PartitionSpec as P
 
-from maxtext_rocm import comm, comm_minimum
-from maxtext_rocm.hlo_text import replica_groups
+from maxtext_rocm.planner import comm, comm_minimum
+from maxtext_rocm.planner.hlo_text import replica_groups
 
 MESH_2x4 = comm.MeshLayout.from_shape({"a": 2, "b": 4})
 ADD = """
@@ -268,7 +268,7 @@ def test_a_compiled_program_is_counted_exactly(devices):
 def test_tiny_model_report_and_minimum_by_hand(tmp_path):
     """`compile --comm` on a tiny Llama, fsdp=8 over two fake nodes of 4 (`--target=h100:2x4`,
     mesh.dcn.fsdp=2): the minimum worked out here by hand, every fsdp group crossing the NICs."""
-    from maxtext_rocm import compile as compile_cli
+    from maxtext_rocm.planner import report as compile_cli
 
     out = tmp_path / "report.json"
     args = ["tiny_llama", "--target=h100:2x4", "--comm", f"--json={out}",
@@ -304,7 +304,7 @@ def test_bf16_weights_cross_the_links_in_bf16(tmp_path):
     flags = (f"--xla_dump_to={dump} --xla_dump_hlo_as_text --xla_dump_hlo_pass_re=spmd-partitioning "
              "--xla_dump_hlo_module_re=.*train_step.*")
     result = subprocess.run(
-        [sys.executable, "-m", "maxtext_rocm.compile", "tiny_llama", "--target=h100:2", "--config.mesh.ici.fsdp=2",
+        [sys.executable, "-m", "maxtext_rocm.planner.report", "tiny_llama", "--target=h100:2", "--config.mesh.ici.fsdp=2",
          "--config.precision.policy=bf16", "--config.model.tie_embeddings=false", "--config.model.vocab_size=128",
          "--config.model.d_model=64", "--config.model.n_layers=2", "--config.model.n_heads=4",
          "--config.model.n_kv_heads=2", "--config.model.head_dim=16", "--config.model.mlp_dim=128",
@@ -320,7 +320,7 @@ def test_bf16_weights_cross_the_links_in_bf16(tmp_path):
 
 
 def test_cluster_targets(devices):
-    from maxtext_rocm import compile as compile_cli
+    from maxtext_rocm.planner import report as compile_cli
 
     assert compile_cli.parse_target("mi355x:2x8") == ("mi355x", 16)
     assert compile_cli.target_nodes("mi355x:2x8") == 2 and compile_cli.target_nodes("mi355x:8") == 1

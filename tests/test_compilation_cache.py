@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import pytest
 
-from maxtext_rocm import compilation
+from maxtext_rocm.trainer import compilation
 from maxtext_rocm import config as config_lib
 from maxtext_rocm.train import Trainer
 

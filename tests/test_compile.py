@@ -18,7 +18,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def fit_check(*args, timeout=600):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the tool sets its own
-    return subprocess.run([sys.executable, "-m", "maxtext_rocm.compile", *args], cwd=REPO, env=env,
+    return subprocess.run([sys.executable, "-m", "maxtext_rocm.planner.report", *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -71,7 +71,7 @@ def test_bad_target_is_a_user_error():
 
 
 def test_analytic_activations_shrink_with_remat(devices):
-    from maxtext_rocm.compile import analyse
+    from maxtext_rocm.planner.report import analyse
 
     totals = {}
     for remat in ("none", "save_dots", "minimal", "full"):
@@ -89,7 +89,7 @@ def test_70b_fits_mi300x_only_with_a_flash_attention(devices, tmp_path):
     attention (what "auto", the default, is on AMD GPUs) fits, by the estimate and by XLA's
     buffer assignment of the compiled blockwise program."""
     from maxtext_rocm import config as config_lib
-    from maxtext_rocm.compile import analyse, flash_attention_for
+    from maxtext_rocm.planner.report import analyse, flash_attention_for
 
     assert flash_attention_for("mi300x") == "blockwise" and flash_attention_for("h100") == "cudnn"
     reports = {attention: analyse(config_lib.load("llama3_70b:bf16", {"model.attention": attention}), "mi300x", 8,

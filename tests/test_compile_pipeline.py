@@ -7,9 +7,11 @@ import pytest
 from ml_collections import ConfigDict
 
 from conftest import small_config
-from maxtext_rocm import comm, comm_minimum, compile as compile_lib, metrics, precision
+from maxtext_rocm.planner import comm, comm_minimum, report as compile_lib
+from maxtext_rocm.reporting import metrics
+from maxtext_rocm.numerics import precision
 from maxtext_rocm.models.llama import REMAT_POLICIES
-from maxtext_rocm.compile_estimates import loop_shape
+from maxtext_rocm.planner.estimates import loop_shape
 
 
 def _tiny(stage: int, **overrides):

@@ -4,6 +4,7 @@ import pytest
 
 from maxtext_rocm import config as config_lib
 from maxtext_rocm.config import ConfigError
+from maxtext_rocm.trainer.preflight import check_run
 
 from conftest import small_config
 
@@ -83,13 +84,13 @@ def test_python_override_type_mismatch():
 def test_mesh_and_batch_mistakes(overrides, devices, expected):
     cfg = small_config(**overrides)
     with pytest.raises(ConfigError) as info:
-        config_lib.validate(cfg, device_count=devices)
+        check_run(cfg, device_count=devices)
     assert expected in str(info.value)
 
 
 def test_valid_meshes_pass():
     for overrides in ({"mesh.ici.fsdp": 8}, {"mesh.ici.fsdp": 4, "mesh.ici.tensor": 2},
                       {"mesh.ici.data": 2, "mesh.ici.fsdp": -1, "mesh.ici.tensor": 2}):
-        config_lib.validate(small_config(**overrides), device_count=8)
+        check_run(small_config(**overrides), device_count=8)
     shape = config_lib.mesh_shape(small_config(**{"mesh.ici.tensor": 2}).mesh, 8)
     assert shape["ici"]["fsdp"] == 4 and shape["dcn"] == {a: 1 for a in config_lib.MESH_AXES}

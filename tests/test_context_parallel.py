@@ -10,13 +10,15 @@ import ml_collections
 import numpy as np
 import pytest
 
-from maxtext_rocm import comm, comm_minimum
+from maxtext_rocm.planner import comm, comm_minimum
 from maxtext_rocm import config as config_lib
-from maxtext_rocm import launch, sharding
+from maxtext_rocm.trainer import launch
+from maxtext_rocm.parallel import sharding
 from maxtext_rocm.models.attention import dot_product_attention
 from maxtext_rocm.models.blockwise_attention import block_size
 from maxtext_rocm.parallel import context, context_blocks
-from maxtext_rocm.step import gradients
+from maxtext_rocm.trainer.step import gradients
+from maxtext_rocm.trainer.preflight import check_run
 
 from conftest import small_config
 from helpers import assert_close, initial_run, loss_and_grads
@@ -315,7 +317,7 @@ def test_one_sequence_on_eight_devices_through_the_runs_own_batches(devices, tmp
 def test_bad_context_parallel_inputs(overrides, message):
     cfg = small_config(**{"mesh.ici.fsdp": -1, **overrides})
     with pytest.raises(config_lib.ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        config_lib.validate(cfg, 8)
+        check_run(cfg, 8)
 
 
 def test_fractional_batch_from_the_command_line():

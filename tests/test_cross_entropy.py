@@ -1,4 +1,4 @@
-"""The fused, chunked LM-head cross-entropy (maxtext_rocm/cross_entropy.py) against the plain one:
+"""The fused, chunked LM-head cross-entropy (maxtext_rocm/numerics/cross_entropy.py) against the plain one:
 full logits, log-softmax and autodiff, written independently here."""
 
 import jax
@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from maxtext_rocm import cross_entropy
+from maxtext_rocm.numerics import cross_entropy
 
 from conftest import small_config
 from helpers import assert_close, loss_and_grads

@@ -107,7 +107,7 @@ def test_packing_layout(tmp_path):
 
 def test_packed_logits_equal_each_document_alone(tmp_path):
     from maxtext_rocm.models import build_model
-    from maxtext_rocm.precision import policy_from_config
+    from maxtext_rocm.numerics.precision import policy_from_config
 
     cfg = small_config(**{"model.vocab_size": 512})
     model = build_model(cfg.model, policy_from_config(cfg.precision, jax.devices()[0]))
@@ -206,7 +206,7 @@ def test_trainer_checkpoint_resume_sees_the_same_batches(tmp_path, devices):
 
 
 def test_eval_loss_is_the_token_mean(tmp_path, devices):
-    from maxtext_rocm.step import token_losses
+    from maxtext_rocm.trainer.step import token_losses
     from maxtext_rocm.train import Trainer
 
     write_jsonl(tmp_path / "train.jsonl", make_docs(20))

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from maxtext_rocm.peers import PEER_LOST_EXIT_STATUS
+from maxtext_rocm.runtime.peers import PEER_LOST_EXIT_STATUS
 from test_distributed import start_pair_past_step_2, stop_pair
 
 

@@ -17,7 +17,7 @@ import ml_collections
 import pytest
 
 from maxtext_rocm import config as config_lib
-from maxtext_rocm import distributed
+from maxtext_rocm.runtime import distributed
 from maxtext_rocm.config import ConfigError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -322,7 +322,7 @@ def test_a_dead_process_stops_the_other(tmp_path):
     assert rc != 0, log0[-2000:]
     # Usually the coordination service reports the dead task; when the kill lands inside a
     # collective, Gloo's transport fails first (seen once under heavy load: a short read).
-    # Since maxtext_rocm/peers.py, process 0 names the dead process first (tests/test_dead_peer.py).
+    # Since maxtext_rocm/runtime/peers.py, process 0 names the dead process first (tests/test_dead_peer.py).
     assert any(sign in log0 for sign in ("went silent", "another task died", "unhealthy", "gloo::")), log0[-2000:]
     print(f"process 0 stopped {took:.1f} s after process 1 was killed (exit status {rc})")
 

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 from flax.linen import fp8_ops
 
-from maxtext_rocm import fp8, launch
-from maxtext_rocm.step import eval_step
+from maxtext_rocm.numerics import fp8
+from maxtext_rocm.trainer import launch
+from maxtext_rocm.trainer.step import eval_step
 from maxtext_rocm.train import Trainer
 
 from conftest import small_config
@@ -185,7 +186,7 @@ def test_delayed_state_is_updated_by_the_step_not_the_optimizer(devices, tmp_pat
     before = jax.tree_util.tree_map(np.asarray, trainer.state.fp8)
     batch = trainer.device_batch(0)
     # What the op alone makes of this batch: the new state is the state's "gradient".
-    from maxtext_rocm.step import summed_loss
+    from maxtext_rocm.trainer.step import summed_loss
     with trainer.context():
         _, expected = jax.jit(jax.grad(
             lambda p, f: summed_loss(p, trainer.model, batch, 0.0, f)[0], argnums=(0, 1)))(

@@ -14,7 +14,9 @@ import subprocess
 
 import pytest
 
-from maxtext_rocm import metrics, run_lock, train
+from maxtext_rocm.reporting import metrics
+from maxtext_rocm.runtime import run_lock
+from maxtext_rocm import train
 from maxtext_rocm.errors import UserError
 
 PAGE = 4096
@@ -125,7 +127,7 @@ def test_a_row_cut_short_by_an_earlier_crash_is_removed_before_appending(tmp_pat
         writer.write(2, {"loss": 1.5})
     lines = path.read_text().splitlines()
     assert [json.loads(line) for line in lines] == [{"step": 1, "loss": 2.0}, {"step": 2, "loss": 1.5}]
-    from maxtext_rocm.metric_sinks import JsonlFile
+    from maxtext_rocm.reporting.sinks import JsonlFile
 
     path.write_text('{"step": 1, "lo')  # no whole row at all
     JsonlFile(str(path), warn=warnings.append).close()
@@ -138,7 +140,7 @@ def test_a_failed_async_save_does_not_flood_stderr_with_closed_event_loops(monke
     import sys
     import types
 
-    from maxtext_rocm import checkpoint_errors
+    from maxtext_rocm.checkpoint import errors as checkpoint_errors
 
     reported = []
     monkeypatch.setattr(sys, "unraisablehook", reported.append)  # what would reach stderr

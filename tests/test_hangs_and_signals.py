@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from maxtext_rocm.watchdog import HANG_EXIT_STATUS, HangWatchdog
+from maxtext_rocm.runtime.watchdog import HANG_EXIT_STATUS, HangWatchdog
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["--config.model.d_model=64", "--config.model.n_layers=2", "--config.model.n_heads=4",

@@ -75,12 +75,52 @@ def test_the_package_has_no_import_circle(top_level_only):
     assert cycle is None, "import circle: " + " -> ".join(cycle)
 
 
+# The package's layers, bottom to top: a module imports only from its own subpackage (or root
+# module) and from layers below it, never from its own layer's other members or from above.
+# Root modules are the public entry points; `maxtext_rocm` is the package's __init__.
+LAYERS = [
+    ["errors"],
+    ["data"],  # input pipelines read their config group as a plain object; they import no config code
+    ["config"],
+    ["numerics"],
+    ["models"],  # pure: logical axes only, no mesh
+    ["parallel"],  # the mesh-aware algorithms, built around model pieces
+    ["checkpoint", "reporting", "runtime"],
+    ["trainer"],
+    ["api", "planner", "convert"],
+    ["train", "generate", "compile"],
+    ["maxtext_rocm"],
+]
+
+
+def unit(module: str) -> str:
+    """maxtext_rocm.trainer.step -> trainer; maxtext_rocm.train -> train; maxtext_rocm -> maxtext_rocm."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def test_subpackages_import_only_downward():
+    level = {name: i for i, layer in enumerate(LAYERS) for name in layer}
+    graph = import_graph(top_level_only=False)
+    units = {unit(m) for m in graph}
+    assert units == set(level), f"a unit is missing from LAYERS or gone from the package: {units ^ set(level)}"
+    upward = sorted(f"{a} -> {b}" for a, imported in graph.items() for b in imported
+                    if unit(a) != unit(b) and level[unit(b)] >= level[unit(a)])
+    assert not upward, "imports against the layer order:\n" + "\n".join(upward)
+
+
+def test_layer_check_sees_an_upward_import():
+    level = {name: i for i, layer in enumerate(LAYERS) for name in layer}
+    assert level[unit("maxtext_rocm.models.llama")] < level[unit("maxtext_rocm.trainer.step")]
+    assert level[unit("maxtext_rocm.config.checks")] < level[unit("maxtext_rocm.parallel.sharding")]
+
+
 def test_errors_and_config_choices_are_at_the_bottom():
     graph = import_graph(top_level_only=False)
-    for bottom in ("maxtext_rocm.errors", "maxtext_rocm.config_choices"):
+    for bottom in ("maxtext_rocm.errors", "maxtext_rocm.config.choices"):
         assert graph[bottom] == set(), (bottom, graph[bottom])
-    assert "maxtext_rocm.config" not in graph["maxtext_rocm.config_checks"]  # checks import downward
-    assert "maxtext_rocm.config" not in graph["maxtext_rocm.sharding"]
+    assert "maxtext_rocm.config" not in graph["maxtext_rocm.config.checks"]  # checks import downward
+    assert "maxtext_rocm.config" not in graph["maxtext_rocm.parallel.sharding"]
 
 
 def test_find_cycle_finds_one():

@@ -10,7 +10,7 @@ import pytest
 from maxtext_rocm.models.attention import dot_product_attention
 from maxtext_rocm.models.blockwise_attention import block_size, blockwise_attention
 from maxtext_rocm.models.layers import RMSNorm, apply_rope, rope_inv_frequencies
-from maxtext_rocm.precision import policy_from_config
+from maxtext_rocm.numerics.precision import policy_from_config
 
 from helpers import assert_close
 

@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from maxtext_rocm import config, metrics
+from maxtext_rocm import config
+from maxtext_rocm.reporting import metrics
 
 
 def _model(**dims):
@@ -304,7 +305,7 @@ def test_analytic_flops_agree_with_xla_on_an_unrolled_forward():
     import jax.numpy as jnp
 
     from maxtext_rocm.models import build_model
-    from maxtext_rocm.precision import policy_from_config
+    from maxtext_rocm.numerics.precision import policy_from_config
 
     cfg = config.load("tiny_llama", overrides={"model.scan_layers": False})
     m, batch, seq = cfg.model, 2, 64

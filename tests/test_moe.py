@@ -14,12 +14,13 @@ from flax import linen as nn
 from jax.sharding import PartitionSpec as P
 
 from maxtext_rocm import config as config_lib
-from maxtext_rocm import metrics
+from maxtext_rocm.reporting import metrics
 from maxtext_rocm.models import blocked_experts, build_model, count_active_params, count_params, moe
 from maxtext_rocm.models.attention import attention_mask
-from maxtext_rocm.precision import policy_from_config
-from maxtext_rocm.step import summed_loss
+from maxtext_rocm.numerics.precision import policy_from_config
+from maxtext_rocm.trainer.step import summed_loss
 from maxtext_rocm.train import Trainer
+from maxtext_rocm.trainer.preflight import check_run
 
 from conftest import small_config
 from helpers import assert_close, loss_and_grads
@@ -242,9 +243,9 @@ def test_expert_parallel_mesh_matches_single_device(mesh, impl, single_device_mi
 def test_expert_count_must_divide_over_the_expert_axis():
     cfg = mixtral_config(**dict(SINGLE, **{"mesh.ici.expert": 8, "model.n_experts": 4}))
     with pytest.raises(config_lib.ConfigError, match="model.n_experts=4 does not divide"):
-        config_lib.validate(cfg, device_count=8)
+        check_run(cfg, device_count=8)
     dense = small_config(**dict(SINGLE, **{"mesh.ici.expert": 8}))  # dense: expert splits the batch
-    config_lib.validate(dense, device_count=8)
+    check_run(dense, device_count=8)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from maxtext_rocm import config as config_lib
-from maxtext_rocm import config_agreement
+from maxtext_rocm.config import agreement as config_agreement
 from test_distributed import REPO, SMALL, free_port, process_env
 
 

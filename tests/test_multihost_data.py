@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import pytest
 
-from maxtext_rocm import run_lock
+from maxtext_rocm.runtime import run_lock
 
 from test_bad_inputs import assert_one_sentence, run_main
 from test_distributed import REPO, SMALL, process_env, read_rows

@@ -1,6 +1,6 @@
 """Issue 34, item 1: a signal on one process of a two-process run (dcn.data=2 x ici.fsdp=4) stops
 both at the same step, with one committed checkpoint there, and the relaunch continues bit for bit
-like a run that was never interrupted (maxtext_rocm/preemption.py)."""
+like a run that was never interrupted (maxtext_rocm/runtime/preemption.py)."""
 
 import json
 import signal

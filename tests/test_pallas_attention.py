@@ -18,6 +18,7 @@ import pytest
 from maxtext_rocm.config import ConfigError
 from maxtext_rocm.models import pallas_attention as pa
 from maxtext_rocm.models.attention import attention_mask, masked_attention, resolve_implementation
+from maxtext_rocm.trainer.preflight import check_run
 
 # Small tiles, different in the forward and the backward, so that every sequence below spans
 # several of each and both the masked and the unmasked block loops run.
@@ -271,10 +272,10 @@ def test_unsupported_head_dim_is_a_config_error():
     from conftest import small_config
     from maxtext_rocm import config as config_lib
 
-    config_lib.validate(small_config(**{"model.attention": "pallas"}))  # head_dim 16: served
+    check_run(small_config(**{"model.attention": "pallas"}))  # head_dim 16: served
     with pytest.raises(ConfigError, match=r"model.attention='pallas' needs model.head_dim to be a power of two "
                                           r"from 16 to 256 .*, got 96; use model.attention='blockwise' or 'xla'"):
-        config_lib.validate(small_config(**{"model.attention": "pallas", "model.head_dim": 96}))
+        check_run(small_config(**{"model.attention": "pallas", "model.head_dim": 96}))
 
 
 def test_unsupported_head_dim_exits_2_from_the_command_line(tmp_path):

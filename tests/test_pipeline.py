@@ -10,6 +10,7 @@ import pytest
 from maxtext_rocm import config as config_lib
 from maxtext_rocm.parallel import context, experts, pipeline, pipeline_layout
 from maxtext_rocm.train import Trainer
+from maxtext_rocm.trainer.preflight import check_run
 
 from conftest import small_config
 from helpers import assert_close, assert_trees_close, loss_and_grads
@@ -232,7 +233,7 @@ def test_storage_order_puts_each_devices_chunks_in_its_block(layers, stages, rep
 def test_bad_pipeline_settings_are_one_sentence_before_compiling(overrides, message):
     cfg = llama(**dict(SINGLE, **{"mesh.ici.stage": 2, "mesh.ici.fsdp": 4}), **overrides)
     with pytest.raises(config_lib.ConfigError, match=message):
-        config_lib.validate(cfg, device_count=8)
+        check_run(cfg, device_count=8)
 
 
 @pytest.mark.parametrize("mode", [pytest.param("ring", marks=pytest.mark.slow), "all_gather"])
@@ -375,7 +376,7 @@ def test_fp8_delayed_scaling_under_a_pipeline_trains_like_fsdp_accumulating(over
 
 @pytest.mark.parametrize("stages, per_shard, expected", [(8, 64, 32), (8, 8, 8), (4, 48, 16), (2, 6, 6), (8, 6, 6), (4, 1, 1)])
 def test_auto_microbatches_are_the_most_up_to_four_per_stage_that_split_the_shard(stages, per_shard, expected):
-    from maxtext_rocm.config_checks import pipeline_microbatches
+    from maxtext_rocm.config.checks import pipeline_microbatches
 
     auto = llama().pipeline
     assert pipeline_microbatches(auto, stages, per_shard) == expected
@@ -384,7 +385,8 @@ def test_auto_microbatches_are_the_most_up_to_four_per_stage_that_split_the_shar
 
 
 def test_auto_microbatches_are_resolved_for_the_mesh_and_recorded(devices, tmp_path):
-    from maxtext_rocm import launch, sharding
+    from maxtext_rocm.trainer import launch
+    from maxtext_rocm.parallel import sharding
 
     cfg = on_mesh(llama, {"stage": 2, "fsdp": 4}, tmp_path, **{"train.per_device_batch_size": 4})
     launch.run_model(cfg, sharding.make_mesh(cfg.mesh, devices), devices[0])

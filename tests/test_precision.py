@@ -13,7 +13,7 @@ import pytest
 
 from maxtext_rocm import config as config_lib
 from maxtext_rocm.models import build_model
-from maxtext_rocm.precision import f32_accumulating_dot_general, named_dot_general, policy_from_config
+from maxtext_rocm.numerics.precision import f32_accumulating_dot_general, named_dot_general, policy_from_config
 
 from helpers import assert_close
 

@@ -59,7 +59,7 @@ def test_tensor_parallel_shards_heads_and_mlp(devices, tmp_path):
 def test_fused_projections_change_nothing_but_the_dots(tmp_path):
     """model.fuse_projections: the same parameters and the same loss and gradients fused or not;
     "auto" fuses only where a tensor axis makes it save collectives."""
-    from maxtext_rocm import sharding
+    from maxtext_rocm.parallel import sharding
 
     runs = {}
     for fuse in ("on", "off"):

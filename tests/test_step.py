@@ -9,7 +9,7 @@ import optax
 import pytest
 
 from maxtext_rocm import config as config_lib
-from maxtext_rocm.optim import build_optimizer, decay_mask, hyperparameters, learning_rate
+from maxtext_rocm.trainer.optimizer import build_optimizer, decay_mask, hyperparameters, learning_rate
 from maxtext_rocm.train import Trainer
 
 from conftest import small_config
@@ -28,7 +28,7 @@ def test_grad_accum_equals_one_large_batch(devices, tmp_path):
 
 def test_grad_accum_weights_tokens_not_micro_batches(devices, tmp_path):
     """With padding, accumulation must average over tokens of the whole batch (not per micro-batch)."""
-    from maxtext_rocm.step import gradients
+    from maxtext_rocm.trainer.step import gradients
 
     cfg = small_config(**ONE_DEVICE, **{"train.per_device_batch_size": 4, "output_dir": str(tmp_path)})
     run = initial_run(cfg, devices[:1])
@@ -145,7 +145,7 @@ def test_tiny_llama_loss_falls_on_embedded_corpus(devices, tmp_path):
 def test_step_compiled_in_the_background_trains_identically(devices, tmp_path, monkeypatch):
     """Off the CPU the Trainer compiles the step in a thread while the state initialises; forcing
     that path here, the run must match the synchronous one exactly."""
-    from maxtext_rocm import compilation
+    from maxtext_rocm.trainer import compilation
 
     losses = {}
     for background in (False, True):
@@ -164,7 +164,7 @@ def test_step_compiled_in_the_background_trains_identically(devices, tmp_path, m
 def test_unrolled_threefry_draws_the_same_bits():
     """The init program's Threefry, unrolled on the CPU, draws exactly the bits of JAX's own
     (rolled) CPU rule, and JAX's rule is back once the context ends."""
-    from maxtext_rocm import compilation
+    from maxtext_rocm.trainer import compilation
 
     def draws(k):
         return jax.random.truncated_normal(k, -2.0, 2.0, (64, 48)), jax.random.bits(jax.random.fold_in(k, 3), (1000,))
@@ -183,7 +183,7 @@ def test_unrolled_threefry_draws_the_same_bits():
 def test_fp8_steps_compile_without_triton_gemms_on_gpus(monkeypatch):
     """fp8 on a GPU: cuBLASLt/hipBLASLt fp8 GEMMs, not Triton's (whose autotuning outlasted a
     150 s compile on an H200); other policies and the CPU keep XLA's defaults; XLA_FLAGS wins."""
-    from maxtext_rocm import compilation
+    from maxtext_rocm.trainer import compilation
 
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
     assert compilation.step_compiler_options("fp8", "cpu") is None

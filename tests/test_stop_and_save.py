@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from maxtext_rocm.preemption import PreemptionGuard, StopAgreement, StopNotAgreed
+from maxtext_rocm.runtime.preemption import PreemptionGuard, StopAgreement, StopNotAgreed
 
 REPO = Path(__file__).resolve().parent.parent
 SMALL = ["--config.model.vocab_size=128", "--config.model.d_model=64", "--config.model.n_layers=2",

@@ -187,7 +187,7 @@ def _staging(out_dir: Path) -> Path:
 
 def hf_to_export(hf_dir, out_dir, overrides=None) -> Path:
     """`from-hf`: a params export + config.json + preset.py in out_dir."""
-    from maxtext_rocm.checkpoint_params import write_params
+    from maxtext_rocm.checkpoint.params import write_params
 
     hf_dir, out_dir = Path(hf_dir), Path(out_dir).absolute()
     if out_dir.exists():  # checked before the (long) read too

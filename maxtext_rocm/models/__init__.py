@@ -14,7 +14,7 @@ from flax import linen as nn
 
 from maxtext_rocm.models.llama import Decoder, LlamaBlock
 from maxtext_rocm.models.mixtral import MixtralBlock
-from maxtext_rocm.precision import Policy, policy_from_config
+from maxtext_rocm.numerics.precision import Policy, policy_from_config
 
 BLOCKS = {"llama": LlamaBlock, "mixtral": MixtralBlock}
 

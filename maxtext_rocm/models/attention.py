@@ -22,7 +22,7 @@ from flax import linen as nn
 from maxtext_rocm.config import ConfigError
 from maxtext_rocm.models.blockwise_attention import blockwise_attention
 from maxtext_rocm.models.layers import Kernel, fused_projections, Dense, apply_rope, rope_inv_frequencies
-from maxtext_rocm.precision import Policy
+from maxtext_rocm.numerics.precision import Policy
 
 Array = jax.Array
 # The Flax collection of the decoding KV cache (Attention with decode=True).

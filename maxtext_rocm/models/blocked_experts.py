@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from maxtext_rocm import varying
+from maxtext_rocm.numerics import varying
 
 Array = jax.Array
 

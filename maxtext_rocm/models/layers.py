@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
 
-from maxtext_rocm.precision import Policy
+from maxtext_rocm.numerics.precision import Policy
 
 Array = jax.Array
 

@@ -15,8 +15,8 @@ from flax import linen as nn
 from maxtext_rocm.models.attention import CACHE, Attention
 from maxtext_rocm.models.layers import Dense, Embed, Kernel, RMSNorm, fused_projections
 from maxtext_rocm.models.moe import AUX_LOSSES
-from maxtext_rocm.fp8 import FP8_COLLECTION
-from maxtext_rocm.precision import DOT_WITH_BATCH_AXES, DOT_WITHOUT_BATCH_AXES, Policy, without_fp8
+from maxtext_rocm.numerics.fp8 import FP8_COLLECTION
+from maxtext_rocm.numerics.precision import DOT_WITH_BATCH_AXES, DOT_WITHOUT_BATCH_AXES, Policy, without_fp8
 
 Array = jax.Array
 
@@ -84,7 +84,7 @@ class LlamaBlock(nn.Module):
 class Decoder(nn.Module):
     """Embedding -> n_layers blocks -> final norm -> LM head. Returns logits [batch, seq, vocab],
     or with `return_hidden` the final norm's output [batch, seq, d_model] for
-    maxtext_rocm/cross_entropy.py, which applies the head itself (see lm_head_weight)."""
+    maxtext_rocm/numerics/cross_entropy.py, which applies the head itself (see lm_head_weight)."""
 
     cfg: "ml_collections.FrozenConfigDict"  # noqa: F821 - cfg.model
     policy: Policy

@@ -36,7 +36,7 @@ from flax import linen as nn
 from maxtext_rocm.models.blocked_experts import blocked_groups, blocked_swiglu, dropless_block, take_rows
 from maxtext_rocm.models.blocked_experts import swiglu as _swiglu
 from maxtext_rocm.models.layers import Dense
-from maxtext_rocm.precision import Policy, without_fp8
+from maxtext_rocm.numerics.precision import Policy, without_fp8
 
 Array = jax.Array
 

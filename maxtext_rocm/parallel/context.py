@@ -48,7 +48,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
-from maxtext_rocm import sharding, varying
+from maxtext_rocm.numerics import varying
+from maxtext_rocm.parallel import sharding
 from maxtext_rocm.models.blockwise_attention import block_size
 from maxtext_rocm.parallel import context_blocks as blocks
 

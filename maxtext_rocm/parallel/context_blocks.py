@@ -24,7 +24,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from maxtext_rocm import varying
+from maxtext_rocm.numerics import varying
 from maxtext_rocm.models.blockwise_attention import NEG
 
 Array = jax.Array

@@ -1,7 +1,7 @@
 """The fused LM head + cross-entropy on a mesh: each device on its own tokens and, under `tensor`,
 its own slice of the vocabulary; the head's gradient reduced once per step.
 
-Under GSPMD the chunked loss (maxtext_rocm/cross_entropy.py) carried its running d(head) sum in
+Under GSPMD the chunked loss (maxtext_rocm/numerics/cross_entropy.py) carried its running d(head) sum in
 the head's FSDP sharding, so every chunk's partial sum was all-reduced: for llama3_8b at 8,192
 tokens per device, 8 all-reduces of the 2 GiB fp32 head gradient per step where one
 reduce-scatter does. Here, under `shard_map` over the whole mesh:
@@ -25,7 +25,8 @@ import math
 import jax
 from jax.sharding import PartitionSpec
 
-from maxtext_rocm import cross_entropy, sharding
+from maxtext_rocm.numerics import cross_entropy
+from maxtext_rocm.parallel import sharding
 
 Array = jax.Array
 

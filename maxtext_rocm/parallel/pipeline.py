@@ -46,10 +46,10 @@ import numpy as np
 from flax import linen as nn
 from jax.sharding import Mesh, PartitionSpec as P
 
-from maxtext_rocm.config_checks import pipeline_microbatches
+from maxtext_rocm.config.checks import pipeline_microbatches
 from maxtext_rocm.errors import ConfigError
-from maxtext_rocm import fp8
-from maxtext_rocm.fp8 import FP8_COLLECTION
+from maxtext_rocm.numerics import fp8
+from maxtext_rocm.numerics.fp8 import FP8_COLLECTION
 from maxtext_rocm.models.llama import BLOCK_OUTPUT_AXES
 from maxtext_rocm.models.moe import AUX_LOSSES
 from maxtext_rocm.parallel.pipeline_layout import StackLayout
@@ -101,7 +101,7 @@ def resolve_microbatches(cfg, mesh: Mesh) -> None:
     the most, up to 4 per stage, that split each batch shard's sequences), so that config.json and
     the run's first line record what ran."""
     from maxtext_rocm.config import global_batch_size
-    from maxtext_rocm.sharding import mesh_axes_of
+    from maxtext_rocm.parallel.sharding import mesh_axes_of
 
     stages = mesh.shape.get(STAGE_AXIS, 1)
     if stages <= 1 or cfg.pipeline.microbatches:

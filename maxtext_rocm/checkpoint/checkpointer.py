@@ -1,10 +1,10 @@
-"""Checkpoints through orbax: periodic asynchronous saves, verified resume, keep-N, params exports.
+"""The Checkpointer: periodic asynchronous saves through orbax, verified resume, keep-N.
 
 A checkpoint is `output_dir/checkpoints/<step>/` with three items:
 - `state`: the TrainState (step, params, optimizer state, non-finite counters), sharded arrays;
 - `data`:  the data iterator's position, so the batch after a resume is the one that would have come;
 - `meta`:  the step, the model config, and checksums of every array and of the data position
-           (maxtext_rocm/checksums.py), for people and for checks.
+           (maxtext_rocm/checkpoint/checksums.py), for people and for checks.
 
 Orbax writes each step into a temporary directory and renames it when complete, so a process
 killed mid-save leaves no directory that `latest_step` would pick. A resume verifies what it
@@ -13,13 +13,8 @@ restored against the checksums; a damaged checkpoint is skipped with one warning
 moving it back restores it). A save that fails (disk full, I/O error) stops the run at that
 save with one sentence; a state holding inf/NaN is never written.
 
-    python -m maxtext_rocm.checkpoint export RUN_DIR OUT_DIR [--step N]
-    python -m maxtext_rocm.checkpoint verify DIR
-
-`export` writes a params-only export (`OUT_DIR/params` + `checksums.json` + `config.json`) that
-`checkpoint.load_params_from` (or a notebook) starts from; `verify` checks the parameters of a run's
-newest intact step, of one step or of an export against their checksums. Every reader of parameters (export,
-conversion, load_params, generate, load_params_from) verifies them: maxtext_rocm/checkpoint_params.py.
+Reading parameters alone (exports, conversions, notebooks), verified the same way: params.py;
+the command line (export, verify): cli.py.
 """
 
 from __future__ import annotations
@@ -34,11 +29,10 @@ import jax
 import orbax.checkpoint as ocp
 from orbax.checkpoint.checkpoint_managers import preservation_policy as policies
 
-from maxtext_rocm import checksums
-from maxtext_rocm.checkpoint_errors import cause, quiet_closed_loop_callbacks, quiet_orbax_error_logs, release_orbax_waiters
-from maxtext_rocm.checkpoint_params import (  # noqa: F401 - the readers, re-exported
-    _on_every_process, _shape_mismatch, export_params, restore_params, restore_params_to_host, verify_params)
-from maxtext_rocm.config import CheckpointError, UserError
+from maxtext_rocm.checkpoint import checksums
+from maxtext_rocm.checkpoint.errors import cause, quiet_closed_loop_callbacks, quiet_orbax_error_logs, release_orbax_waiters
+from maxtext_rocm.checkpoint.params import _on_every_process, _shape_mismatch
+from maxtext_rocm.errors import CheckpointError
 
 STATE, DATA, META = "state", "data", "meta"
 
@@ -304,27 +298,3 @@ def committed_steps(directory: Path) -> list[int]:
 def _reader(directory) -> ocp.CheckpointManager:
     options = ocp.CheckpointManagerOptions(read_only=True, create=False)
     return ocp.CheckpointManager(directory, options=options, item_handlers=_handlers())
-
-
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    usage = ("usage: python -m maxtext_rocm.checkpoint export RUN_DIR OUT_DIR [--step N]\n"
-             "       python -m maxtext_rocm.checkpoint verify DIR   (a run, one of its checkpoints/<step>, an export)")
-    export = len(argv) in (3, 5) and argv[0] == "export" and (len(argv) == 3 or argv[3] == "--step")
-    if not (export or (len(argv) == 2 and argv[0] == "verify")):
-        print(usage, file=sys.stderr)
-        return 2
-    try:
-        if argv[0] == "verify":
-            print(verify_params(argv[1]))
-        else:
-            step = int(argv[4]) if len(argv) == 5 else None
-            print(f"wrote {export_params(argv[1], argv[2], step)}")
-    except (UserError, ValueError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

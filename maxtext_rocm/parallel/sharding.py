@@ -23,8 +23,8 @@ from flax import linen as nn
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from maxtext_rocm.config_choices import MESH_AXES
-from maxtext_rocm.mesh_sizes import mesh_shape
+from maxtext_rocm.config.choices import MESH_AXES
+from maxtext_rocm.config.mesh_sizes import mesh_shape
 
 # Mesh axes (MESH_AXES), outermost first: the innermost axis gets the closest devices, so tensor
 # parallelism (a collective in every layer) rides the fastest links.

@@ -1,6 +1,6 @@
 """Reading XLA's HLO text: computations, instructions, shapes and the device groups of collectives.
 
-Only what collective accounting needs (maxtext_rocm/comm.py). The forms read are those XLA prints
+Only what collective accounting needs (maxtext_rocm/planner/comm.py). The forms read are those XLA prints
 today: array shapes such as `f32[4,256]{1,0}` and tuples of them; replica groups as explicit lists
 `{{0,1},{2,3}}`, iota lists `[2,4]<=[4,2]T(1,0)`, or mesh axes
 `mesh['axis_0'=4,'axis_1'=2][, device_ids=(...)] {'axis_0'}` (a group is the devices that differ

@@ -41,7 +41,7 @@ import sys
 import threading
 from typing import Callable
 
-from maxtext_rocm import startup_signals
+from maxtext_rocm.runtime import startup_signals
 from maxtext_rocm.config import UserError
 
 PREFIX = "maxtext_rocm/stop"

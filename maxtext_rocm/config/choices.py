@@ -20,7 +20,7 @@ NONFINITE_ACTIONS = ("skip", "stop")
 PIPELINE_SCHEDULES = ("gpipe", "circular")  # circular: pipeline.repeats virtual stages per device
 
 # The range of every number that is not a count (counts are checked one by one in
-# config_checks.py): (low, low included, high, high included), None for no bound. Every float in a
+# config/checks.py): (low, low included, high, high included), None for no bound. Every float in a
 # config must also be finite; config_checks._validate_numbers checks both, before anything else, and
 # tests/test_config.py holds every float key of config.defaults() to an entry here.
 NUMBER_RANGES = {

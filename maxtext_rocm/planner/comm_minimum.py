@@ -7,7 +7,7 @@ leaving one device: all-gather (N-1)/N x result, reduce-scatter (N-1)/N x input,
 
 Symbols (mesh axis sizes from the config's resolved mesh shape, ICI x DCN):
     D = data, Fs = fsdp, E = expert, S = sequence, t = tensor
-    F  = Fs*S*E   the ZeRO-3 group of dense weights (the "embed" axis, maxtext_rocm/sharding.py)
+    F  = Fs*S*E   the ZeRO-3 group of dense weights (the "embed" axis, maxtext_rocm/parallel/sharding.py)
     Fe = Fs*S     the ZeRO-3 group of expert weights (split over E, gathered over the rest)
     Nb = D*Fs*E*S the devices that hold different tokens
     A  = train.grad_accum micro-batches; T = tokens per device per micro-batch
@@ -18,7 +18,7 @@ Symbols (mesh axis sizes from the config's resolved mesh shape, ICI x DCN):
     P_e  = one layer's expert weights per expert-axis shard: 3*d*mlp*n_experts/(E*t)
     w  = bytes of a gathered weight, g = gathers per layer per micro-batch, c = activation bytes,
     4  = bytes of a gradient element: the parameters' dtype, fp32 under every policy of
-         maxtext_rocm/precision.py (`param_bytes` sets another; the formulas below write it 4)
+         maxtext_rocm/numerics/precision.py (`param_bytes` sets another; the formulas below write it 4)
 
 Terms (each is 0 when its axis has size 1):
     layer weights   A*L*(g*w + 4)*(F-1)/F*P_l          ZeRO-3: gathered for the forward and

@@ -18,7 +18,7 @@ Failure is bounded both ways: if the coordinator does not answer within `init_ti
 process prints one sentence naming it and exits with status 2; once running, a process that stops
 sending heartbeats for `heartbeat_timeout_s` is declared dead and the coordination service stops
 the others (JAX terminates them with a message that another task died). Before that, a process
-that dies is named by the survivors at once, exit status 5 (maxtext_rocm/peers.py).
+that dies is named by the survivors at once, exit status 5 (maxtext_rocm/runtime/peers.py).
 """
 
 from __future__ import annotations
@@ -263,7 +263,7 @@ def initialize(dist_cfg, env: Mapping[str, str] | None = None) -> Cluster | None
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     # JAX's preemption service installs a C++ SIGTERM handler here, which would take SIGTERM from
     # the start-up handler (startup_signals: exit at once with one line) until the training loop
-    # reinstalls its own. The stop is agreed by maxtext_rocm/preemption.py instead, for SIGINT too.
+    # reinstalls its own. The stop is agreed by maxtext_rocm/runtime/preemption.py instead, for SIGINT too.
     jax.config.update("jax_enable_preemption_service", False)
 
     connected = threading.Event()
@@ -295,11 +295,11 @@ _peer_watch = None
 
 
 def _watch_peers(cluster: Cluster, dist_cfg) -> None:
-    """Starts naming dead peers (maxtext_rocm/peers.py); a run goes on without it if it cannot."""
+    """Starts naming dead peers (maxtext_rocm/runtime/peers.py); a run goes on without it if it cannot."""
     global _peer_watch
     from jax._src import distributed as jax_distributed  # the coordination service's key-value store
 
-    from maxtext_rocm.peers import PeerWatch
+    from maxtext_rocm.runtime.peers import PeerWatch
 
     try:
         _peer_watch = PeerWatch(jax_distributed.global_state.client, cluster.process_id, cluster.num_processes,
@@ -313,13 +313,13 @@ def _watch_peers(cluster: Cluster, dist_cfg) -> None:
 
 def agree_on_config(cfg) -> None:
     """Every process's resolved config is process 0's, or every process raises one UserError
-    naming the first key that differs (maxtext_rocm/config_agreement.py); nothing for one process."""
+    naming the first key that differs (maxtext_rocm/config/agreement.py); nothing for one process."""
     from jax._src import distributed as jax_distributed
 
     state = jax_distributed.global_state
     if state.client is None or (state.num_processes or 1) < 2:
         return
-    from maxtext_rocm import config_agreement
+    from maxtext_rocm.config import agreement as config_agreement
 
     config_agreement.check(cfg, state.client, state.process_id, state.num_processes, cfg.distributed.init_timeout_s,
                            on_disagreement=_peer_watch.end_together if _peer_watch is not None else None)

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import jax
 
-from maxtext_rocm import fp8
-from maxtext_rocm import metrics as metrics_lib
-from maxtext_rocm import sharding
+from maxtext_rocm.numerics import fp8
+from maxtext_rocm.reporting import metrics as metrics_lib
+from maxtext_rocm.parallel import sharding
 from maxtext_rocm.parallel import pipeline
 
 

@@ -17,11 +17,11 @@ import optax
 from flax import linen as nn
 from flax import struct
 
-from maxtext_rocm import cross_entropy, fp8
-from maxtext_rocm.fp8 import FP8_COLLECTION
+from maxtext_rocm.numerics import cross_entropy, fp8
+from maxtext_rocm.numerics.fp8 import FP8_COLLECTION
 from maxtext_rocm.models import moe
 from maxtext_rocm.models.llama import lm_head_weight
-from maxtext_rocm.optim import build_optimizer, learning_rate
+from maxtext_rocm.trainer.optimizer import build_optimizer, learning_rate
 from maxtext_rocm.parallel import loss
 
 Array = jax.Array
@@ -37,7 +37,7 @@ class TrainState(struct.PyTreeNode):
     # (on_nonfinite="skip"), so the host, which reads it only when it syncs anyway, finds the
     # last good state however late it looks.
     skipped_in_a_row: Array
-    # Delayed-scaling fp8 state (maxtext_rocm/fp8.py); empty for other policies. Not a
+    # Delayed-scaling fp8 state (maxtext_rocm/numerics/fp8.py); empty for other policies. Not a
     # parameter: the step overwrites it, the optimizer never sees it.
     fp8: Any = struct.field(default_factory=dict)
 
@@ -61,7 +61,7 @@ def token_losses(logits: Array, targets: Array) -> tuple[Array, Array]:
 
 
 def fused_head_loss(model_cfg, fp8_lm_head: bool) -> bool:
-    """Whether the loss applies the LM head itself, in chunks (maxtext_rocm/cross_entropy.py).
+    """Whether the loss applies the LM head itself, in chunks (maxtext_rocm/numerics/cross_entropy.py).
     An fp8 LM head keeps the model's own head, whose fp8 dot carries scaling state."""
     return model_cfg.loss_chunk_len > 0 and (model_cfg.tie_embeddings or not fp8_lm_head)
 

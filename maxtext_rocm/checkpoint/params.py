@@ -2,7 +2,7 @@
 
 Every reader that is not a resume (`checkpoint export`, `convert to-hf`, `load_params`,
 `generate`, `checkpoint.load_params_from`) comes through `restore_params`, which checks what it
-read against the checksums saved with it (maxtext_rocm/checksums.py):
+read against the checksums saved with it (maxtext_rocm/checkpoint/checksums.py):
 
 - a checkpoint step: the `params.*` checksums in the step's `meta`;
 - a params export (`OUT/params` + `OUT/config.json`): `OUT/checksums.json`, written with it.
@@ -26,8 +26,8 @@ import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
 
-from maxtext_rocm import checksums
-from maxtext_rocm.checkpoint_errors import cause, quiet_closed_loop_callbacks
+from maxtext_rocm.checkpoint import checksums
+from maxtext_rocm.checkpoint.errors import cause, quiet_closed_loop_callbacks
 from maxtext_rocm.errors import CheckpointError
 
 STATE, META = "state", "meta"  # the Checkpointer's item names (checkpoint.py)

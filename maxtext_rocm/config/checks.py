@@ -13,12 +13,12 @@ from typing import Any, Iterable, Mapping
 
 import ml_collections
 
-from maxtext_rocm.config_choices import (
+from maxtext_rocm.config.choices import (
     ATTENTION_IMPLEMENTATIONS, CONTEXT_PARALLEL_MODES, DATA_SOURCES, FP8_FORMATS, FP8_SCALINGS, MESH_AXES,
     MODEL_FAMILIES, MOE_IMPLEMENTATIONS, NONFINITE_ACTIONS, NUMBER_RANGES, PIPELINE_SCHEDULES, PRECISION_POLICIES,
     PROJECTION_FUSIONS, REMAT_POLICIES, SCHEDULES)
 from maxtext_rocm.errors import ConfigError
-from maxtext_rocm.mesh_sizes import axis_sizes, mesh_shape  # noqa: F401  (part of this module's interface)
+from maxtext_rocm.config.mesh_sizes import axis_sizes, mesh_shape  # noqa: F401  (part of this module's interface)
 
 
 def _require(ok: bool, message: str) -> None:
@@ -77,10 +77,11 @@ def _validate_numbers(cfg) -> None:
 
 def validate(cfg: ml_collections.ConfigDict, device_count: int | None = None,
              process_count: int = 1) -> None:
-    """Checks every key and every combination the trainer relies on.
+    """Checks every key and every combination of keys, and the data files the config names.
 
-    Mesh and batch checks that need the device count run when `device_count` is given (the
-    trainer calls this again once it knows its devices).
+    With `device_count`, also that the mesh's axes fill the devices. What needs the model's
+    kernels or the sharding rules (head sizes a kernel serves, batches and parameters that must
+    divide over the mesh) is checked by trainer/preflight.py, above the models in the import order.
     """
     _validate_numbers(cfg)
     m = cfg.model
@@ -97,12 +98,6 @@ def validate(cfg: ml_collections.ConfigDict, device_count: int | None = None,
     _one_of("model.context_parallel", m.context_parallel, CONTEXT_PARALLEL_MODES)
     _require(isinstance(m.context_load_balance, bool),
              f"model.context_load_balance takes true or false, not {m.context_load_balance!r}")
-    if m.attention == "pallas":  # its platform is checked where the device is known (resolve_implementation)
-        from maxtext_rocm.models.pallas_attention import unsupported_head_dim
-
-        reason = unsupported_head_dim(m.head_dim)
-        _require(reason is None, f"model.attention='pallas' needs model.head_dim to be {reason}, got "
-                 f"{m.head_dim}; use model.attention='blockwise' or 'xla' for this head size")
     _require(m.loss_chunk_len >= 0, f"model.loss_chunk_len must be >= 0 (0: unchunked), got {m.loss_chunk_len}")
     if m.rope_scaling is not None:
         _validate_rope_scaling(m.rope_scaling)
@@ -169,6 +164,7 @@ def validate(cfg: ml_collections.ConfigDict, device_count: int | None = None,
                  "byte-tokenized; use data.tokenizer='byte' with it")
         check_vocab(load_tokenizer(tokenizer), m.vocab_size, tokenizer)
 
+
     _positive(cfg, "log.every")
     profile = tuple(cfg.log.profile_steps)
     _require(len(profile) == 2 and all(isinstance(s, int) for s in profile)
@@ -195,8 +191,7 @@ def validate(cfg: ml_collections.ConfigDict, device_count: int | None = None,
                  f"mesh.{group} has -1 on {', '.join(fills)}; at most one axis per group may fill")
 
     if device_count is not None:
-        shape = mesh_shape(cfg.mesh, device_count, process_count)
-        _validate_against_mesh(cfg, shape, device_count)
+        mesh_shape(cfg.mesh, device_count, process_count)  # the axes fill the devices
 
 
 def _validate_moe(m, seq_len: int) -> None:
@@ -251,26 +246,6 @@ def pipeline_microbatches(pipe, stages: int, sequences_per_shard: int) -> int:
     return max(m for m in range(1, AUTO_MICROBATCHES_PER_STAGE * stages + 1) if sequences_per_shard % m == 0)
 
 
-def _validate_pipeline_against_mesh(cfg, stages: int, micro_batch: int, batch_shards: int) -> None:
-    """A pipeline over `stages` devices: its layers and its microbatches."""
-    m, pipe = cfg.model, cfg.pipeline
-    # A stack that does not divide is padded with empty slots (parallel/pipeline_layout.py); one
-    # with fewer layers than virtual stages would leave some with nothing to run.
-    virtual = stages * pipe.repeats
-    _require(m.n_layers >= virtual,
-             f"model.n_layers={m.n_layers} leaves some of mesh stage={stages} x pipeline.repeats={pipe.repeats} "
-             f"= {virtual} virtual stages without a layer; choose stage x repeats <= {m.n_layers}")
-    _require(m.scan_layers, "mesh stage > 1 pipelines the scanned layer stack; set model.scan_layers=True")
-    micro = pipeline_microbatches(pipe, stages, max(1, micro_batch // batch_shards))
-    _require(pipe.schedule != "circular" or micro >= stages,
-             f"pipeline.microbatches={micro} is fewer than mesh stage={stages}: a circular schedule sends each "
-             f"microbatch round again only once the first stage is free; use pipeline.microbatches >= {stages}")
-    _require(micro_batch % micro == 0 and (micro_batch // micro) % batch_shards == 0,
-             f"pipeline.microbatches={micro} does not divide the step's {micro_batch} sequences (per "
-             f"train.grad_accum micro-batch) into pieces that split over the {batch_shards} batch shards; "
-             f"choose a count that divides {micro_batch // batch_shards}")
-
-
 def _validate_rope_scaling(scaling) -> None:
     keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position")
     if not isinstance(scaling, Mapping) and not isinstance(scaling, ml_collections.ConfigDict):
@@ -321,32 +296,3 @@ def global_batch_size(cfg, device_count: int) -> int:
              f"sequences, not a whole number; use a multiple of 1/{device_count} (e.g. "
              f"{max(1, round(batch)) / device_count:g})")
     return int(round(batch))
-
-
-def _validate_against_mesh(cfg, shape, device_count: int) -> None:
-    from maxtext_rocm.sharding import check_param_divisibility, mesh_axes_of  # imports jax
-
-    sizes = axis_sizes(shape)
-    m, t = cfg.model, cfg.train
-    batch = global_batch_size(cfg, device_count)
-    batch_axes = mesh_axes_of("activation_batch")
-    batch_shards = math.prod(sizes[a] for a in batch_axes)
-    _require(batch % t.grad_accum == 0,
-             f"the global batch of {batch} sequences (train.per_device_batch_size={t.per_device_batch_size} "
-             f"x {device_count} devices) does not split into train.grad_accum={t.grad_accum} micro-batches")
-    micro = batch // t.grad_accum
-    _require(micro % batch_shards == 0,
-             f"each micro-batch of {micro} sequences does not divide over the {batch_shards} batch shards "
-             f"(mesh axes {' x '.join(batch_axes)}); raise train.per_device_batch_size, lower train.grad_accum, "
-             "or split each sequence over mesh.ici.sequence instead")
-    if sizes["stage"] > 1:
-        _validate_pipeline_against_mesh(cfg, sizes["stage"], micro, batch_shards)
-    _require(t.seq_len % sizes["sequence"] == 0,
-             f"train.seq_len={t.seq_len} does not divide over mesh sequence={sizes['sequence']}")
-    if sizes["sequence"] > 1 and m.context_load_balance:
-        chunks = 2 * sizes["sequence"]
-        _require(t.seq_len % chunks == 0,
-                 f"train.seq_len={t.seq_len} does not split into the 2 x sequence = {chunks} chunks that "
-                 f"model.context_load_balance needs; use a multiple of {chunks}, or model.context_load_balance=false")
-    problem = check_param_divisibility(m, sizes)
-    _require(problem is None, problem or "")

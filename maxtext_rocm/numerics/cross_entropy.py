@@ -19,7 +19,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from maxtext_rocm import varying
+from maxtext_rocm.numerics import varying
 
 Array = jax.Array
 

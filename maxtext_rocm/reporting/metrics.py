@@ -16,7 +16,7 @@ import os
 import resource
 from typing import Any, Mapping
 
-from maxtext_rocm.metric_sinks import JsonlFile, TensorBoardSink, WandbSink
+from maxtext_rocm.reporting.sinks import JsonlFile, TensorBoardSink, WandbSink
 
 FLOPS_CONVENTION = (
     "FLOPs/token = 6 x matmul params (incl. LM head, excl. embedding gather) "

@@ -1,12 +1,12 @@
 """The mesh's axis sizes from `cfg.mesh`: -1 entries resolved against the device and process
-counts. Below both config_checks.py (which validates with it) and sharding.py (which builds the
+counts. Below both config/checks.py (which validates with it) and sharding.py (which builds the
 mesh with it), so neither imports the other to share it."""
 
 from __future__ import annotations
 
 import math
 
-from maxtext_rocm.config_choices import MESH_AXES
+from maxtext_rocm.config.choices import MESH_AXES
 from maxtext_rocm.errors import ConfigError
 
 

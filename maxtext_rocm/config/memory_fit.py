@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 
-from maxtext_rocm.config import ConfigError
+from maxtext_rocm.config.loading import ConfigError
 
 GIB = 1 << 30
 

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from maxtext_rocm import fp8
+from maxtext_rocm.numerics import fp8
 
 Array = jax.Array
 

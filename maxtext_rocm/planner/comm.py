@@ -38,7 +38,7 @@ float normalization shows bf16 collectives as f32, so on the CPU a bf16 run's by
 
 The same walk counts the program's matmul work (`dot_flops`: every dot and convolution, 2 FLOPs per
 multiply-add, times its loops' trip counts, inside fusions too, the larger branch of a conditional),
-so the compile report can hold the compiled step to the analytic FLOPs (maxtext_rocm/compile_estimates.py).
+so the compile report can hold the compiled step to the analytic FLOPs (maxtext_rocm/planner/estimates.py).
 A dot in a loop without a known trip count (the blockwise attention's run-time bounds) counts
 once and is listed in `unknown_trip_count_dot_loops`: the count is then a lower bound. On XLA:CPU
 every matmul is a plain dot; a GPU program's cuBLAS/hipBLASLt custom calls would not be counted.
@@ -53,7 +53,7 @@ from collections import Counter, defaultdict
 
 import numpy as np
 
-from maxtext_rocm.hlo_text import (Computation, Instruction, array_dims, parse_module, replica_groups, shape_arrays,
+from maxtext_rocm.planner.hlo_text import (Computation, Instruction, array_dims, parse_module, replica_groups, shape_arrays,
                                   shape_elements, source_target_pairs, tuple_element)
 
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute",
@@ -342,7 +342,7 @@ def report(hlo_text: str, layout: MeshLayout, model_cfg, train_cfg, policy: str,
     """The measured collectives of a compiled train step beside the layout's analytic minimum
     (`microbatches`, `repeats`: a pipeline's, under mesh stage > 1; `measured`: account()'s result
     if at hand)."""
-    from maxtext_rocm import comm_minimum
+    from maxtext_rocm.planner import comm_minimum
 
     measured = dict(measured or account(hlo_text, layout))
     sizes = dict(zip(layout.axis_names, (i * d for i, d in zip(layout.ici_sizes, layout.dcn_sizes))))

@@ -1,8 +1,8 @@
 """The analytic side of `python -m maxtext_rocm.compile`: activations per device (per pipeline
 stage), and the dot FLOPs the compiled step should run, which the report holds the compiled
-program's own count to (maxtext_rocm/comm.py walks the HLO for both collectives and FLOPs).
+program's own count to (maxtext_rocm/planner/comm.py walks the HLO for both collectives and FLOPs).
 
-Activations (symbols in maxtext_rocm/compile.py's docstring) without a pipeline:
+Activations (symbols in maxtext_rocm/planner/report.py's docstring) without a pipeline:
     L*saved + 2*layer_all + logits (+ the gathered weights, in compile.py)
 
 With a GPipe pipeline of S stages and M microbatches (maxtext_rocm/parallel/pipeline.py), each
@@ -62,8 +62,8 @@ def analytic_activations(cfg, axis_sizes: dict[str, int], n_devices: int, microb
     remat = m.remat
     saved = {"full": T * d * c, "minimal": minimal, "save_dots": minimal + S * 4 + T * q * c,
              "none": layer_all}[remat]
-    from maxtext_rocm import cross_entropy
-    from maxtext_rocm.step import fused_head_loss
+    from maxtext_rocm.numerics import cross_entropy
+    from maxtext_rocm.trainer.step import fused_head_loss
 
     if fused_head_loss(m, cfg.precision.policy == "fp8" and cfg.precision.fp8_lm_head):
         chunk = cross_entropy.chunk_length(s, m.loss_chunk_len)
@@ -81,7 +81,7 @@ def analytic_activations(cfg, axis_sizes: dict[str, int], n_devices: int, microb
 
 def layer_param_bytes(cfg, axis_sizes) -> float:
     """One layer's parameters in fp32, gathered (tensor and expert parallelism still split them)."""
-    from maxtext_rocm import metrics
+    from maxtext_rocm.reporting import metrics
     m = cfg.model
     per_layer = metrics._attention_params(m) + (  # expert weights stay split over `expert`
         3 * m.d_model * m.mlp_dim * m.n_experts / axis_sizes["expert"] + m.d_model * m.n_experts
@@ -125,7 +125,7 @@ def analytic_device_flops(cfg, axis_sizes: dict[str, int], n_devices: int, micro
     head x S (it runs on every stage: see per_stage). None for a MoE model, whose executed FLOPs
     depend on the implementation (capacity slots, every expert on the dense path)."""
     from maxtext_rocm import config as config_lib
-    from maxtext_rocm import metrics
+    from maxtext_rocm.reporting import metrics
 
     if cfg.model.n_experts > 1:
         return None

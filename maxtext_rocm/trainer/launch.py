@@ -1,5 +1,5 @@
 """How a run starts: the sharded state, the jitted train step and its compilation, made in an order
-that overlaps them (the Trainer's launch choreography; maxtext_rocm/compile.py lowers the same step).
+that overlaps them (the Trainer's launch choreography; maxtext_rocm/planner/report.py lowers the same step).
 
 The state is made (or restored) in a thread while the main thread traces and lowers the step: XLA
 compiles and runs the init program without holding the GIL, and tracing is Python. The init
@@ -22,9 +22,10 @@ import ml_collections
 import numpy as np
 from flax import linen as nn
 
-from maxtext_rocm import compilation, optim, sharding
+from maxtext_rocm.trainer import compilation, optimizer as optim
+from maxtext_rocm.parallel import sharding
 from maxtext_rocm.config import ConfigError
-from maxtext_rocm.step import create_state, train_step
+from maxtext_rocm.trainer.step import create_state, train_step
 
 
 def run_model(cfg, mesh, device):
@@ -33,7 +34,7 @@ def run_model(cfg, mesh, device):
     from maxtext_rocm.models import build_model
     from maxtext_rocm.models.attention import resolve_implementation
     from maxtext_rocm.parallel import context, experts, pipeline
-    from maxtext_rocm.precision import policy_from_config
+    from maxtext_rocm.numerics.precision import policy_from_config
 
     policy = policy_from_config(cfg.precision, device)
     if policy.fp8_format:
@@ -59,7 +60,7 @@ def stored_state(cfg, model, mesh):
     they are the same: no conversion is ever made)."""
     from maxtext_rocm.parallel import pipeline_layout
 
-    # The optimizer state's layout depends on whether it clips, not on the numbers (optim.py).
+    # The optimizer state's layout depends on whether it clips, not on the numbers (trainer/optimizer.py).
     tx = optim.build_optimizer(optim.hyperparameters(cfg.optimizer, cfg.train.steps), optim.clips(cfg.optimizer))
     create = functools.partial(create_state, model=model, tx=tx, batch_shape=(1, min(cfg.train.seq_len, 8)))
     key = jax.random.key(cfg.train.seed)
@@ -235,7 +236,7 @@ def place_batch(host: dict, layout, batch_sharding, dtypes: dict, global_batch: 
 
 def jit_eval_step(model, mesh, state_sharding, batch_sharding):
     """The jitted eval step: (params, batch, fp8 state) -> token-mean loss and token count."""
-    from maxtext_rocm.step import eval_step
+    from maxtext_rocm.trainer.step import eval_step
 
     return jax.jit(lambda params, batch, fp8_state: eval_step(params, batch, model=model, fp8_state=fp8_state),
                    in_shardings=(state_sharding.params, batch_sharding, state_sharding.fp8),

@@ -1,0 +1,5 @@
+import sys
+
+from maxtext_rocm.checkpoint.cli import main
+
+sys.exit(main())

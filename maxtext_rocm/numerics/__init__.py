@@ -1,0 +1,1 @@
+"""Numbers: precision policies, the fp8 dot, the cross entropy."""

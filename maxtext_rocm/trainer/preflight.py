@@ -1,0 +1,78 @@
+"""The checks before a run starts that need more than the config: the config's own (config.validate),
+then what the model's kernels serve and what must divide over the mesh (the sharding rules).
+
+`check_run` is what the trainer and the planner call; it sits in trainer/ because it reads
+models/ and parallel/, which config/ must not import (config is below them in the import order).
+"""
+
+from __future__ import annotations
+
+import math
+
+from maxtext_rocm.config.checks import _require, axis_sizes, global_batch_size, pipeline_microbatches, validate
+from maxtext_rocm.config.mesh_sizes import mesh_shape
+
+
+def check_run(cfg, device_count: int | None = None, process_count: int = 1) -> None:
+    """Raises ConfigError (one sentence) for anything that would stop the run later: the config
+    (config.validate), the attention kernel's head sizes, and with `device_count` the batch,
+    sequence and parameters against the mesh."""
+    validate(cfg, device_count, process_count)
+    m = cfg.model
+    if m.attention == "pallas":  # its platform is checked where the device is known (resolve_implementation)
+        from maxtext_rocm.models.pallas_attention import unsupported_head_dim
+
+        reason = unsupported_head_dim(m.head_dim)
+        _require(reason is None, f"model.attention='pallas' needs model.head_dim to be {reason}, got "
+                 f"{m.head_dim}; use model.attention='blockwise' or 'xla' for this head size")
+    if device_count is not None:
+        _validate_against_mesh(cfg, mesh_shape(cfg.mesh, device_count, process_count), device_count)
+
+
+def _validate_against_mesh(cfg, shape, device_count: int) -> None:
+    from maxtext_rocm.parallel.sharding import check_param_divisibility, mesh_axes_of  # imports jax
+
+    sizes = axis_sizes(shape)
+    m, t = cfg.model, cfg.train
+    batch = global_batch_size(cfg, device_count)
+    batch_axes = mesh_axes_of("activation_batch")
+    batch_shards = math.prod(sizes[a] for a in batch_axes)
+    _require(batch % t.grad_accum == 0,
+             f"the global batch of {batch} sequences (train.per_device_batch_size={t.per_device_batch_size} "
+             f"x {device_count} devices) does not split into train.grad_accum={t.grad_accum} micro-batches")
+    micro = batch // t.grad_accum
+    _require(micro % batch_shards == 0,
+             f"each micro-batch of {micro} sequences does not divide over the {batch_shards} batch shards "
+             f"(mesh axes {' x '.join(batch_axes)}); raise train.per_device_batch_size, lower train.grad_accum, "
+             "or split each sequence over mesh.ici.sequence instead")
+    if sizes["stage"] > 1:
+        _validate_pipeline_against_mesh(cfg, sizes["stage"], micro, batch_shards)
+    _require(t.seq_len % sizes["sequence"] == 0,
+             f"train.seq_len={t.seq_len} does not divide over mesh sequence={sizes['sequence']}")
+    if sizes["sequence"] > 1 and m.context_load_balance:
+        chunks = 2 * sizes["sequence"]
+        _require(t.seq_len % chunks == 0,
+                 f"train.seq_len={t.seq_len} does not split into the 2 x sequence = {chunks} chunks that "
+                 f"model.context_load_balance needs; use a multiple of {chunks}, or model.context_load_balance=false")
+    problem = check_param_divisibility(m, sizes)
+    _require(problem is None, problem or "")
+
+
+def _validate_pipeline_against_mesh(cfg, stages: int, micro_batch: int, batch_shards: int) -> None:
+    """A pipeline over `stages` devices: its layers and its microbatches."""
+    m, pipe = cfg.model, cfg.pipeline
+    # A stack that does not divide is padded with empty slots (parallel/pipeline_layout.py); one
+    # with fewer layers than virtual stages would leave some with nothing to run.
+    virtual = stages * pipe.repeats
+    _require(m.n_layers >= virtual,
+             f"model.n_layers={m.n_layers} leaves some of mesh stage={stages} x pipeline.repeats={pipe.repeats} "
+             f"= {virtual} virtual stages without a layer; choose stage x repeats <= {m.n_layers}")
+    _require(m.scan_layers, "mesh stage > 1 pipelines the scanned layer stack; set model.scan_layers=True")
+    micro = pipeline_microbatches(pipe, stages, max(1, micro_batch // batch_shards))
+    _require(pipe.schedule != "circular" or micro >= stages,
+             f"pipeline.microbatches={micro} is fewer than mesh stage={stages}: a circular schedule sends each "
+             f"microbatch round again only once the first stage is free; use pipeline.microbatches >= {stages}")
+    _require(micro_batch % micro == 0 and (micro_batch // micro) % batch_shards == 0,
+             f"pipeline.microbatches={micro} does not divide the step's {micro_batch} sequences (per "
+             f"train.grad_accum micro-batch) into pieces that split over the {batch_shards} batch shards; "
+             f"choose a count that divides {micro_batch // batch_shards}")
