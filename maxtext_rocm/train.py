@@ -24,7 +24,7 @@ from maxtext_rocm.parallel import sharding
 from maxtext_rocm import config as config_lib
 from maxtext_rocm.reporting import metrics as metrics_lib
 from maxtext_rocm.trainer.divergence import TrainingDiverged  # noqa: F401 - where callers have imported it from
-from maxtext_rocm.trainer.launch import data_sources, jit_eval_step, launch, optimizer_hyperparameters, place_batch, run_model
+from maxtext_rocm.trainer.launch import data_sources, jit_eval_step, launch, optimizer_hyperparameters, place_batch, model_for_mesh, resolve_auto
 from maxtext_rocm.data import batch_spec
 from maxtext_rocm.data.resume import saved_state as saved_data_state
 from maxtext_rocm.parallel import context
@@ -71,7 +71,8 @@ class Trainer:
             self.log = lambda *_: None  # process 0 speaks for every process
         self.compilation_cache = compilation.use_persistent_cache(cfg.train.compilation_cache, cfg.output_dir)
         self._cache_hits_before = compilation.cache_hits()
-        self.policy, self.model = run_model(cfg, self.mesh, devices[0])
+        self.policy = resolve_auto(cfg, self.mesh, devices[0])  # "auto" values written into cfg, for config.json
+        self.model = model_for_mesh(cfg, self.policy, self.mesh)
         self.hyperparameters = optimizer_hyperparameters(cfg, self.mesh)
         self.global_batch = config_lib.global_batch_size(cfg, self.n_devices)
         self.checkpointer = None

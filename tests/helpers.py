@@ -22,7 +22,7 @@ def initial_run(cfg, devices) -> types.SimpleNamespace:
     .stack (a pipeline's storage <-> model order converter, or None: launch.stored_state)."""
     check_run(cfg, len(devices), 1)
     mesh = sharding.make_mesh(cfg.mesh, devices)
-    _, model = launch.run_model(cfg, mesh, devices[0])
+    model = launch.model_for_mesh(cfg, launch.resolve_auto(cfg, mesh, devices[0]), mesh)
     init, key, _, state_sharding, stack = launch.stored_state(cfg, model, mesh)
     state = jax.jit(lambda k: nn.meta.unbox(init(k)), out_shardings=state_sharding)(key)
     global_batch = config_lib.global_batch_size(cfg, len(devices))

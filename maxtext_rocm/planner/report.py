@@ -117,10 +117,9 @@ def analyse(cfg, kind: str, n_devices: int, usable: float = 0.92, compile_it: bo
     from maxtext_rocm import config as config_lib
     from maxtext_rocm.reporting import metrics
     from maxtext_rocm.parallel import sharding
-    from maxtext_rocm.models import build_model
-    from maxtext_rocm.parallel import context, experts, pipeline
-    from maxtext_rocm.numerics.precision import policy_from_config
-    from maxtext_rocm.trainer.launch import jit_train_step, optimizer_hyperparameters, stored_state
+    from maxtext_rocm.parallel import context, pipeline
+    from maxtext_rocm.trainer.launch import (jit_train_step, model_for_mesh, optimizer_hyperparameters, resolve_auto,
+                                             stored_state)
 
     if cfg.precision.policy == "fp8" and cfg.precision.fp8_format == "auto":
         cfg.precision.fp8_format = "fnuz" if kind in FNUZ_TARGETS else "ocp"
@@ -130,18 +129,14 @@ def analyse(cfg, kind: str, n_devices: int, usable: float = 0.92, compile_it: bo
     check_run(cfg, n_devices, nodes)
     mesh = sharding.make_mesh(cfg.mesh, devices) if nodes == 1 else cluster_mesh(cfg.mesh, devices, nodes)
     sizes = config_lib.axis_sizes(config_lib.mesh_shape(cfg.mesh, n_devices, nodes))
-    policy = policy_from_config(cfg.precision, devices[0], platform="gpu")  # every target is a GPU
-    sharding.resolve_projection_fusion(cfg.model, mesh)
-    pipeline.resolve_microbatches(cfg, mesh)
+    policy = resolve_auto(cfg, mesh, devices[0], platform="gpu")  # every target is a GPU
     cpu_model_cfg = copy.deepcopy(cfg.model)
     if cpu_model_cfg.attention == "cudnn":  # same parameters; the CPU cannot trace cuDNN's attention
         cpu_model_cfg.attention = "xla"
     elif cpu_model_cfg.attention == "pallas":  # on the CPU Pallas is an interpreter: the same
         cpu_model_cfg.attention = "blockwise"  # flash algorithm in XLA ops stands in for it
     # The target's program: a GPU's MoE exchange and grouped GEMMs, not the CPU's stand-ins.
-    model = build_model(cpu_model_cfg, policy, expert_exchange=experts.expert_exchange(cfg.model, mesh, "gpu"),
-                        layer_stack=pipeline.layer_stack(cfg.pipeline, cfg.model, mesh),
-                        context_attention=context.context_attention(cfg.model, mesh))
+    model = model_for_mesh(cfg, policy, mesh, platform="gpu", model_cfg=cpu_model_cfg)
     _, _, abstract, state_sharding, stack = stored_state(cfg, model, mesh)
     batch_sharding = sharding.batch_sharding(mesh)
 

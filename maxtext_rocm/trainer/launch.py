@@ -28,23 +28,39 @@ from maxtext_rocm.config import ConfigError
 from maxtext_rocm.trainer.step import create_state, train_step
 
 
-def run_model(cfg, mesh, device):
-    """(precision policy, model) of the run on devices like `device`. Where the config says "auto"
-    (fp8 format, attention, projection fusion) it is resolved in `cfg`, so config.json records what ran."""
-    from maxtext_rocm.models import build_model
+def resolve_auto(cfg, mesh, device, platform: str | None = None):
+    """Writes into `cfg` what it leaves to "auto" for this mesh and device: the fp8 format, the
+    projection fusion, the pipeline's microbatches and (unless the caller did already) the
+    attention implementation, so config.json records what runs. Returns the precision policy.
+    `platform`: the platform the program is for when it is not the device's (the planner's GPU
+    targets, compiled on a CPU)."""
     from maxtext_rocm.models.attention import resolve_implementation
-    from maxtext_rocm.parallel import context, experts, pipeline
     from maxtext_rocm.numerics.precision import policy_from_config
+    from maxtext_rocm.parallel import pipeline
 
-    policy = policy_from_config(cfg.precision, device)
+    policy = policy_from_config(cfg.precision, device, platform=platform)
     if policy.fp8_format:
         cfg.precision.fp8_format = policy.fp8_format
     sharding.resolve_projection_fusion(cfg.model, mesh)
     pipeline.resolve_microbatches(cfg, mesh)
-    cfg.model.attention = resolve_implementation(cfg.model.attention, device, policy.compute_dtype, cfg.train.seq_len)
-    return policy, build_model(cfg.model, policy, expert_exchange=experts.expert_exchange(cfg.model, mesh),
-                               layer_stack=pipeline.layer_stack(cfg.pipeline, cfg.model, mesh),
-                               context_attention=context.context_attention(cfg.model, mesh))
+    if platform is None:
+        cfg.model.attention = resolve_implementation(cfg.model.attention, device, policy.compute_dtype,
+                                                     cfg.train.seq_len)
+    return policy
+
+
+def model_for_mesh(cfg, policy, mesh, platform: str | None = None, model_cfg=None):
+    """The model, with the mesh-aware algorithms of parallel/ plugged in where the mesh asks for
+    them (the expert exchange, the pipeline's layer stack, context-parallel attention): models/
+    never sees the mesh itself. `model_cfg`: the model group to build from, when it differs from
+    `cfg.model` (the planner's CPU stand-ins for GPU kernels); the strategies read `cfg.model`."""
+    from maxtext_rocm.models import build_model
+    from maxtext_rocm.parallel import context, experts, pipeline
+
+    return build_model(model_cfg or cfg.model, policy,
+                       expert_exchange=experts.expert_exchange(cfg.model, mesh, platform),
+                       layer_stack=pipeline.layer_stack(cfg.pipeline, cfg.model, mesh),
+                       context_attention=context.context_attention(cfg.model, mesh))
 
 
 def abstract_state(cfg, model, mesh):
