@@ -95,7 +95,7 @@ def _fit_check(spec: str, overrides: list[str], target: str) -> dict:
     """The AOT fit check of one row (python -m maxtext_rocm.compile ... --search)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "fit.json")
-        proc = subprocess.run([sys.executable, "-m", "maxtext_rocm.planner.report", spec, f"--target={target}",
+        proc = subprocess.run([sys.executable, "-m", "maxtext_rocm.compile", spec, f"--target={target}",
                                "--search", "--max-compiles=1", f"--json={out}", *overrides],
                               capture_output=True, text=True, cwd=REPO, timeout=1800)
         if proc.returncode or not os.path.exists(out):

@@ -200,7 +200,7 @@ def run_layout(name: str, args: list[str], target: str) -> dict:
     with tempfile.TemporaryDirectory(prefix="comm_layouts_") as tmp:
         dump, out = os.path.join(tmp, "dump"), os.path.join(tmp, "report.json")
         env = dict(os.environ, XLA_FLAGS=f"--xla_dump_to={dump} --xla_dump_hlo_as_text")
-        command = [sys.executable, "-m", "maxtext_rocm.planner.report", args[0], f"--target={target}", "--comm",
+        command = [sys.executable, "-m", "maxtext_rocm.compile", args[0], f"--target={target}", "--comm",
                    f"--json={out}", *DIMS, *args[1:]]
         done = subprocess.run(command, env=env, capture_output=True, text=True)
         if done.returncode:
@@ -215,7 +215,7 @@ def run_layout(name: str, args: list[str], target: str) -> dict:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--target", default="h100:8", help="KIND:8, as maxtext_rocm.planner.report takes it")
+    parser.add_argument("--target", default="h100:8", help="KIND:8, as python -m maxtext_rocm.compile takes it")
     parser.add_argument("--layouts", help="only layouts whose name contains this (case-insensitive)")
     parser.add_argument("--json", dest="out", help="write the rows here")
     args = parser.parse_args(argv)

@@ -304,7 +304,7 @@ def test_bf16_weights_cross_the_links_in_bf16(tmp_path):
     flags = (f"--xla_dump_to={dump} --xla_dump_hlo_as_text --xla_dump_hlo_pass_re=spmd-partitioning "
              "--xla_dump_hlo_module_re=.*train_step.*")
     result = subprocess.run(
-        [sys.executable, "-m", "maxtext_rocm.planner.report", "tiny_llama", "--target=h100:2", "--config.mesh.ici.fsdp=2",
+        [sys.executable, "-m", "maxtext_rocm.compile", "tiny_llama", "--target=h100:2", "--config.mesh.ici.fsdp=2",
          "--config.precision.policy=bf16", "--config.model.tie_embeddings=false", "--config.model.vocab_size=128",
          "--config.model.d_model=64", "--config.model.n_layers=2", "--config.model.n_heads=4",
          "--config.model.n_kv_heads=2", "--config.model.head_dim=16", "--config.model.mlp_dim=128",

@@ -18,7 +18,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def fit_check(*args, timeout=600):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the tool sets its own
-    return subprocess.run([sys.executable, "-m", "maxtext_rocm.planner.report", *args], cwd=REPO, env=env,
+    return subprocess.run([sys.executable, "-m", "maxtext_rocm.compile", *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
 

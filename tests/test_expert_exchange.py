@@ -175,7 +175,7 @@ def test_expert_parallel_layer_matches_one_device(devices, mesh_axes):
 
 
 def test_gpu_program_exchanges_with_ragged_all_to_all(devices):
-    """The program a GPU target gets (what maxtext_rocm.planner.report builds) moves rows with ragged
+    """The program a GPU target gets (what python -m maxtext_rocm.compile builds) moves rows with ragged
     all-to-alls over `expert` and never gathers all tokens; the CPU's program uses the padded
     stand-in. Checked on the lowered StableHLO, since XLA:CPU cannot compile the ragged op."""
     cfg = mixtral_config(**{"mesh.ici.expert": 8})

@@ -48,7 +48,7 @@ def apply_variant(cfg: ml_collections.ConfigDict, variant: str) -> ml_collection
 
 
 def _configs_dirs() -> list[Path]:
-    return [Path.cwd() / "configs", Path(__file__).resolve().parent.parent / "configs"]
+    return [Path.cwd() / "configs", Path(__file__).resolve().parents[2] / "configs"]  # the repository's configs/
 
 
 def _resolve_preset(path: str) -> Path:

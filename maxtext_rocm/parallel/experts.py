@@ -24,7 +24,7 @@ all-gathered here, which the gradient turns into the reduce-scatter of ZeRO-3.
 fixed-size all-to-all of worst-case buffers (each slice padded to all of a device's rows). Both
 consume the one plan, so what the CPU tests check is what a GPU runs, except for the primitive.
 The padding makes the CPU's exchange move P times the rows it must: it is for correctness on the
-CPU, not speed; `maxtext_rocm.planner.report` builds the GPU program for GPU targets.
+CPU, not speed; `python -m maxtext_rocm.compile` builds the GPU program for GPU targets.
 """
 
 from __future__ import annotations
@@ -163,7 +163,7 @@ def padded_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_
 def expert_exchange(model_cfg, mesh: Mesh, backend: str | None = None) -> Callable | None:
     """The dropless MoE layer across `mesh` (models/moe.py's `expert_exchange`), or None where a
     device computes alone (one device, or a model without experts). `backend`: the platform the
-    program is for ("gpu" from `maxtext_rocm.planner.report` on a CPU), default the mesh's own."""
+    program is for ("gpu" from `python -m maxtext_rocm.compile` on a CPU), default the mesh's own."""
     if model_cfg.n_experts <= 1 or (mesh.size == 1 and backend is None):
         return None
     backend = backend or mesh.devices.flat[0].platform

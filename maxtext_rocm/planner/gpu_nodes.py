@@ -1,4 +1,4 @@
-"""The GPU nodes that `maxtext_rocm.planner.report` plans for, and how it fakes them on this CPU: N host
+"""The GPU nodes that `python -m maxtext_rocm.compile` plans for, and how it fakes them on this CPU: N host
 devices (one process standing in for NODES hosts), the mesh a cluster run would build over them,
 and XLA's dump of the optimized program (all there is of a GPU program XLA:CPU cannot finish)."""
 
@@ -71,7 +71,7 @@ def force_host_devices(n: int, dump_hlo: bool = False) -> None:
         if getattr(xla_bridge, "_backends", None):  # started: the flag comes too late here
             if jax.default_backend() == "cpu" and jax.device_count() == n:
                 return
-            os.execv(sys.executable, [sys.executable, "-m", "maxtext_rocm.planner.report", *sys.argv[1:]])
+            os.execv(sys.executable, [sys.executable, "-m", "maxtext_rocm.compile", *sys.argv[1:]])
         jax.config.update("jax_platforms", "cpu")
 
 
