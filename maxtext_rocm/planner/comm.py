@@ -53,6 +53,7 @@ from collections import Counter, defaultdict
 
 import numpy as np
 
+from maxtext_rocm.planner import comm_minimum
 from maxtext_rocm.planner.hlo_text import (Computation, Instruction, array_dims, parse_module, replica_groups, shape_arrays,
                                   shape_elements, source_target_pairs, tuple_element)
 
@@ -342,8 +343,6 @@ def report(hlo_text: str, layout: MeshLayout, model_cfg, train_cfg, policy: str,
     """The measured collectives of a compiled train step beside the layout's analytic minimum
     (`microbatches`, `repeats`: a pipeline's, under mesh stage > 1; `measured`: account()'s result
     if at hand)."""
-    from maxtext_rocm.planner import comm_minimum
-
     measured = dict(measured or account(hlo_text, layout))
     sizes = dict(zip(layout.axis_names, (i * d for i, d in zip(layout.ici_sizes, layout.dcn_sizes))))
     least = comm_minimum.minimum(model_cfg, train_cfg, policy, sizes, microbatches=microbatches, repeats=repeats)

@@ -4,8 +4,17 @@ and XLA's dump of the optimized program (all there is of a GPU program XLA:CPU c
 
 from __future__ import annotations
 
+import glob
 import os
 import sys
+import tempfile
+
+import jax
+import numpy as np
+from jax._src import xla_bridge
+from jax.sharding import AxisType, Mesh
+
+from maxtext_rocm import config as config_lib
 
 # Target -> (memory in GiB, the device_kind substring metrics.PEAK_TFLOPS knows it by).
 TARGETS = {
@@ -35,11 +44,6 @@ def cluster_mesh(mesh_cfg, devices, nodes: int):
     """The mesh a run on `nodes` hosts would build (sharding.make_mesh with one process per host),
     from fake devices of one process: node n holds devices n*G..(n+1)*G-1, an axis's DCN part is
     its major factor, as mesh_utils.create_hybrid_device_mesh lays it out."""
-    import numpy as np
-    from jax.sharding import AxisType, Mesh
-
-    from maxtext_rocm import config as config_lib
-
     shape = config_lib.mesh_shape(mesh_cfg, len(devices), nodes)
     ici = [shape["ici"][a] for a in config_lib.MESH_AXES]
     dcn = [shape["dcn"][a] for a in config_lib.MESH_AXES]
@@ -59,20 +63,16 @@ def force_host_devices(n: int, dump_hlo: bool = False) -> None:
              if not f.startswith("--xla_force_host_platform_device_count")]
     flags.append(f"--xla_force_host_platform_device_count={n}")
     if dump_hlo and not hlo_dump_dir():
-        import tempfile
         flags += [f"--xla_dump_to={tempfile.mkdtemp(prefix='maxtext_rocm_hlo_')}", "--xla_dump_hlo_as_text",
                   "--xla_dump_hlo_module_re=.*train_step.*"]
     os.environ["XLA_FLAGS"] = " ".join(flags)
     os.environ["JAX_PLATFORMS"] = "cpu"
-    if "jax" in sys.modules:
-        import jax
-        from jax._src import xla_bridge
-
-        if getattr(xla_bridge, "_backends", None):  # started: the flag comes too late here
-            if jax.default_backend() == "cpu" and jax.device_count() == n:
-                return
-            os.execv(sys.executable, [sys.executable, "-m", "maxtext_rocm.compile", *sys.argv[1:]])
-        jax.config.update("jax_platforms", "cpu")
+    # Importing jax (above) reads JAX_PLATFORMS already, so the platform goes to its config too.
+    if getattr(xla_bridge, "_backends", None):  # started: the flag comes too late here
+        if jax.default_backend() == "cpu" and jax.device_count() == n:
+            return
+        os.execv(sys.executable, [sys.executable, "-m", "maxtext_rocm.compile", *sys.argv[1:]])
+    jax.config.update("jax_platforms", "cpu")
 
 
 def hlo_dump_dir() -> str | None:
@@ -84,7 +84,6 @@ def hlo_dump_dir() -> str | None:
 
 def dumped_optimized_hlo() -> str | None:
     """The newest optimized train-step HLO that XLA dumped (see force_host_devices)."""
-    import glob
     directory = hlo_dump_dir()
     files = glob.glob(os.path.join(directory, "*train_step*after_optimizations.txt")) if directory else []
     if not files:
