@@ -76,12 +76,12 @@ def test_analytic_activations_shrink_with_remat(devices):
     totals = {}
     for remat in ("none", "save_dots", "minimal", "full"):
         cfg = small_config(**{"model.remat": remat, "model.attention": "xla", "train.seq_len": 256})
-        totals[remat] = analyse(cfg, "h100", 8, compile_it=False)["analytic_activations_bytes"]
+        totals[remat] = analyse(cfg, "h100", 8, compile_it=False).memory.analytic_activations_bytes
     assert totals["none"] >= totals["save_dots"] > totals["minimal"] > totals["full"] > 0
     flash = analyse(small_config(**{"model.attention": "cudnn", "train.seq_len": 256}), "h100", 8,
-                    compile_it=False)["analytic_activations_bytes"]
+                    compile_it=False).memory.analytic_activations_bytes
     assert flash < analyse(small_config(**{"model.attention": "xla", "train.seq_len": 256}), "h100", 8,
-                           compile_it=False)["analytic_activations_bytes"]
+                           compile_it=False).memory.analytic_activations_bytes
 
 
 def test_70b_fits_mi300x_only_with_a_flash_attention(devices, tmp_path):
@@ -94,8 +94,8 @@ def test_70b_fits_mi300x_only_with_a_flash_attention(devices, tmp_path):
     assert flash_attention_for("mi300x") == "blockwise" and flash_attention_for("h100") == "cudnn"
     reports = {attention: analyse(config_lib.load("llama3_70b:bf16", {"model.attention": attention}), "mi300x", 8,
                                   compile_it=False) for attention in ("xla", "blockwise", "auto")}
-    assert {a: r["fits"] for a, r in reports.items()} == {"xla": False, "blockwise": True, "auto": True}
-    assert reports["auto"]["analytic_total_bytes"] == reports["blockwise"]["analytic_total_bytes"]
+    assert {a: r.fits for a, r in reports.items()} == {"xla": False, "blockwise": True, "auto": True}
+    assert reports["auto"].memory.analytic_total_bytes == reports["blockwise"].memory.analytic_total_bytes
     out = tmp_path / "fit.json"
     result = fit_check("llama3_70b:bf16", "--target=mi300x:8", "--config.model.attention=blockwise", f"--json={out}")
     assert result.returncode == 0, result.stderr

@@ -44,28 +44,28 @@ def test_compiled_dot_flops_equal_the_analytic_count(devices, stage, microbatche
     tokens = 16 * 32 / 8  # per device, before the pipeline's shares
     bubble = 5 / 4 if stage > 1 else 1
     expected = tokens * (hand["layers"] * bubble + hand["head"] * stage)
-    assert r["analytic_dot_flops"]["total"] == pytest.approx(expected, rel=1e-12)
-    assert not r["compiled_flops_lower_bound"]
-    assert r["compiled_dot_flops"] == pytest.approx(expected, rel=1e-3)  # measured: equal
+    assert r.flops.analytic_dot_flops.total == pytest.approx(expected, rel=1e-12)
+    assert not r.flops.compiled_flops_lower_bound
+    assert r.flops.compiled_dot_flops == pytest.approx(expected, rel=1e-3)  # measured: equal
     # The activation estimate against XLA:CPU's buffer assignment (which upcasts and does not schedule
     # for memory like a GPU): measured 0.67 (fsdp=8) and 0.70 (stage=2) here, where the two gathered
     # fp32 layers of the estimate weigh most; 1.13 to 1.26 at tiny_llama's size (docs/figures.md).
-    assert 0.5 <= r["xla_activations_bytes"] / r["analytic_activations_bytes"] <= 1.6
+    assert 0.5 <= r.compiled.memory.activations_bytes / r.memory.analytic_activations_bytes <= 1.6
     if stage > 1:  # without the bubble's term the check fails by its 25%
-        assert r["compiled_dot_flops"] / (expected - tokens * hand["layers"] / 4) > 1.2
+        assert r.flops.compiled_dot_flops / (expected - tokens * hand["layers"] / 4) > 1.2
         # per device, fp32: 2 of the 4 layers' weights split 4 ways by fsdp, their norm scales whole;
         # the embedding and head split by fsdp and the final norm, on both stages (replicated over stage)
         layer = 64 * 64 + 2 * 64 * 32 + 64 * 64 + 3 * 64 * 128
-        assert r["stages"]["layer_param_bytes"] == 4 * (2 * layer / 4 + 2 * 2 * 64)
-        assert r["stages"]["other_param_bytes"] == 4 * (2 * 128 * 64 / 4 + 64)
-        assert r["stages"]["replicated_over_stage"] == ["embed/embedding", "final_norm/scale", "lm_head/kernel"]
+        assert r.stages.layer_param_bytes == 4 * (2 * layer / 4 + 2 * 2 * 64)
+        assert r.stages.other_param_bytes == 4 * (2 * 128 * 64 / 4 + 64)
+        assert r.stages.replicated_over_stage == ["embed/embedding", "final_norm/scale", "lm_head/kernel"]
         # between the stages: each microbatch's block output forward and its cotangent back, 2 x 128
         # tokens per device x d 64 in fp32; the loop moves the bubble's too: its permutes are exactly
         # (M+S-1)/M = 5/4 of that, the schedule's floor
-        between = r["comm"]["stages"]
+        between = r.comm["stages"]
         batch_shard = 128 * 64 * 4
         assert between["minimum_bytes"] == 2 * batch_shard and between["link"] == "ICI"
-        permutes = sum(row["bytes"] for row in r["comm"]["rows"]
+        permutes = sum(row["bytes"] for row in r.comm["rows"]
                        if row["kind"] == "collective-permute" and row["axes"] == "stage")
         assert permutes == 5 / 4 * between["minimum_bytes"]
         # the rest, each once a step (the embedding and head are replicated over stage): the last
@@ -96,7 +96,7 @@ def test_minimal_remat_under_a_pipeline_recomputes_only_attention():
     r = compile_lib.analyse(_tiny(2, **{"pipeline.microbatches": 4, "model.remat": "minimal"}), "mi355x", 8)
     hand = _by_hand_per_token("minimal")
     expected = 16 * 32 / 8 * (hand["layers"] * 5 / 4 + hand["head"] * 2)
-    assert r["compiled_dot_flops"] == pytest.approx(expected, rel=1e-3) and expected < 105_906_176 / 1.2
+    assert r.flops.compiled_dot_flops == pytest.approx(expected, rel=1e-3) and expected < 105_906_176 / 1.2
 
 
 def test_the_walker_counts_dots_in_loops_and_fusions():
@@ -183,12 +183,12 @@ def test_a_converted_stack_counts_the_checkpoint_save_in_the_fit():
     order: between steps the state's layer leaves (parameters, Adam's mu and nu) exist twice."""
     cfg = _tiny(2, **{"model.n_layers": 3})  # 3 layers in 2 x 2 slots: converted at every save
     r = compile_lib.analyse(cfg, "mi355x", 8, compile_it=False)
-    state = r["params_bytes"] + r["opt_state_bytes"] + r["fp8_state_bytes"]
+    state = r.memory.params_bytes + r.memory.opt_state_bytes + r.memory.fp8_state_bytes
     # fp32 per device: 2 slots of one stage's layers split 4 ways by fsdp, their 2 norm scales whole,
     # x 3 (parameter, mu, nu)
     layer = 64 * 64 + 2 * 64 * 32 + 64 * 64 + 3 * 64 * 128
-    assert r["checkpoint_save_peak_bytes"] == state + 3 * 4 * (2 * layer / 4 + 2 * 2 * 64)
-    assert "checkpoint_save_peak_bytes" not in compile_lib.analyse(_tiny(2), "mi355x", 8, compile_it=False)
+    assert r.memory.checkpoint_save_peak_bytes == state + 3 * 4 * (2 * layer / 4 + 2 * 2 * 64)
+    assert compile_lib.analyse(_tiny(2), "mi355x", 8, compile_it=False).memory.checkpoint_save_peak_bytes is None
 
 
 def test_the_loop_does_not_save_the_stages_weights_per_iteration(devices):
@@ -200,7 +200,7 @@ def test_the_loop_does_not_save_the_stages_weights_per_iteration(devices):
                       "pipeline.microbatches": 2})
     r = compile_lib.analyse(cfg, "mi355x", 8)
     measured_without_copies = 5_736_872  # jax 0.10.2's buffer assignment; with the copies 8,173,416
-    assert r["xla_temp_bytes"] < measured_without_copies + r["stages"]["layer_param_bytes"]
+    assert r.compiled.memory.temp_bytes < measured_without_copies + r.stages.layer_param_bytes
 
 
 def test_circular_estimate_counts_the_chunk_weights_saved_per_iteration():
@@ -209,9 +209,9 @@ def test_circular_estimate_counts_the_chunk_weights_saved_per_iteration():
     cfg = _tiny(2, **{"pipeline.schedule": "circular", "pipeline.repeats": 2, "pipeline.microbatches": 2})
     r = compile_lib.analyse(cfg, "mi355x", 8, compile_it=False)
     # 2 x 2 + 2 - 1 = 5 iterations, each saving one of the device's 2 chunks: half its layer slots
-    assert r["analytic_activation_terms_bytes"]["circular chunk weights"] == 5 * r["stages"]["layer_param_bytes"] / 2
-    assert "circular chunk weights" not in compile_lib.analyse(_tiny(2), "mi355x", 8, compile_it=False)[
-        "analytic_activation_terms_bytes"]
+    assert r.memory.analytic_activation_terms_bytes["circular chunk weights"] == 5 * r.stages.layer_param_bytes / 2
+    assert "circular chunk weights" not in compile_lib.analyse(
+        _tiny(2), "mi355x", 8, compile_it=False).memory.analytic_activation_terms_bytes
 
 
 def test_the_batch_search_resolves_auto_microbatches_for_each_trial_batch():
@@ -221,4 +221,4 @@ def test_the_batch_search_resolves_auto_microbatches_for_each_trial_batch():
     cfg = _tiny(2, **{"train.per_device_batch_size": 4})
     assert compile_lib.analyse(cfg, "mi355x", 8, compile_it=False) and cfg.pipeline.microbatches == 8
     found = compile_lib.search(cfg, "mi355x", 8, 0.92, max_compiles=0, log=lambda *_: None, microbatches=0)
-    assert found["largest_batch"]
+    assert found.largest_batch

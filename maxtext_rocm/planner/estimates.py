@@ -25,7 +25,15 @@ from the abstract state's shardings rather than by assumption.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+
+import jax
+
+from maxtext_rocm import config as config_lib
+from maxtext_rocm.numerics import cross_entropy
+from maxtext_rocm.reporting import metrics
+from maxtext_rocm.trainer.step import fused_head_loss
 
 def loop_shape(pipeline_cfg, n_layers: int, stages: int, microbatches: int) -> tuple[int, int]:
     """(iterations, layer slots each device runs per iteration) of the pipeline loop: GPipe
@@ -62,9 +70,6 @@ def analytic_activations(cfg, axis_sizes: dict[str, int], n_devices: int, microb
     remat = m.remat
     saved = {"full": T * d * c, "minimal": minimal, "save_dots": minimal + S * 4 + T * q * c,
              "none": layer_all}[remat]
-    from maxtext_rocm.numerics import cross_entropy
-    from maxtext_rocm.trainer.step import fused_head_loss
-
     if fused_head_loss(m, cfg.precision.policy == "fp8" and cfg.precision.fp8_lm_head):
         chunk = cross_entropy.chunk_length(s, m.loss_chunk_len)
         logits = T * chunk / s * V / t * (c + 8) + 4 * d * V / t
@@ -81,7 +86,6 @@ def analytic_activations(cfg, axis_sizes: dict[str, int], n_devices: int, microb
 
 def layer_param_bytes(cfg, axis_sizes) -> float:
     """One layer's parameters in fp32, gathered (tensor and expert parallelism still split them)."""
-    from maxtext_rocm.reporting import metrics
     m = cfg.model
     per_layer = metrics._attention_params(m) + (  # expert weights stay split over `expert`
         3 * m.d_model * m.mlp_dim * m.n_experts / axis_sizes["expert"] + m.d_model * m.n_experts
@@ -89,11 +93,20 @@ def layer_param_bytes(cfg, axis_sizes) -> float:
     return 4 * per_layer / axis_sizes["tensor"]
 
 
-def per_stage(params, stages: int) -> dict:
+@dataclasses.dataclass
+class StageSplit:
+    """Per-device parameter bytes of one pipeline stage, split over `stage` or replicated over it."""
+    stages: int
+    layer_param_bytes: int  # the leaves split over `stage`: each stage holds its own share
+    other_param_bytes: int  # the leaves replicated over `stage`: every stage holds them whole
+    replicated_over_stage: list[str]  # those leaves' paths
+    note: str  # the report's sentence about them
+
+
+def per_stage(params, stages: int) -> StageSplit:
     """Per-device parameter bytes of a pipeline stage, read from the abstract state's shardings: the
     leaves split over `stage` (each stage holds its own share) and the leaves replicated over it
     (every stage holds them whole, as split by the other axes), named."""
-    import jax
     split = replicated = 0
     names = []
     for path, leaf in jax.tree_util.tree_leaves_with_path(params):
@@ -106,27 +119,36 @@ def per_stage(params, stages: int) -> dict:
         else:
             replicated += size
             names.append("/".join(str(getattr(k, "key", k)) for k in path))
-    return {"stages": stages, "layer_param_bytes": split, "other_param_bytes": replicated,
-            "replicated_over_stage": names,
-            "note": f"{', '.join(names) or 'nothing'} replicated over `stage` (sharding.py maps only the stacked "
-                    "layers' axis to it): every stage holds them, and the head and loss run on every stage's "
-                    "batch shard, so all stages are alike"}
+    return StageSplit(stages=stages, layer_param_bytes=split, other_param_bytes=replicated,
+                      replicated_over_stage=names,
+                      note=f"{', '.join(names) or 'nothing'} replicated over `stage` (sharding.py maps only the "
+                           "stacked layers' axis to it): every stage holds them, and the head and loss run on every "
+                           "stage's batch shard, so all stages are alike")
 
 
 # ----------------------------------------------------------------------------------------------
 # FLOPs
 
 
-def analytic_device_flops(cfg, axis_sizes: dict[str, int], n_devices: int, microbatches: int = 1) -> dict:
+@dataclasses.dataclass
+class DotFlops:
+    """Dot FLOPs per device per step that the compiled step should run (analytic_device_flops)."""
+    terms: dict[str, float]  # per term of metrics.executed_flops_per_token ("LM head", "remat recompute", ...)
+    total: float  # their sum
+    convention_per_device: float  # the 6N + attention convention's FLOPs (metrics.train_flops_per_token)
+    bubble_factor: float  # a pipeline loop's layer passes per real one (1.0 without a pipeline)
+    remat: str  # the remat policy whose recompute the terms hold
+    redundant_head: float  # the LM head FLOPs of every stage but one (0.0 without a pipeline)
+
+
+def analytic_device_flops(cfg, axis_sizes: dict[str, int], n_devices: int,
+                          microbatches: int = 1) -> DotFlops | None:
     """Dot FLOPs per device per step that the compiled train step should run: the one formula's
     terms (metrics.executed_flops_per_token) for the step's tokens, split over the devices, with a
     pipeline's layers x (M + S - 1)/M (the bubble's iterations compute on dropped data; see
     loop_shape for circular schedules and padded stacks) and its LM
     head x S (it runs on every stage: see per_stage). None for a MoE model, whose executed FLOPs
     depend on the implementation (capacity slots, every expert on the dense path)."""
-    from maxtext_rocm import config as config_lib
-    from maxtext_rocm.reporting import metrics
-
     if cfg.model.n_experts > 1:
         return None
     S = axis_sizes.get("stage", 1)
@@ -141,6 +163,6 @@ def analytic_device_flops(cfg, axis_sizes: dict[str, int], n_devices: int, micro
         bubble = I * K * S / (cfg.model.n_layers * microbatches)
     per_device = {k: v * tokens / n_devices * (S if k == "LM head" else bubble) for k, v in terms.items()}
     convention = metrics.train_flops_per_token(cfg.model, cfg.train.seq_len) * tokens / n_devices
-    return {"terms": per_device, "total": sum(per_device.values()), "convention_per_device": convention,
-            "bubble_factor": bubble, "remat": remat,
-            "redundant_head": per_device["LM head"] * (S - 1) / S if S > 1 else 0.0}
+    return DotFlops(terms=per_device, total=sum(per_device.values()), convention_per_device=convention,
+                    bubble_factor=bubble, remat=remat,
+                    redundant_head=per_device["LM head"] * (S - 1) / S if S > 1 else 0.0)
