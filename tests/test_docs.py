@@ -158,10 +158,13 @@ def run_main_with_recorder(monkeypatch, module: str, args: list[str], tmp_path: 
         monkeypatch.setattr(distributed, "initialize", lambda *_: None)
         main = train.main
     elif module == "compile":
+        from types import SimpleNamespace
+
         from maxtext_rocm.planner import report as compile_lib
 
         monkeypatch.setattr(compile_lib, "force_host_devices", lambda n, **_: done.append(n))
-        monkeypatch.setattr(compile_lib, "analyse", lambda cfg, *a, **_: done.append(cfg) or {"fits": True})
+        fitting = SimpleNamespace(fits=True, comm=None, search=None, to_json=dict)  # a FitReport's reads
+        monkeypatch.setattr(compile_lib, "analyse", lambda cfg, *a, **_: done.append(cfg) or fitting)
         monkeypatch.setattr(compile_lib, "search", lambda *a, **_: {})
         monkeypatch.setattr(compile_lib, "format_report", lambda report: "")
         main = compile_lib.main
