@@ -1,6 +1,6 @@
 """Stop a 2-process training run at random moments, restart it each time, and check it ends bit-exact.
 
-    python scripts/kill_trials_multihost.py [--trials 20] [--steps 60] [--seed 0] [--workdir DIR]
+    python scripts/kill_trials_multihost.py [--trials 20] [--steps 120] [--seed 0] [--workdir DIR]
 
 The multi-host sibling of scripts/kill_trials.py. Two trainer processes on 127.0.0.1 (2 fake CPU
 devices each, mesh dcn.data=2 x ici.fsdp=2) train a tiny Llama on a generated JSON Lines corpus
@@ -75,6 +75,11 @@ def final_state(run_dir: Path, steps: int):
     return jax.tree_util.tree_map(np.asarray, params), meta["checksums"]
 
 
+def committed_steps(run_dir: Path) -> set[str]:
+    folder = run_dir / "checkpoints"
+    return {p.name for p in folder.iterdir() if p.name.isdigit()} if folder.is_dir() else set()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -122,9 +127,9 @@ def stop_at_random(processes, run_dir: Path, moment: str, how: signal.Signals, v
     started, rows_before, first_row_s = time.perf_counter(), len(rows(run_dir)), None
     seen_at_launch = saves_begun(run_dir)
     alive = lambda: all(p.poll() is None for p in processes)  # noqa: E731
-    if moment == "save":
-        seen = saves_begun(run_dir)
-        while alive() and not saves_begun(run_dir) - seen:
+    if moment == "save":  # a save in flight, or (when a quick one began and ended between two looks) just done
+        seen, committed = saves_begun(run_dir), committed_steps(run_dir)
+        while alive() and not saves_begun(run_dir) - seen and committed_steps(run_dir) == committed:
             time.sleep(0.002)
     elif moment == "start-up":
         delay = rng.uniform(0.2, 0.95) * start_up_s
@@ -147,7 +152,7 @@ def stop_at_random(processes, run_dir: Path, moment: str, how: signal.Signals, v
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=20)
-    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--steps", type=int, default=120, help="long enough that no stopped launch runs to the end")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workdir", type=Path, default=None, help="default: a fresh temporary directory")
     args = parser.parse_args()
