@@ -137,7 +137,8 @@ def analyse(cfg, kind: str, n_devices: int, usable: float = 0.92, compile_it: bo
         cpu_model_cfg.attention = "blockwise"  # flash algorithm in XLA ops stands in for it
     # The target's program: a GPU's MoE exchange and grouped GEMMs, not the CPU's stand-ins.
     model = model_for_mesh(cfg, policy, mesh, platform="gpu", model_cfg=cpu_model_cfg)
-    _, _, abstract, state_sharding, stack = stored_state(cfg, model, mesh)
+    layout = stored_state(cfg, model, mesh)
+    abstract, state_sharding, stack = layout.abstract, layout.sharding, layout.storage_order
     batch_sharding = sharding.batch_sharding(mesh)
 
     state_bytes = {
