@@ -30,9 +30,9 @@ _warnings.filterwarnings("ignore", message="'maxtext_rocm.generate' found in sys
 
 
 def __getattr__(name):
-    # Imported on first use, so `python -m maxtext_rocm.train` does not import train.py twice.
+    # Imported on first use: `import maxtext_rocm` stays light for the commands that train nothing.
     if name == "Trainer":
-        from maxtext_rocm.train import Trainer
+        from maxtext_rocm.trainer.trainer import Trainer
 
         return Trainer
     raise AttributeError(f"module 'maxtext_rocm' has no attribute {name!r}")

@@ -18,23 +18,24 @@ from maxtext_rocm.trainer.preflight import check_run
 def initial_run(cfg, devices) -> types.SimpleNamespace:
     """A run at initialisation, made as the Trainer makes it (launch.py's model, state layout and
     data sources) without compiling the train step, which the numerical tests never run:
-    .mesh, .model, .state, .batch(step) (a sharded device batch), .context() (for tracing) and
-    .stack (a pipeline's storage <-> model order converter, or None: launch.stored_state)."""
+    .mesh, .model, .state, .batch(step) (a sharded device batch), .sharding_rules() (for tracing)
+    and .storage_order (a pipeline's storage <-> model order converter, or None: launch.stored_state)."""
     check_run(cfg, len(devices), 1)
     mesh = sharding.make_mesh(cfg.mesh, devices)
     model = launch.model_for_mesh(cfg, launch.resolve_auto(cfg, mesh, devices[0]), mesh)
-    init, key, _, state_sharding, stack = launch.stored_state(cfg, model, mesh)
-    state = jax.jit(lambda k: nn.meta.unbox(init(k)), out_shardings=state_sharding)(key)
+    layout = launch.stored_state(cfg, model, mesh)
+    state = jax.jit(lambda k: nn.meta.unbox(layout.init(k)), out_shardings=layout.sharding)(layout.key)
     global_batch = config_lib.global_batch_size(cfg, len(devices))
     data, _ = launch.data_sources(cfg, global_batch, None)
-    layout = context.mesh_layout(cfg.model, mesh)  # the Trainer's layout over `sequence`
-    batch_sharding, dtypes = sharding.batch_sharding(mesh), layout.batch_dtypes(batch_spec(cfg.data))
+    batch_layout = context.mesh_layout(cfg.model, mesh)  # the Trainer's layout over `sequence`
+    batch_sharding, dtypes = sharding.batch_sharding(mesh), batch_layout.batch_dtypes(batch_spec(cfg.data))
 
     def batch(step):
-        return launch.place_batch(data.batch(step), layout, batch_sharding, dtypes, global_batch)
+        return launch.place_batch(data.batch(step), batch_layout, batch_sharding, dtypes, global_batch)
 
-    return types.SimpleNamespace(mesh=mesh, model=model, state=state, batch=batch, layout=layout, stack=stack,
-                                 context=lambda: sharding.rules_context(mesh))
+    return types.SimpleNamespace(mesh=mesh, model=model, state=state, batch=batch, layout=batch_layout,
+                                 storage_order=layout.storage_order,
+                                 sharding_rules=lambda: sharding.rules_context(mesh))
 
 
 def loss_and_grads(cfg, devices, step=0):
@@ -44,11 +45,11 @@ def loss_and_grads(cfg, devices, step=0):
     run = initial_run(cfg, devices)
     grad_fn = jax.jit(lambda p, b: gradients(p, run.model, b, cfg.train.grad_accum, cfg.train.z_loss_weight))
     run.grad_fn = grad_fn  # called again with arrays like these, it reuses the compiled program
-    with run.context():
+    with run.sharding_rules():
         grads, _, run.sums = grad_fn(run.state.params, run.batch(step))
-    if run.stack is not None:
+    if run.storage_order is not None:
         run.stored_grads = jax.tree_util.tree_map(np.asarray, grads)  # storage order, empty slots included
-        grads = run.stack.params_to_canonical(grads)
+        grads = run.storage_order.params_to_canonical(grads)
     return float(run.sums["loss"]), jax.tree_util.tree_map(np.asarray, grads), run
 
 

@@ -14,7 +14,8 @@ import jax
 import numpy as np
 import pytest
 
-from maxtext_rocm.checkpoint import CheckpointError, restore_params
+from maxtext_rocm.checkpoint import restore_params
+from maxtext_rocm.config import CheckpointError
 from maxtext_rocm.train import Trainer, TrainingDiverged
 
 from conftest import small_config

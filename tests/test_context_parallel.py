@@ -243,7 +243,7 @@ def packed_loss_and_grads(cfg, devices):
     batch = launch.place_batch(host, run.layout, sharding.batch_sharding(run.mesh),
                                {k: v.dtype for k, v in host.items()}, ROWS)
     fn = jax.jit(lambda p, b: gradients(p, run.model, b, 1, 0.0))
-    with run.context():
+    with run.sharding_rules():
         grads, _, metrics = fn(run.state.params, batch)
     return float(metrics["loss"]), jax.tree_util.tree_map(np.asarray, grads), run
 

@@ -187,7 +187,7 @@ def test_delayed_state_is_updated_by_the_step_not_the_optimizer(devices, tmp_pat
     batch = trainer.device_batch(0)
     # What the op alone makes of this batch: the new state is the state's "gradient".
     from maxtext_rocm.trainer.step import summed_loss
-    with trainer.context():
+    with trainer.sharding_rules():
         _, expected = jax.jit(jax.grad(
             lambda p, f: summed_loss(p, trainer.model, batch, 0.0, f)[0], argnums=(0, 1)))(
             trainer.state.params, trainer.state.fp8)
@@ -220,7 +220,7 @@ def test_train_step_hlo_has_the_fp8_types(fmt, types_, devices, tmp_path):
                       log=lambda *_: None)
     # The jitted step the Trainer compiled (launch.jit_train_step), lowered again for its text.
     step = launch.jit_train_step(trainer.cfg, trainer.model, trainer.mesh, trainer.state_sharding, trainer.batch_sharding)
-    with trainer.context():
+    with trainer.sharding_rules():
         hlo = step.lower(trainer.state, trainer.device_batch(0), trainer.hyperparameters).as_text()
     for name in types_:
         assert name.lower() in hlo.lower(), name
@@ -243,7 +243,7 @@ def test_tiny_model_fp8_loss_tracks_bf16(fmt, scaling, devices, tmp_path):
         # The final parameters on 20 batches of the last steps: less noisy than one logged loss.
         loss = jax.jit(lambda params, fp8_state, batch: eval_step(params, batch, model=trainer.model,
                                                                   fp8_state=fp8_state)["loss"])
-        with trainer.context():
+        with trainer.sharding_rules():
             return np.mean([float(loss(trainer.state.params, trainer.state.fp8, trainer.device_batch(step)))
                             for step in range(180, 200)])
 

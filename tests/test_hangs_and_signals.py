@@ -31,7 +31,7 @@ def wrapped(patch: str, args: list[str]) -> subprocess.Popen:
 def wrap(target: str, before: str = "", after: str = "") -> str:
     """A patch for `wrapped`: `target` (a function reached from `train` or `launch`) replaced by one
     that runs the statement `before`, calls the original with the same `args`, then runs `after`."""
-    return (f"from maxtext_rocm import launch\noriginal = {target}\n"
+    return (f"from maxtext_rocm.trainer import launch\noriginal = {target}\n"
             f"def wrapper(*args):\n    {before or 'pass'}\n    out = original(*args)\n"
             f"    {after or 'pass'}\n    return out\n{target} = wrapper\n")
 

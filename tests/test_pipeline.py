@@ -135,7 +135,7 @@ def test_circular_schedule_matches_one_device(mesh, one_device, devices, tmp_pat
     loss, grads, run = loss_and_grads(cfg, devices)
     ref_loss, ref_grads, ref_params = one_device
 
-    in_model_order = jax.tree_util.tree_map(np.asarray, run.stack.params_to_canonical(run.state.params))
+    in_model_order = jax.tree_util.tree_map(np.asarray, run.storage_order.params_to_canonical(run.state.params))
     assert_trees_close(in_model_order, ref_params, atol=0)
     stored = run.state.params["layers"]["attention"]["q"]["kernel"]
     first_device = stored.addressable_shards[0]
@@ -182,7 +182,7 @@ def test_an_empty_slot_is_skipped_and_gets_no_gradient(three_layers_on_two_stage
     """Three layers on two stages: the second holds an empty slot, which passes activations
     through and gets exactly zero gradient; the first line of the run states it."""
     loss, _, run = three_layers_on_two_stages
-    assert run.stack.layout.layer_of_slot.tolist() == [0, 1, 2, -1]
+    assert run.storage_order.layout.layer_of_slot.tolist() == [0, 1, 2, -1]
     for path, g in jax.tree_util.tree_leaves_with_path(run.stored_grads["layers"]):
         assert g.shape[0] == 4 and not np.any(g[3]), jax.tree_util.keystr(path)
         assert np.any(g[2]), jax.tree_util.keystr(path)  # the real layer beside it does learn
@@ -191,7 +191,7 @@ def test_an_empty_slot_is_skipped_and_gets_no_gradient(three_layers_on_two_stage
     fill = jax.jit(lambda params: {**params, "layers": jax.tree_util.tree_map(lambda p: p.at[3].set(p[2] + 0.5),
                                                                              params["layers"])},
                    out_shardings=jax.tree_util.tree_map(lambda p: p.sharding, run.state.params))
-    with run.context():
+    with run.sharding_rules():
         filled_grads, _, sums = run.grad_fn(fill(run.state.params), run.batch(0))
     assert float(sums["loss"]) == loss
     assert not any(np.any(np.asarray(g)[3]) for g in jax.tree_util.tree_leaves(filled_grads["layers"]))
@@ -300,9 +300,9 @@ def test_padded_circular_pipeline_trains_three_steps_like_one_device_and_keeps_e
         assert_close(float(piped.step()["loss"]), float(one.step()["loss"]))
     assert_close(jax.tree_util.tree_map(np.asarray, piped.params_in_model_order()),
                  jax.tree_util.tree_map(np.asarray, one.state.params))
-    empty = piped.stack.layout.layer_of_slot < 0
+    empty = piped.storage_order.layout.layer_of_slot < 0
     assert empty.sum() == 3
-    flags = jax.tree_util.tree_leaves(piped.stack.flags)
+    flags = jax.tree_util.tree_leaves(piped.storage_order.flags)
     stored = [np.asarray(x) for x, is_layer in zip(jax.tree_util.tree_leaves(piped.state), flags) if is_layer]
     assert len(stored) == 3 * len(jax.tree_util.tree_leaves(piped.state.params["layers"]))  # params, mu, nu
     for x in stored:
@@ -322,7 +322,7 @@ def test_checkpoints_cross_between_one_device_order_and_circular_storage(devices
 
     circular = Trainer(on_mesh(llama, {"stage": 2, "fsdp": 4}, tmp_path, **steps, **CIRCULAR), devices=devices,
                        log=lambda *_: None)
-    assert circular.step_count == 2 and circular.stack is not None
+    assert circular.step_count == 2 and circular.storage_order is not None
     assert_trees_close(jax.tree_util.tree_map(np.asarray, circular.params_in_model_order()), saved, atol=0)
     assert_close(float(circular.step()["loss"]), next_loss)
     circular.run(1)  # step 4, saved

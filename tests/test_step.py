@@ -36,7 +36,7 @@ def test_grad_accum_weights_tokens_not_micro_batches(devices, tmp_path):
     weights = np.ones((4, 32), np.float32)
     weights[0, 5:] = 0  # the first row is mostly padding
     batch["weights"] = jax.numpy.asarray(weights)
-    with run.context():
+    with run.sharding_rules():
         g1, _, s1 = jax.jit(lambda p, b: gradients(p, run.model, b, 1, 0.0))(run.state.params, batch)
         g2, _, s2 = jax.jit(lambda p, b: gradients(p, run.model, b, 2, 0.0))(run.state.params, batch)
     assert float(s1["tokens"]) == float(s2["tokens"]) == 3 * 32 + 5

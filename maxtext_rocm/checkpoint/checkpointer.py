@@ -23,6 +23,7 @@ import dataclasses
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -95,7 +96,17 @@ class Checkpointer:
             print(f"warning: {message}", file=sys.stderr, flush=True)
 
     def should_save(self, step: int, last_step: int) -> bool:
+        """Whether `step` is a save step: every checkpoint.every steps and the run's `last_step`.
+        The step alone decides, so every process of a run saves at the same steps."""
         return step == last_step or (self.cfg.every > 0 and step % self.cfg.every == 0)
+
+    def save_if_due(self, step: int, last_step: int, save: Callable[[], None]) -> None:
+        """The training loop's one call per step: raises SaveFailed if a background write has
+        failed (poll), then calls `save()`, the caller's save of its state at `step`, if `step` is a
+        save step (should_save)."""
+        self.poll()
+        if self.should_save(step, last_step):
+            save()
 
     # ------------------------------------------------------------------------------------------
     # Saving

@@ -161,7 +161,7 @@ def _canonical_sharding(storage: NamedSharding, shape, mesh) -> NamedSharding:
 
 
 def converter(layout: StackLayout | None, boxed_abstract, storage_sharding, mesh) -> StateConverter | None:
-    """The run's StateConverter from its boxed canonical abstract state (launch.abstract_state)."""
+    """The run's StateConverter from its boxed canonical abstract state (launch.stored_state)."""
     if layout is None:
         return None
     flags = layer_flags(nn.get_partition_spec(boxed_abstract))

@@ -65,7 +65,8 @@ def analyse(cfg, kind: str, n_devices: int, usable: float = 0.92, compile_it: bo
         cpu_model_cfg.attention = "blockwise"  # flash algorithm in XLA ops stands in for it
     # The target's program: a GPU's MoE exchange and grouped GEMMs, not the CPU's stand-ins.
     model = model_for_mesh(cfg, policy, mesh, platform="gpu", model_cfg=cpu_model_cfg)
-    _, _, abstract, state_sharding, stack = stored_state(cfg, model, mesh)
+    layout = stored_state(cfg, model, mesh)
+    abstract, state_sharding, storage_order = layout.abstract, layout.sharding, layout.storage_order
     batch_sharding = sharding.batch_sharding(mesh)
 
     params = _sharded_bytes(abstract.params)
@@ -99,11 +100,11 @@ def analyse(cfg, kind: str, n_devices: int, usable: float = 0.92, compile_it: bo
     flops = Flops(flops_per_token=flops_per_token, flops_per_step=flops_per_token * global_batch * cfg.train.seq_len,
                   peak_tflops_per_device=metrics.peak_tflops(kind, "fp8" if cfg.precision.policy == "fp8" else "bf16"),
                   analytic_dot_flops=estimates.analytic_device_flops(cfg, sizes, n_devices, microbatches))
-    if stack is not None:
+    if storage_order is not None:
         # A pipeline that stores the layer stack in its own order (circular, padded) saves
         # checkpoints in model order: between two steps (no gradients or activations live) the
         # state's layer leaves exist twice while a save converts them.
-        flags = jax.tree_util.tree_leaves(stack.flags)
+        flags = jax.tree_util.tree_leaves(storage_order.flags)
         layer_state = sum(_sharded_bytes(x) for x, f in zip(jax.tree_util.tree_leaves(abstract), flags) if f)
         memory.checkpoint_save_peak_bytes = memory.state_bytes + layer_state
     report = FitReport(

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 from concurrent.futures import Future
 
 import jax
@@ -63,17 +64,24 @@ def model_for_mesh(cfg, policy, mesh, platform: str | None = None, model_cfg=Non
                        context_attention=context.context_attention(cfg.model, mesh))
 
 
-def abstract_state(cfg, model, mesh):
-    """(init fn, its key, the state as ShapeDtypeStructs carrying their shardings, the shardings):
-    the state's layout without allocating it (stored_state's first four, which the Trainer and the
-    AOT fit check share). Under a pipeline that stores the layer stack in its own order
-    (parallel/pipeline_layout.py) these are the storage order's: what the train step sees."""
-    return stored_state(cfg, model, mesh)[:4]
+@dataclasses.dataclass(frozen=True)
+class StateLayout:
+    """The train state's layout without allocating it, which the Trainer, the AOT fit check and
+    the numerical tests share. Under a pipeline that stores the layer stack in its own order
+    (parallel/pipeline_layout.py) `init`, `abstract` and `sharding` are the storage order's: what
+    the train step sees."""
+
+    init: Callable  # key -> the state, boxed with its logical axes (nn.meta.unbox to use it)
+    key: jax.Array  # train.seed's key, which `init` takes
+    abstract: object  # the state as ShapeDtypeStructs carrying their shardings
+    sharding: object  # the state's NamedShardings
+    # The StateConverter between storage and model order, or None where they are the same (no
+    # conversion is ever made).
+    storage_order: object = None
 
 
-def stored_state(cfg, model, mesh):
-    """abstract_state's four, and the StateConverter between storage and model order (None where
-    they are the same: no conversion is ever made)."""
+def stored_state(cfg, model, mesh) -> StateLayout:
+    """The state's layout as the train step stores it (see StateLayout)."""
     from maxtext_rocm.parallel import pipeline_layout
 
     # The optimizer state's layout depends on whether it clips, not on the numbers (trainer/optimizer.py).
@@ -90,20 +98,20 @@ def stored_state(cfg, model, mesh):
 
     # Stage-sharded layer leaves keep their spec in storage order: S R K slots divide over stage.
     state_sharding = sharding.logical_to_sharding(nn.get_partition_spec(boxed), mesh)
-    stack = pipeline_layout.converter(pipeline_layout.stack_layout(cfg.pipeline, cfg.model, mesh),
-                                      boxed, state_sharding, mesh)
+    storage_order = pipeline_layout.converter(pipeline_layout.stack_layout(cfg.pipeline, cfg.model, mesh),
+                                              boxed, state_sharding, mesh)
     shapes = nn.meta.unbox(boxed)
-    if stack is not None:
-        canonical_init, shapes = init, stack.storage_shapes(shapes)
+    if storage_order is not None:
+        canonical_init, shapes = init, storage_order.storage_shapes(shapes)
 
         def init(k):  # noqa: F811 - the stored state is made in one program, never in model order first
             return jax.tree_util.tree_map(
-                lambda x, is_layer: stack.layout.to_storage(x) if is_layer else x,
-                nn.meta.unbox(canonical_init(k)), stack.flags)
+                lambda x, is_layer: storage_order.layout.to_storage(x) if is_layer else x,
+                nn.meta.unbox(canonical_init(k)), storage_order.flags)
 
     abstract = jax.tree_util.tree_map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                                       shapes, state_sharding)
-    return init, key, abstract, state_sharding, stack
+    return StateLayout(init, key, abstract, state_sharding, storage_order)
 
 
 def jit_train_step(cfg, model, mesh, state_sharding, batch_sharding):
@@ -140,14 +148,14 @@ class Launched:
     compiled_step: jax.stages.Compiled | Future
     state_sharding: object
     # Storage <-> model order of a pipeline's layer stack (parallel/pipeline_layout.py), or None.
-    stack: object = None
+    storage_order: object = None
 
 
-def launch(cfg, model, mesh, batch_sharding, batch_dtypes, checkpointer, context, log) -> Launched:
+def launch(cfg, model, mesh, batch_sharding, batch_dtypes, checkpointer, sharding_rules, log) -> Launched:
     """Makes or restores the state and compiles the train step, overlapped (see the module's
-    docstring). `context()`: the mesh and logical-rule context that tracing reads."""
-    init, key, abstract, state_sharding, stack = stored_state(cfg, model, mesh)
-    step = jit_train_step(cfg, model, mesh, state_sharding, batch_sharding)
+    docstring). `sharding_rules()`: the mesh and logical-rule context that tracing reads."""
+    layout = stored_state(cfg, model, mesh)
+    step = jit_train_step(cfg, model, mesh, layout.sharding, batch_sharding)
     resume = checkpointer.find_resume() if checkpointer else None
     if resume and resume.steps[0] > cfg.train.steps:  # the newest the resume may read
         newest = resume.steps[0]
@@ -160,13 +168,13 @@ def launch(cfg, model, mesh, batch_sharding, batch_dtypes, checkpointer, context
             log(f"warning: checkpoint.load_params_from={cfg.checkpoint.load_params_from!r} is ignored: output_dir "
                 f"{cfg.output_dir} holds checkpoint {resume.steps[0]}, which this run resumes from; give the run a new "
                 "output_dir to start from those parameters")
-        made = compilation.in_thread(restored_state, checkpointer, resume, abstract, log, stack)
+        made = compilation.in_thread(restored_state, checkpointer, resume, layout.abstract, log, layout.storage_order)
     else:
-        init_jit = jax.jit(lambda k: nn.meta.unbox(init(k)), out_shardings=state_sharding)
-        made = compilation.in_thread(fresh_state, cfg.checkpoint, compilation.lower_init(init_jit, key), key,
-                                     abstract, log, stack)
-    with context():
-        lowered = lower_step(step, cfg, mesh, abstract, batch_sharding, batch_dtypes)
+        init_jit = jax.jit(lambda k: nn.meta.unbox(layout.init(k)), out_shardings=layout.sharding)
+        made = compilation.in_thread(fresh_state, cfg.checkpoint, compilation.lower_init(init_jit, layout.key),
+                                     layout.key, layout.abstract, log, layout.storage_order)
+    with sharding_rules():
+        lowered = lower_step(step, cfg, mesh, layout.abstract, batch_sharding, batch_dtypes)
     if compilation.compile_overlaps_init():
         compiled = compilation.in_thread(lowered.compile)
         state, step_count, data_state = made.result()
@@ -179,7 +187,7 @@ def launch(cfg, model, mesh, batch_sharding, batch_dtypes, checkpointer, context
         if moved:
             log(f"checkpoints newer than step {step_count} moved to {moved[0].parent}: "
                 + ", ".join(p.name for p in moved))
-    return Launched(state, step_count, data_state, compiled, state_sharding, stack)
+    return Launched(state, step_count, data_state, compiled, layout.sharding, layout.storage_order)
 
 
 def lower_step(step, cfg, mesh, abstract, batch_sharding, batch_dtypes) -> jax.stages.Lowered:
@@ -191,20 +199,20 @@ def lower_step(step, cfg, mesh, abstract, batch_sharding, batch_dtypes) -> jax.s
     return step.lower(abstract, batch, optimizer_hyperparameters(cfg, mesh, abstract=True))
 
 
-def restored_state(checkpointer, resume, abstract, log, stack=None):
+def restored_state(checkpointer, resume, abstract, log, storage_order=None):
     """(state, its step, the data position saved with it) from checkpoint `resume`, each array
-    directly in its sharding. Checkpoints hold model order: under a `stack` converter the state is
-    restored so and stored in the pipeline's order once."""
-    if stack is None:
+    directly in its sharding. Checkpoints hold model order: under a `storage_order` converter the
+    state is restored so and stored in the pipeline's order once."""
+    if storage_order is None:
         state, data_state, step = checkpointer.restore(resume, abstract)
     else:
-        state, data_state, step = checkpointer.restore(resume, stack.canonical_abstract)
-        state = stack.to_storage(state)
+        state, data_state, step = checkpointer.restore(resume, storage_order.canonical_abstract)
+        state = storage_order.to_storage(state)
     log(f"resumed from {resume.manager.directory}/{step}")
     return state, int(data_state["step"]), data_state
 
 
-def fresh_state(checkpoint_cfg, init_lowered, key, abstract, log, stack=None):
+def fresh_state(checkpoint_cfg, init_lowered, key, abstract, log, storage_order=None):
     """(state, 0, None): the lowered init program compiled and run (every array made in its
     sharding), optionally with parameters from another run (checkpoint.load_params_from)."""
     n_values = sum(x.size for x in jax.tree_util.tree_leaves(abstract.params))
@@ -212,11 +220,11 @@ def fresh_state(checkpoint_cfg, init_lowered, key, abstract, log, stack=None):
     if checkpoint_cfg.load_params_from:
         from maxtext_rocm.checkpoint import restore_params
 
-        if stack is None:
+        if storage_order is None:
             params = restore_params(checkpoint_cfg.load_params_from, abstract.params)
         else:  # saved in model order
-            params = stack.params_to_storage(restore_params(checkpoint_cfg.load_params_from,
-                                                            stack.canonical_abstract.params))
+            params = storage_order.params_to_storage(restore_params(checkpoint_cfg.load_params_from,
+                                                                    storage_order.canonical_abstract.params))
         state = state.replace(params=params)
         log(f"parameters from {checkpoint_cfg.load_params_from}; fresh optimizer at step 0")
     return state, 0, None
