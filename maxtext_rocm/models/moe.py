@@ -160,7 +160,7 @@ def sort_by_expert(x: Array, experts: Array, n_experts: int, weights: Array | No
     group_sizes = jnp.sum(flat[:, None] == jnp.arange(n_experts), axis=0, dtype=jnp.int32)
     rows = take_rows(x.reshape(-1, d), order // k, position.reshape(-1, k))  # [T*k, d]
 
-    def unsort(out: Array) -> Array:
+    def unsort(out: Array) -> Array:  # carries this sort's order and its inverse, `position`
         return take_rows(out, position, order[:, None]).reshape(batch, seq, k, out.shape[-1])
 
     row_expert = flat[order]

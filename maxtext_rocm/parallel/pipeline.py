@@ -411,13 +411,13 @@ def _fan_out(state, uses: np.ndarray):
     iterations = uses.shape[0]
 
     @jax.custom_vjp
-    def fan(tree):
+    def fan(tree):  # forward: the state, broadcast to [iterations, S, R, K, ...]
         return jax.tree_util.tree_map(lambda a: jnp.broadcast_to(a, (iterations, *a.shape)), tree)
 
-    def forward(tree):
+    def forward(tree):  # keeps the state itself as the residual
         return fan(tree), tree
 
-    def backward(tree, cotangent):
+    def backward(tree, cotangent):  # cotangent: [iterations, S, R, K, ...], each use's update
         identity = fp8.merge_identity(tree)
 
         def combine(c, start):  # start: +inf for a scale (the smallest wins), -inf for a history
