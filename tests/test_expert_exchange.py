@@ -107,7 +107,7 @@ def test_exchange_plan_delivers_rows_grouped_by_expert(devices):
         plan = ep.exchange_plan(sizes[0], n_devices, jax.lax.axis_index("x"), "x")
         got = ep.dispatch(tags, plan, n_devices * rows, ep.padded_ragged_all_to_all, "x")
         back = ep.combine(got, plan, rows, ep.padded_ragged_all_to_all, "x")
-        return got, back, plan["local_group_sizes"][None]
+        return got, back, plan.local_group_sizes[None]
 
     mesh = axis_mesh(devices, n_devices)
     got, back, local_sizes = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P("x"), P("x")),

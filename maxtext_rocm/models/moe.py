@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, Mapping
+from typing import Callable, Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -138,11 +138,19 @@ def dense_experts(x: Array, weights: Array, experts: Array, gate: Array, up: Arr
     return dot["down"](hidden * combine[..., None], down, (((2, 3), (0, 1)), ((), ())))  # bsef,efd->bsd
 
 
-def sort_by_expert(x: Array, experts: Array, n_experts: int, weights: Array | None = None):
-    """The (token, choice) rows of `x` [batch, seq, d] sorted by expert (stable, so token order
-    within an expert), with what it takes to undo it: (rows [T*k, d], group sizes [E], each
-    row's expert [T*k], `unsort` mapping rows in this order back to [batch, seq, k, d]).
-    With `weights` [batch, seq, k] (the router's), a fifth element: each row's weight [T*k, 1]."""
+class ExpertSort(NamedTuple):
+    """The (token, choice) rows of a batch sorted by expert, and what it takes to undo it."""
+
+    rows: Array  # [T*k, d]: the rows, expert by expert (token order within an expert)
+    group_sizes: Array  # [E]: the rows each expert has, in expert order
+    row_expert: Array  # [T*k]: each sorted row's expert
+    unsort: Callable[[Array], Array]  # rows in this order [T*k, f] -> [batch, seq, k, f]
+    row_weights: Array | None  # [T*k, 1]: each row's router weight, where the sort was given them
+
+
+def sort_by_expert(x: Array, experts: Array, n_experts: int, weights: Array | None = None) -> ExpertSort:
+    """The (token, choice) rows of `x` [batch, seq, d] sorted by expert, stable. With `weights`
+    [batch, seq, k] (the router's), each row's weight too; without, `row_weights` is None."""
     batch, seq, d = x.shape
     k = experts.shape[-1]
     flat = experts.reshape(-1)  # [T*k], token-major
@@ -152,12 +160,12 @@ def sort_by_expert(x: Array, experts: Array, n_experts: int, weights: Array | No
     group_sizes = jnp.sum(flat[:, None] == jnp.arange(n_experts), axis=0, dtype=jnp.int32)
     rows = take_rows(x.reshape(-1, d), order // k, position.reshape(-1, k))  # [T*k, d]
 
-    def unsort(out: Array) -> Array:
+    def unsort(out: Array) -> Array:  # carries this sort's order and its inverse, `position`
         return take_rows(out, position, order[:, None]).reshape(batch, seq, k, out.shape[-1])
 
-    if weights is None:
-        return rows, group_sizes, flat[order], unsort
-    return rows, group_sizes, flat[order], unsort, take_rows(weights.reshape(-1, 1), order, position.reshape(-1, 1))
+    row_expert = flat[order]
+    row_weights = None if weights is None else take_rows(weights.reshape(-1, 1), order, position.reshape(-1, 1))
+    return ExpertSort(rows, group_sizes, row_expert, unsort, row_weights)
 
 
 def grouped_swiglu(rows: Array, group_sizes: Array, gate: Array, up: Array, down: Array,
@@ -182,8 +190,9 @@ def dropless_experts(x: Array, weights: Array, experts: Array, gate: Array, up: 
     Every move of rows between layouts is a gather, forward and backward (`take_rows`). This is
     the whole layer on one device; under expert parallelism maxtext_rocm/parallel/experts.py runs
     the same pieces with the rows exchanged between devices in between."""
-    rows, group_sizes, row_expert, unsort = sort_by_expert(x, experts, gate.shape[0])
-    out = unsort(grouped_swiglu(rows, group_sizes, gate, up, down, block, row_expert))
+    by_expert = sort_by_expert(x, experts, gate.shape[0])
+    out = by_expert.unsort(grouped_swiglu(by_expert.rows, by_expert.group_sizes, gate, up, down, block,
+                                          by_expert.row_expert))
     return jnp.einsum("bskd,bsk->bsd", out, weights.astype(x.dtype))
 
 
@@ -213,7 +222,8 @@ def capacity_experts(x: Array, weights: Array, experts: Array, gate: Array, up: 
 
     Tokens move into and out of the buffers by gathers along the sequence, not GShard's one-hot
     dispatch/combine einsums: those build [batch, seq, experts, capacity] tensors (42M entries per
-    sequence for Mixtral at 4K tokens) and cost 1.35x more time on the CPU at tiny_mixtral's size.
+    sequence for Mixtral at 4K tokens) and were slower on the CPU (docs/figures.md, "Pipeline and
+    expert code").
     """
     batch, seq, d = x.shape
     n_experts, k = gate.shape[0], experts.shape[-1]
@@ -246,9 +256,9 @@ def capacity_experts(x: Array, weights: Array, experts: Array, gate: Array, up: 
 def resolve_implementation(name: str, backend: str | None = None) -> str:
     """`model.moe_impl`, with "auto" replaced by "dropless" on every backend: the default never
     drops a token. On GPUs ragged_dot is a grouped GEMM; on the CPU the blocked loop runs instead
-    (`dropless_block`). "capacity" is faster on the CPU (reference comparison's size, bf16: 765
-    tokens/s against 566 dropless, scripts/compare_reference.py) but drops the choices past an
-    expert's capacity, which changes the model: only when asked for."""
+    (`dropless_block`). "capacity" is faster on the CPU (docs/figures.md, "Mixture of experts on
+    the CPU") but drops the choices past an expert's capacity, which changes the model: only when
+    asked for."""
     del backend  # the same answer everywhere; kept so callers may say which backend they mean
     return "dropless" if name == "auto" else name
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -48,7 +48,21 @@ Array = jax.Array
 # The plan: who sends which rows where (shared by the GPU's and the CPU's exchange)
 
 
-def exchange_plan(group_sizes: Array, n_shards: int, me: Array, axis: str) -> dict[str, Array]:
+class ExchangePlan(NamedTuple):
+    """The ragged all-to-alls' arguments for this device, per slice (one (device, expert) pair)."""
+
+    # dispatch: my rows -> the experts' devices
+    input_offsets: Array  # [E]: where each slice starts in my sorted rows
+    send_sizes: Array  # [E]: its rows
+    output_offsets: Array  # [E]: where it lands on its expert's device
+    recv_sizes: Array  # [E]: the rows I receive from each (sender, local expert)
+    # combine: the experts' outputs -> back to the rows' own devices
+    back_input_offsets: Array  # [E]: where each received slice sits in my expert rows
+    back_output_offsets: Array  # [E]: where it lands back on its sender
+    local_group_sizes: Array  # [E / n_shards]: the rows each of my experts gets in all
+
+
+def exchange_plan(group_sizes: Array, n_shards: int, me: Array, axis: str) -> ExchangePlan:
     """Arguments of the dispatch and combine ragged all-to-alls for this device.
 
     `group_sizes` [E]: this device's rows per (global) expert, its rows sorted by expert; expert
@@ -67,36 +81,33 @@ def exchange_plan(group_sizes: Array, n_shards: int, me: Array, axis: str) -> di
     sender_offsets = jnp.cumsum(counts, axis=1) - counts  # [src, E]: a slice's start in src's rows
     mine = functools.partial(jax.lax.dynamic_index_in_dim, index=me, keepdims=False)
     to_me = mine(jnp.swapaxes(per_dest, 0, 1))  # [src, local]: rows each src sends me, per expert
-    return {
-        # dispatch: my rows -> the experts' devices
-        "input_offsets": sender_offsets_of(group_sizes),
-        "send_sizes": group_sizes,
-        "output_offsets": mine(chunk_start).reshape(-1),
-        "recv_sizes": to_me.reshape(-1),
-        # combine: the experts' outputs -> back to the rows' own devices
-        "back_input_offsets": mine(jnp.swapaxes(chunk_start, 0, 1)).reshape(-1),
-        "back_output_offsets": jax.lax.dynamic_slice_in_dim(sender_offsets, me * local, local, axis=1).reshape(-1),
-        "local_group_sizes": mine(received),
-    }
+    return ExchangePlan(
+        input_offsets=sender_offsets_of(group_sizes),
+        send_sizes=group_sizes,
+        output_offsets=mine(chunk_start).reshape(-1),
+        recv_sizes=to_me.reshape(-1),
+        back_input_offsets=mine(jnp.swapaxes(chunk_start, 0, 1)).reshape(-1),
+        back_output_offsets=jax.lax.dynamic_slice_in_dim(sender_offsets, me * local, local, axis=1).reshape(-1),
+        local_group_sizes=mine(received))
 
 
 def sender_offsets_of(group_sizes: Array) -> Array:
     return jnp.cumsum(group_sizes) - group_sizes
 
 
-def dispatch(rows, plan, buffer_rows: int, exchange: Callable, axis: str) -> Array:
+def dispatch(rows, plan: ExchangePlan, buffer_rows: int, exchange: Callable, axis: str) -> Array:
     """This device's expert-sorted rows to their experts' devices; returns [buffer_rows, d], the
     rows of this device's experts grouped by expert (then don't-care rows)."""
     out = varying.varying_like(jnp.zeros((buffer_rows, rows.shape[1]), rows.dtype), rows)
-    return exchange(rows, out, plan["input_offsets"], plan["send_sizes"], plan["output_offsets"],
-                    plan["recv_sizes"], axis_name=axis)
+    return exchange(rows, out, plan.input_offsets, plan.send_sizes, plan.output_offsets, plan.recv_sizes,
+                    axis_name=axis)
 
 
-def combine(expert_rows, plan, n_rows: int, exchange: Callable, axis: str) -> Array:
+def combine(expert_rows, plan: ExchangePlan, n_rows: int, exchange: Callable, axis: str) -> Array:
     """The experts' output rows back to the devices (and the sorted places) they came from."""
     out = varying.varying_like(jnp.zeros((n_rows, expert_rows.shape[1]), expert_rows.dtype), expert_rows)
-    return exchange(expert_rows, out, plan["back_input_offsets"], plan["recv_sizes"],
-                    plan["back_output_offsets"], plan["send_sizes"], axis_name=axis)
+    return exchange(expert_rows, out, plan.back_input_offsets, plan.recv_sizes, plan.back_output_offsets,
+                    plan.send_sizes, axis_name=axis)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -195,27 +206,27 @@ def _expert_parallel_dropless(x, weights, experts, gate, up, down, *, mesh: Mesh
             gate, up = (jax.lax.all_gather(w, fsdp_axes, axis=1, tiled=True) for w in (gate, up))
             down = jax.lax.all_gather(down, fsdp_axes, axis=2, tiled=True)
         n_experts = gate.shape[0] * n_shards
-        rows, group_sizes, row_expert, unsort, row_weights = moe.sort_by_expert(
-            x, experts, n_experts, weights.astype(jnp.float32))
-        n_rows = rows.shape[0]
+        by_expert = moe.sort_by_expert(x, experts, n_experts, weights.astype(jnp.float32))
+        n_rows = by_expert.rows.shape[0]
         block = blocked_experts.dropless_block(n_rows, n_experts, backend)
         if n_shards > 1:
-            plan = exchange_plan(group_sizes, n_shards, jax.lax.axis_index(expert_axis), expert_axis)
+            plan = exchange_plan(by_expert.group_sizes, n_shards, jax.lax.axis_index(expert_axis), expert_axis)
             # Every row of every peer may choose this device's experts: the exact bound.
             buffer_rows = n_shards * n_rows
-            expert_rows = dispatch(rows, plan, buffer_rows, exchange, expert_axis)
+            expert_rows = dispatch(by_expert.rows, plan, buffer_rows, exchange, expert_axis)
             # Each row's router weight travels with it (one fp32 scalar) and is applied on the
             # expert's device: what the combine returns is then summed linearly, so the backward
             # needs nothing of it and the recomputation under remat leaves the combine out (5
             # exchanges of rows per layer and step instead of 6; the weights' gradient comes
             # back as a scalar per row through the dispatch's transpose).
-            expert_weights = dispatch(row_weights, plan, buffer_rows, exchange, expert_axis)
-            out = moe.grouped_swiglu(expert_rows, plan["local_group_sizes"], gate, up, down, block)
+            expert_weights = dispatch(by_expert.row_weights, plan, buffer_rows, exchange, expert_axis)
+            out = moe.grouped_swiglu(expert_rows, plan.local_group_sizes, gate, up, down, block)
             out = combine((out * expert_weights).astype(out.dtype), plan, n_rows, exchange, expert_axis)
         else:
-            out = moe.grouped_swiglu(rows, group_sizes, gate, up, down, block, row_expert)
-            out = (out * row_weights).astype(out.dtype)
-        y = jnp.sum(unsort(out), axis=2, dtype=jnp.float32).astype(x.dtype)
+            out = moe.grouped_swiglu(by_expert.rows, by_expert.group_sizes, gate, up, down, block,
+                                     by_expert.row_expert)
+            out = (out * by_expert.row_weights).astype(out.dtype)
+        y = jnp.sum(by_expert.unsort(out), axis=2, dtype=jnp.float32).astype(x.dtype)
         # Each tensor shard holds a slice of every expert's hidden units: partial sums.
         return jax.lax.psum(y, tensor_axes) if tensor_axes else y
 

@@ -1,24 +1,27 @@
-"""Pipeline parallelism over the `stage` mesh axis: the scanned layer stack split over the stage
-devices, the batch into microbatches that flow through them. Two schedules:
+"""Pipeline parallelism over the `stage` mesh axis: the scanned layers split over the stage
+devices, the batch into microbatches that flow through them.
 
-- "gpipe": device s runs layers [s L/S, (s+1) L/S). A loop of M + S - 1 iterations over a state
-  [S, microbatch, seq, d]: stage 0 takes microbatch t, every stage runs its layers on what it
-  holds, and the outputs shift one stage on (a collective-permute between neighbouring stage
-  groups: activations are all that cross them). Bubble (S-1)/(M+S-1).
-- "circular" (pipeline.repeats = R): the stack is S R chunks, chunk v on device v mod S; each
-  microbatch goes round the devices R times, R M + S - 1 iterations of 1/R the work each: bubble
-  (S-1)/(R M+S-1). The shift is a rotation (the last stage's output goes back to stage 0) into a
-  buffer that holds it until stage 0 is free (M >= S); each stage indexes its chunk of the
-  iteration out of its own block, so no weight moves.
+Legend, in shapes and formulas: S stages (devices along `stage`), R repeats (chunks of layers per
+device), K slots per chunk (layers, empty ones included), M microbatches, L layers; t is the
+loop's iteration and i = t - s the pass stage s works on in it (microbatch i mod M, repeat i // M).
 
-The parameters are the stack's own arrays, the "layers" axis sharded over `stage` (sharding.py).
-Where model order is not what each device runs (circular) or the stack does not divide (126
-layers on 8 stages), the run stores the stack in its own order, empty slots included
+Two schedules share one loop (`_loop`) and differ where a `Schedule` says so:
+
+- `GPipe` (pipeline.schedule="gpipe"): device s runs layers [s L/S, (s+1) L/S). M + S - 1
+  iterations; stage 0 takes microbatch t, every stage runs its layers on what it holds, and the
+  outputs shift one stage on. Bubble (S-1)/(M+S-1).
+- `Circular` (pipeline.schedule="circular", pipeline.repeats = R > 1): S R chunks, chunk v on
+  device v mod S; each microbatch goes round the devices R times, R M + S - 1 iterations of 1/R
+  the work each: bubble (S-1)/(R M+S-1). A circular schedule of one repeat is GPipe and runs as it.
+
+The parameters are the layers' own stacked arrays, the "layers" axis sharded over `stage`
+(sharding.py). Where model order is not what each device runs (circular) or the layers do not
+divide (126 on 8 stages), the run stores them in its own order, empty slots included
 (parallel/pipeline_layout.py); checkpoints keep model order. Here storage [S R K, ...] is viewed
 as [S, R, K, ...] (a reshape of the sharded axis, no data moves) and the S stages run as one
 vmapped stage function whose vmapped axis is sharded over `stage` (`spmd_axis_name`): every
 logical constraint inside the layers keeps its meaning, with the stage axis in front, so the
-pipeline composes with fsdp, tensor, expert and sequence sharding as the unpipelined stack does.
+pipeline composes with fsdp, tensor, expert and sequence sharding as the unpipelined layers do.
 The layers' own shard_maps (the dropless expert exchange, context-parallel attention) are batched
 by that vmap, the stage axis added to their specs; they run unchecked here (varying.check_vma).
 An empty slot runs the layer on its zeros and keeps its input (`where`), so it gets zero gradient.
@@ -56,6 +59,8 @@ from maxtext_rocm.parallel.pipeline_layout import StackLayout
 
 Array = jax.Array
 STAGE_AXIS = "stage"  # the mesh axis; "activation_stage" is its logical name (sharding.py)
+STATE_AXES = ("activation_stage",) + BLOCK_OUTPUT_AXES  # each stage's activations [S, mb, seq, d]
+TOKEN_AXES = ("activation_stage", "activation_batch", "activation_length")  # positions, segments
 
 
 def bubble_fraction(schedule: str, stages: int, microbatches: int, repeats: int = 1) -> float:
@@ -68,18 +73,18 @@ def bubble_fraction(schedule: str, stages: int, microbatches: int, repeats: int 
 
 def describe(pipeline_cfg, stages: int, n_layers: int | None = None) -> str:
     """One phrase for the run's description: schedule, microbatches, bubble, and (given the model's
-    `n_layers`) the empty slots of a stack that does not divide evenly, with the idle time they add."""
+    `n_layers`) the empty slots of layers that do not divide evenly, with the idle time they add."""
     if stages <= 1:
         return "pipeline off"
-    m = _resolved(pipeline_cfg)
-    r = pipeline_cfg.repeats
-    bubble = bubble_fraction(pipeline_cfg.schedule, stages, m, r)
+    microbatches, repeats = _resolved(pipeline_cfg), pipeline_cfg.repeats
+    bubble = bubble_fraction(pipeline_cfg.schedule, stages, microbatches, repeats)
     formula = "(S-1)/(M+S-1)" if pipeline_cfg.schedule == "gpipe" else "(S-1)/(R M+S-1)"
-    shape = f"{stages} stages" + (f" x {r} repeats" if r > 1 else "")
-    text = f"pipeline {pipeline_cfg.schedule}: {shape}, {m} microbatches, bubble {bubble:.1%} = {formula}"
-    layout = StackLayout(n_layers, stages, r) if n_layers else None
+    shape = f"{stages} stages" + (f" x {repeats} repeats" if repeats > 1 else "")
+    text = (f"pipeline {pipeline_cfg.schedule}: {shape}, {microbatches} microbatches, "
+            f"bubble {bubble:.1%} = {formula}")
+    layout = StackLayout(n_layers, stages, repeats) if n_layers else None
     if layout is not None and layout.empty:
-        text += f"; {layout.describe()}, idle {layout.idle_fraction(m):.1%} with them"
+        text += f"; {layout.describe()}, idle {layout.idle_fraction(microbatches):.1%} with them"
     return text
 
 
@@ -92,8 +97,9 @@ def layer_stack(pipeline_cfg, model_cfg, mesh: Mesh) -> Callable | None:
     if model_cfg.n_layers < stages * pipeline_cfg.repeats:  # the config checks say it first
         raise ConfigError(f"model.n_layers={model_cfg.n_layers} leaves some of mesh stage={stages} x "
                           f"pipeline.repeats={pipeline_cfg.repeats} virtual stages without a layer")
-    return functools.partial(_schedule, layout=StackLayout(model_cfg.n_layers, stages, pipeline_cfg.repeats),
-                             microbatches=_resolved(pipeline_cfg), mesh=mesh)
+    layout = StackLayout(model_cfg.n_layers, stages, pipeline_cfg.repeats)
+    schedule = (GPipe if layout.repeats == 1 else Circular)(layout, _resolved(pipeline_cfg), mesh)
+    return functools.partial(pipelined, schedule=schedule)
 
 
 def resolve_microbatches(cfg, mesh: Mesh) -> None:
@@ -128,6 +134,204 @@ def merge_microbatches(x: Array) -> Array:
     return jnp.swapaxes(x, 0, 1).reshape(x.shape[0] * x.shape[1], *x.shape[2:])
 
 
+# ----------------------------------------------------------------------------------------------
+# The schedules: what separates them, around the loop they share
+
+
+class Schedule:
+    """A schedule for `layout`'s S stages x R repeats and M microbatches on `mesh`: the loop
+    (`_loop`) carries each stage's last output [S, mb, seq, d] and the schedule's own `buffer`,
+    and asks the schedule what each stage takes in, which chunk it runs, and where the outputs are."""
+
+    def __init__(self, layout: StackLayout, microbatches: int, mesh: Mesh):
+        self.layout, self.microbatches, self.mesh = layout, microbatches, mesh
+        self.stages, self.repeats = layout.stages, layout.repeats
+        self.n_iterations = self.repeats * microbatches + self.stages - 1
+
+    def first_buffer(self, inputs: Array):
+        """What the loop carries for the schedule beside the outputs, at the start (None: nothing)."""
+        return None
+
+    def stage_inputs(self, out: Array, buffer, fresh: Array, t: Array) -> tuple[Array, object]:
+        """Each stage's input [S, mb, seq, d] in iteration `t`, from the last iteration's outputs
+        `out` and microbatch `fresh` (the one stage 0 takes new, if any), and the buffer after it."""
+        raise NotImplementedError
+
+    def pick_chunk(self, per_stage: Array, repeat: Array) -> Array:
+        """One stage's chunk of this iteration out of its own [R, ...] block."""
+        raise NotImplementedError
+
+    def kept_per_iteration(self, out: Array) -> Array | None:
+        """What of each iteration's outputs the loop stacks for `outputs` (None: nothing)."""
+        return None
+
+    def outputs(self, out: Array, buffer, every_iteration: Array | None) -> Array:
+        """[M, mb, seq, d]: each microbatch after the last layer, on every stage, from the loop's
+        last outputs and buffer and what `kept_per_iteration` kept."""
+        raise NotImplementedError
+
+
+class GPipe(Schedule):
+    """M + S - 1 iterations; stage s runs its one chunk on microbatch t - s. The outputs shift one
+    stage on (`_shift`: a collective-permute between neighbouring stage groups; activations are all
+    that cross them) and the last stage's are kept per iteration, moved off it once after the loop."""
+
+    def stage_inputs(self, out, buffer, fresh, t):
+        return _shift(out, fresh, self.mesh), buffer
+
+    def pick_chunk(self, per_stage, repeat):
+        # A static index: a slice that varied with the iteration would be a new value in each,
+        # which the loop's autodiff saves once per iteration (M + S - 1 copies of the stage's
+        # weights; the figures: docs/figures.md, "Pipeline and expert code"); a static one of the
+        # loop-invariant weights is saved once. tests/test_compile_pipeline.py holds it.
+        return jax.lax.index_in_dim(per_stage, index=0, keepdims=False)
+
+    def kept_per_iteration(self, out):
+        return out
+
+    def outputs(self, out, buffer, every_iteration):
+        # The last stage finishes microbatch m in iteration m + S - 1.
+        last = self.stages - 1
+        return _from_stage(jnp.swapaxes(every_iteration[last:], 0, 1), last, self.mesh)
+
+
+class Circular(Schedule):
+    """R M + S - 1 iterations; stage s runs chunk (t - s) // M of its R on microbatch (t - s) mod M.
+    The shift is a rotation: the last stage's output goes back to stage 0 for its next repeat,
+    through a buffer [S, M, mb, seq, d] (every stage keeps its own copy; only stage 0's is read)
+    that holds it the M - S iterations until stage 0 is free for it (so M >= S). Each stage
+    indexes its chunk out of its own block, so no weight moves; the index varies per iteration, so
+    the loop's autodiff saves the chunk (1/R of the stage's weights) once per iteration
+    (docs/parallelism.md)."""
+
+    def first_buffer(self, inputs):
+        return jnp.zeros((self.stages, self.microbatches, *inputs.shape[1:]), inputs.dtype)
+
+    def stage_inputs(self, out, buffer, fresh, t):
+        stages, microbatches = self.stages, self.microbatches
+        rotated = _permute(out, self.mesh, [(s, (s + 1) % stages) for s in range(stages)])
+        buffer = jax.lax.dynamic_update_index_in_dim(buffer, rotated, (t - stages) % microbatches, axis=1)
+        again = jax.lax.dynamic_index_in_dim(buffer, t % microbatches, axis=1, keepdims=False)
+        return jnp.where(_is_first(rotated), jnp.where(t < microbatches, fresh, again), rotated), buffer
+
+    def pick_chunk(self, per_stage, repeat):
+        return jax.lax.dynamic_index_in_dim(per_stage, index=repeat, keepdims=False)
+
+    def outputs(self, out, buffer, every_iteration):
+        # The last repeat's outputs, stored as if for one more: stage 0's copy of the buffer.
+        last = _permute(out, self.mesh, [(self.stages - 1, 0)])
+        position = (self.n_iterations - self.stages) % self.microbatches
+        return _from_stage(jax.lax.dynamic_update_index_in_dim(buffer, last, position, axis=1), 0, self.mesh)
+
+
+def pipelined(layers: nn.Module, make_layers: Callable, x: Array, positions: Array, segment_ids: Array | None, *,
+              schedule: Schedule):
+    """The Decoder's `layer_stack` strategy: the bound scanned layers `layers` (whose variables are
+    the stored [S R K, ...] arrays) run over the stages by `schedule`; `make_layers(length,
+    parent=None)` makes an unbound scan of `length` layers to run each stage's chunk with.
+    Returns (y, {AUX_LOSSES: what the real layers sowed on real microbatches})."""
+    variables = dict(layers.variables)
+    extra = set(variables) - {"params", FP8_COLLECTION}
+    if extra:
+        raise ConfigError(f"the pipeline cannot carry the layers' {', '.join(sorted(extra))} state yet; "
+                          "use mesh stage=1")
+    layout, microbatches = schedule.layout, schedule.microbatches
+    stages, repeats, slots = layout.stages, layout.repeats, layout.per_chunk
+    # Storage [S R K, ...] -> [S, R, K, ...]: device s holds its R chunks, its own shard (a reshape
+    # of the sharded axis; no data moves). Without padding or repeats storage is model order.
+    stored = jax.tree_util.tree_map(lambda p: p.reshape(stages, repeats, slots, *p.shape[1:]), variables)
+    params, fp8_state = stored["params"], stored.get(FP8_COLLECTION)
+    # fp8 delayed scaling: one copy of the state per iteration, so that each use's update (its
+    # cotangent) stays apart and the real ones combine as grad_accum's micro-batches do.
+    fp8_per_iteration = None if fp8_state is None else _fan_out(fp8_state, _uses(layout, microbatches))
+    real = jnp.asarray(layout.real)
+    padded = bool(layout.empty)
+    chunk_layers = make_layers(1 if padded else slots, parent=None)
+    all_stages = jax.vmap(functools.partial(_run_stage, chunk_layers, padded, schedule.pick_chunk),
+                          spmd_axis_name=STAGE_AXIS)
+    y, sown = _loop(schedule, all_stages, params, fp8_per_iteration, real, x, positions, segment_ids)
+    return y, {AUX_LOSSES: jax.tree_util.tree_map(functools.partial(_real_work, layout, microbatches), sown)}
+
+
+def _loop(schedule: Schedule, all_stages: Callable, params, fp8_per_iteration, real: Array,
+          x: Array, positions: Array, segment_ids: Array | None):
+    """The loop every schedule runs: `schedule.n_iterations` iterations, in each of which every
+    stage takes its input (`schedule.stage_inputs`) and runs its chunk (`all_stages`, vmapped over
+    the stages). Returns (y [B, seq, d], what the layers sowed [iterations, S, K, ...])."""
+    stages, microbatches = schedule.stages, schedule.microbatches
+    passes = schedule.repeats * microbatches  # each microbatch once per repeat
+    inputs, pos_in, seg_in = (None if a is None else split_microbatches(a, microbatches)
+                              for a in (x, positions, segment_ids))
+    stage_ids = jnp.arange(stages)
+    # A copy of the inputs per stage, sharded over `stage` (each device already holds all of them):
+    # stage 0's use of its copy in the loop is local, and the cotangent (its transpose, a sum over
+    # the copies) is one all-reduce after the loop rather than one per iteration, the bubble's too.
+    staged = nn.with_logical_constraint(jnp.broadcast_to(inputs[None], (stages, *inputs.shape)),
+                                        ("activation_stage", None) + BLOCK_OUTPUT_AXES)
+
+    def iteration(carry, xs):
+        """Carries (each stage's last output [S, mb, seq, d], the schedule's buffer); takes (t, the
+        fp8 state's copy for this iteration or None); gives what `kept_per_iteration` keeps and
+        what the layers sowed."""
+        out, buffer = carry
+        t, fp8_now = xs
+        # Stage s works on pass i = t - s: microbatch i mod M of repeat i // M (clamped in the
+        # bubble, whose results are dropped and so get no cotangent).
+        work = jnp.clip(t - stage_ids, 0, passes - 1)
+        micro, repeat = work % microbatches, work // microbatches
+        fresh = jax.lax.dynamic_index_in_dim(staged, jnp.minimum(t, microbatches - 1), axis=1, keepdims=False)
+        h, buffer = schedule.stage_inputs(out, buffer, fresh, t)
+        h = nn.with_logical_constraint(h, STATE_AXES)
+        # Positions and segments are indexed per stage from the inputs every stage holds.
+        pos = nn.with_logical_constraint(jnp.take(pos_in, micro, axis=0), TOKEN_AXES)
+        seg = None if seg_in is None else nn.with_logical_constraint(jnp.take(seg_in, micro, axis=0), TOKEN_AXES)
+        stage_vars = {"params": params} if fp8_now is None else {"params": params, FP8_COLLECTION: fp8_now}
+        out, sown = all_stages(stage_vars, real, repeat, h, pos, seg)
+        out = nn.with_logical_constraint(out, STATE_AXES)
+        # Every stage's output, kept where it is (stage-sharded): reading out[-1] here instead made
+        # GSPMD send the last stage's output to every stage in every iteration, the bubble's too.
+        return (out, buffer), (schedule.kept_per_iteration(out), sown)
+
+    buffer = schedule.first_buffer(inputs)
+    (out, buffer), (every_iteration, sown) = jax.lax.scan(
+        iteration, (jnp.zeros((stages, *inputs.shape[1:]), inputs.dtype), buffer),
+        (jnp.arange(schedule.n_iterations), fp8_per_iteration))
+    y = schedule.outputs(out, buffer, every_iteration)
+    return nn.with_logical_constraint(merge_microbatches(y), BLOCK_OUTPUT_AXES), sown
+
+
+# ----------------------------------------------------------------------------------------------
+# One stage's work in one iteration (vmapped over the stages by `pipelined`)
+
+
+def _run_stage(chunk_layers: nn.Module, padded: bool, pick_chunk: Callable, stage_vars, stage_real: Array,
+               repeat: Array, h: Array, pos: Array, seg: Array | None):
+    """One stage: its chunk of this iteration (`pick_chunk` of its [R, ...] block) run on `h`.
+    stage_vars {collection: [R, K, ...]}, stage_real [R, K] (False: an empty slot)."""
+    chunk_vars = jax.tree_util.tree_map(lambda a: pick_chunk(a, repeat), stage_vars)
+    chunk_real = pick_chunk(stage_real, repeat)
+    if not padded:
+        (h, _), sown = chunk_layers.apply(chunk_vars, h, pos, seg, mutable=[AUX_LOSSES])
+        return h, sown
+    return jax.lax.scan(functools.partial(_run_slot, chunk_layers, pos, seg), h, (chunk_vars, chunk_real))
+
+
+def _run_slot(one_layer: nn.Module, pos: Array, seg: Array | None, h: Array, slot_in):
+    """A scan step over a chunk that may hold empty slots: one layer (`slot_in`: its variables and
+    whether it is real) on the carried activations `h`; an empty slot passes h through (its zeros
+    get zero gradient)."""
+    v, is_real = slot_in
+    if FP8_COLLECTION in v:  # an empty slot's zero scales would divide by zero
+        v = {**v, FP8_COLLECTION: jax.tree_util.tree_map(
+            lambda a: jnp.where(is_real, a, jnp.ones_like(a)), v[FP8_COLLECTION])}
+    (out, _), sown = one_layer.apply(jax.tree_util.tree_map(lambda a: a[None], v), h, pos, seg, mutable=[AUX_LOSSES])
+    return jnp.where(is_real, out, h), jax.tree_util.tree_map(lambda a: a[0], sown)
+
+
+# ----------------------------------------------------------------------------------------------
+# Moving activations between stages
+
+
 def _shift(state: Array, first_stage_input: Array, mesh: Mesh) -> Array:
     """Each stage's output to the next stage; stage 0 takes its row of `first_stage_input` [S, ...]
     instead. s to s + 1 only: GPipe needs no rotation, which would also send the last stage's
@@ -147,137 +351,47 @@ def _permute(state: Array, mesh: Mesh, pairs: list[tuple[int, int]]) -> Array:
                          axis_names=frozenset({STAGE_AXIS}))(state)
 
 
-def _from_stage(stacked: Array, stage: int, mesh: Mesh) -> Array:
-    """stacked[stage] on every stage, for `stacked` [S, ...] sharded over `stage`: one all-reduce
-    of what that stage holds (the others add zeros), whose transpose moves nothing (each stage
-    keeps the cotangent of its own copy). Indexing the sharded axis instead was lowered as a
+def _from_stage(per_stage: Array, stage: int, mesh: Mesh) -> Array:
+    """per_stage[stage] on every stage, for `per_stage` [S, ...] sharded over `stage`: one
+    all-reduce of what that stage holds (the others add zeros), whose transpose moves nothing (each
+    stage keeps the cotangent of its own copy). Indexing the sharded axis instead was lowered as a
     permute to stage 0 and an all-reduce forward, and a permute back for the cotangent.
-    In at least fp32: XLA:CPU (jax 0.10.2) aborts compiling a 16-bit all-reduce whose reducer jax
-    wraps in a sharding constraint, as it does under a partial-manual shard_map ("Invalid binary
-    instruction opcode copy" in AllReducePromotion). Once per step; the CPU count is unchanged (it
-    shows bf16 collectives as f32 anyway), a GPU sends this one broadcast at twice bf16's bytes."""
+    In at least fp32: XLA:CPU aborts compiling a 16-bit all-reduce whose reducer jax wraps in a
+    sharding constraint, as it does under a partial-manual shard_map (the version and the error:
+    docs/figures.md, "Pipeline and expert code"). Once per step; a GPU sends this one broadcast at
+    twice bf16's bytes."""
     def local(block):  # block: this stage's [1, ...]
         mine = jax.lax.axis_index(STAGE_AXIS) == stage
         wide = block[0].astype(jnp.promote_types(block.dtype, jnp.float32))
         return jax.lax.psum(jnp.where(mine, wide, jnp.zeros_like(wide)), STAGE_AXIS).astype(block.dtype)
     return jax.shard_map(local, mesh=mesh, in_specs=P(STAGE_AXIS), out_specs=P(),
-                         axis_names=frozenset({STAGE_AXIS}))(stacked)
+                         axis_names=frozenset({STAGE_AXIS}))(per_stage)
 
 
 def _is_first(state: Array) -> Array:
+    """[S, 1, ...]: True in stage 0's row, to `where` over `state` [S, ...]."""
     return (jnp.arange(state.shape[0]) == 0).reshape(-1, *(1,) * (state.ndim - 1))
 
 
-def _schedule(stack: nn.Module, scanned: Callable, x: Array, positions: Array, segment_ids: Array | None, *,
-              layout: StackLayout, microbatches: int, mesh: Mesh):
-    variables = dict(stack.variables)
-    extra = set(variables) - {"params", FP8_COLLECTION}
-    if extra:
-        raise ConfigError(f"the pipeline cannot carry the layers' {', '.join(sorted(extra))} state yet; "
-                          "use mesh stage=1")
-    S, R, K, M = layout.stages, layout.repeats, layout.per_chunk, microbatches
-    n_iterations = R * M + S - 1
-    # Storage [S R K, ...] -> [S, R, K, ...]: device s holds its R chunks, its own shard (a reshape
-    # of the sharded axis; no data moves). Without padding or repeats storage is model order.
-    stored = jax.tree_util.tree_map(lambda p: p.reshape(S, R, K, *p.shape[1:]), variables)
-    params, fp8_state = stored["params"], stored.get(FP8_COLLECTION)
-    # fp8 delayed scaling: one copy of the state per iteration, so that each use's update (its
-    # cotangent) stays apart and the real ones combine as grad_accum's micro-batches do.
-    fp8_per_iteration = None if fp8_state is None else _fan_out(fp8_state, _uses(layout, M))
-    real = jnp.asarray(layout.real)
-    padded = bool(layout.empty)
-    chunk_module = scanned(1 if padded else K, parent=None)
+# ----------------------------------------------------------------------------------------------
+# Which iterations do real work: the router losses kept, the fp8 state's uses
 
-    def run_chunk(chunk_vars, chunk_real, h, pos, seg):
-        if not padded:
-            (h, _), sown = chunk_module.apply(chunk_vars, h, pos, seg, mutable=[AUX_LOSSES])
-            return h, sown
 
-        def slot(h, slot_in):  # one layer; an empty slot passes h through (its zeros get zero gradient)
-            v, is_real = slot_in
-            if FP8_COLLECTION in v:  # an empty slot's zero scales would divide by zero
-                v = {**v, FP8_COLLECTION: jax.tree_util.tree_map(
-                    lambda a: jnp.where(is_real, a, jnp.ones_like(a)), v[FP8_COLLECTION])}
-            (out, _), sown = chunk_module.apply(jax.tree_util.tree_map(lambda a: a[None], v),
-                                                h, pos, seg, mutable=[AUX_LOSSES])
-            return jnp.where(is_real, out, h), jax.tree_util.tree_map(lambda a: a[0], sown)
-        return jax.lax.scan(slot, h, (chunk_vars, chunk_real))
-
-    def run_stage(stage_vars, stage_real, repeat, h, pos, seg):
-        # The chunk of this repeat: an index into the device's own [R, ...] block. With one repeat
-        # the index is static: a slice that varies with the iteration would be a new value in
-        # each, which the loop's autodiff saves once per iteration (M + S - 1 copies of the
-        # stage's weights: 70B on 4 stages, 161 GiB of XLA buffers instead of 106); a static one
-        # of the loop-invariant weights is saved once. Circular's repeat does vary, so it still
-        # pays that (its chunk, 1/R of the stage's weights, per iteration; docs/parallelism.md).
-        if R == 1:
-            pick = functools.partial(jax.lax.index_in_dim, index=0, keepdims=False)
-        else:
-            pick = functools.partial(jax.lax.dynamic_index_in_dim, index=repeat, keepdims=False)
-        return run_chunk(jax.tree_util.tree_map(pick, stage_vars), pick(stage_real), h, pos, seg)
-
-    all_stages = jax.vmap(run_stage, spmd_axis_name=STAGE_AXIS)
-    state_axes = ("activation_stage",) + BLOCK_OUTPUT_AXES
-    token_axes = ("activation_stage", "activation_batch", "activation_length")
-
-    inputs, pos_in, seg_in = (None if a is None else split_microbatches(a, M) for a in (x, positions, segment_ids))
-    stage_ids = jnp.arange(S)
-    # A copy of the inputs per stage, sharded over `stage` (each device already holds all of them):
-    # stage 0's use of its copy in the loop is local, and the cotangent (its transpose, a sum over
-    # the copies) is one all-reduce after the loop rather than one per iteration, the bubble's too.
-    staged = nn.with_logical_constraint(jnp.broadcast_to(inputs[None], (S, *inputs.shape)),
-                                        ("activation_stage", None) + BLOCK_OUTPUT_AXES)
-
-    def iteration(carry, xs):
-        out, circling = carry
-        t, fp8_now = xs
-        # Stage s works on pass i = t - s: microbatch i mod M of repeat i // M (clamped in the
-        # bubble, whose results are dropped and so get no cotangent).
-        work = jnp.clip(t - stage_ids, 0, R * M - 1)
-        micro, repeat = work % M, work // M
-        fresh = jax.lax.dynamic_index_in_dim(staged, jnp.minimum(t, M - 1), axis=1, keepdims=False)
-        if R == 1:
-            h = _shift(out, fresh, mesh)
-        else:
-            # A rotation: stage S-1's output goes on to stage 0 for its next repeat, through a
-            # buffer (every stage keeps its own copy; only stage 0's is read) that holds it the
-            # M - S iterations until stage 0 is free for it.
-            rotated = _permute(out, mesh, [(s, (s + 1) % S) for s in range(S)])
-            circling = jax.lax.dynamic_update_index_in_dim(circling, rotated, (t - S) % M, axis=1)
-            again = jax.lax.dynamic_index_in_dim(circling, t % M, axis=1, keepdims=False)
-            h = jnp.where(_is_first(rotated), jnp.where(t < M, fresh, again), rotated)
-        h = nn.with_logical_constraint(h, state_axes)
-        # Positions and segments are indexed per stage from the inputs every stage holds.
-        pos = nn.with_logical_constraint(jnp.take(pos_in, micro, axis=0), token_axes)
-        seg = None if seg_in is None else nn.with_logical_constraint(jnp.take(seg_in, micro, axis=0), token_axes)
-        stage_vars = {"params": params} if fp8_now is None else {"params": params, FP8_COLLECTION: fp8_now}
-        out, sown = all_stages(stage_vars, real, repeat, h, pos, seg)
-        out = nn.with_logical_constraint(out, state_axes)
-        # Every stage's output, kept where it is (stage-sharded): reading out[-1] here instead made
-        # GSPMD send the last stage's output to every stage in every iteration, the bubble's too.
-        return (out, circling), (out if R == 1 else None, sown)
-
-    circling = None if R == 1 else jnp.zeros((S, M, *inputs.shape[1:]), inputs.dtype)
-    (out, circling), (every_stage, sown) = jax.lax.scan(
-        iteration, (jnp.zeros((S, *inputs.shape[1:]), inputs.dtype), circling),
-        (jnp.arange(n_iterations), fp8_per_iteration))
-    if R == 1:  # the last stage finishes microbatch m in iteration m + S - 1: moved off it once, here
-        y = _from_stage(jnp.swapaxes(every_stage[S - 1:], 0, 1), S - 1, mesh)
-    else:  # the last repeat's outputs, stored as if for one more: stage 0's copy of the buffer
-        y = _from_stage(jax.lax.dynamic_update_index_in_dim(circling, _permute(out, mesh, [(S - 1, 0)]),
-                                                            (n_iterations - S) % M, axis=1), 0, mesh)
-    y = nn.with_logical_constraint(merge_microbatches(y), BLOCK_OUTPUT_AXES)
-    return y, {AUX_LOSSES: jax.tree_util.tree_map(functools.partial(_real_work, layout, M), sown)}
+def _passes(layout: StackLayout, microbatches: int) -> tuple[np.ndarray, np.ndarray]:
+    """[iterations, S] each: the repeat stage s runs in iteration t (its pass t - s, clamped into
+    the schedule), and whether that pass is real (False in the bubble)."""
+    passes = layout.repeats * microbatches
+    t, s = np.meshgrid(np.arange(passes + layout.stages - 1), np.arange(layout.stages), indexing="ij")
+    work = t - s
+    return np.clip(work, 0, passes - 1) // microbatches, (work >= 0) & (work < passes)
 
 
 def _real_work(layout: StackLayout, microbatches: int, leaf: Array) -> Array:
     """[iterations, S, K, ...] -> [M L, ...]: what each layer computed for each microbatch (the
     bubble's iterations and the empty slots dropped), whose mean is the one device's."""
-    S, R, K = layout.stages, layout.repeats, layout.per_chunk
-    t, s, k = np.meshgrid(np.arange(R * microbatches + S - 1), np.arange(S), np.arange(K), indexing="ij")
-    work = t - s
-    in_time = (work >= 0) & (work < R * microbatches)
-    keep = in_time & layout.real[s, np.clip(work, 0, R * microbatches - 1) // microbatches, k]
+    repeat, in_time = _passes(layout, microbatches)
+    stage_ids, slot_ids = np.arange(layout.stages)[None, :, None], np.arange(layout.per_chunk)[None, None, :]
+    keep = in_time[:, :, None] & layout.real[stage_ids, repeat[:, :, None], slot_ids]
     flat = leaf.reshape(-1, *leaf.shape[3:])
     return jnp.take(flat, np.flatnonzero(keep.reshape(-1)), axis=0)
 
@@ -285,12 +399,8 @@ def _real_work(layout: StackLayout, microbatches: int, leaf: Array) -> Array:
 def _uses(layout: StackLayout, microbatches: int) -> np.ndarray:
     """[iterations, S, R, K]: whether slot k of chunk r on device s runs a real layer on a real
     microbatch in that iteration."""
-    S, R, K = layout.stages, layout.repeats, layout.per_chunk
-    t, s = np.meshgrid(np.arange(R * microbatches + S - 1), np.arange(S), indexing="ij")
-    work = t - s
-    in_time = (work >= 0) & (work < R * microbatches)
-    repeat = np.clip(work, 0, R * microbatches - 1) // microbatches
-    uses = in_time[:, :, None] & (repeat[:, :, None] == np.arange(R)[None, None, :])
+    repeat, in_time = _passes(layout, microbatches)
+    uses = in_time[:, :, None] & (repeat[:, :, None] == np.arange(layout.repeats)[None, None, :])
     return uses[..., None] & layout.real[None]
 
 
@@ -301,13 +411,13 @@ def _fan_out(state, uses: np.ndarray):
     iterations = uses.shape[0]
 
     @jax.custom_vjp
-    def fan(tree):
+    def fan(tree):  # forward: the state, broadcast to [iterations, S, R, K, ...]
         return jax.tree_util.tree_map(lambda a: jnp.broadcast_to(a, (iterations, *a.shape)), tree)
 
-    def forward(tree):
+    def forward(tree):  # keeps the state itself as the residual
         return fan(tree), tree
 
-    def backward(tree, cotangent):
+    def backward(tree, cotangent):  # cotangent: [iterations, S, R, K, ...], each use's update
         identity = fp8.merge_identity(tree)
 
         def combine(c, start):  # start: +inf for a scale (the smallest wins), -inf for a history

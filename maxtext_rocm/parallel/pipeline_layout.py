@@ -12,6 +12,10 @@ S) hold zeros that the stage function skips. Every state leaf whose leading logi
 boundaries (a jitted reshape/transpose/pad), never per step: moving weights every step would
 defeat a pipeline over slow links. Checkpoints hold model order only, so they restore across any
 stage count, schedule or padding.
+
+Words: "the layer stack" is always the scanned layers' arrays, [n_layers, ...] in model order (a
+leading "layers" axis); `StackLayout` is where its rows sit in storage; a `StateConverter` moves a
+state between the two orders.
 """
 
 from __future__ import annotations
@@ -103,7 +107,8 @@ def layer_flags(logical_specs):
                                   is_leaf=lambda s: isinstance(s, P))
 
 
-def _map(fn, tree, flags):
+def _map_layer_leaves(fn, tree, flags):
+    """`fn` on each leaf that `flags` marks as a layer leaf; the others as they are."""
     return jax.tree_util.tree_map(lambda x, is_layer: fn(x) if is_layer else x, tree, flags)
 
 
@@ -123,8 +128,8 @@ class _Conversion:
 
 
 class StateConverter:
-    """The conversions of one run's state (and of its parameters alone), and the state's canonical
-    abstract arrays, which checkpoints are restored into."""
+    """The conversions of one run's state (and of its parameters alone) between storage and model
+    order, and the state's canonical abstract arrays, which checkpoints are restored into."""
 
     def __init__(self, layout: StackLayout, flags, storage_sharding, canonical_shapes, mesh):
         self.layout, self.flags = layout, flags
@@ -140,7 +145,8 @@ class StateConverter:
 
     def storage_shapes(self, tree):
         """`tree`'s canonical ShapeDtypeStructs with the layer axis as long as the storage."""
-        return _map(lambda x: jax.ShapeDtypeStruct((self.layout.slots, *x.shape[1:]), x.dtype), tree, self.flags)
+        return _map_layer_leaves(lambda x: jax.ShapeDtypeStruct((self.layout.slots, *x.shape[1:]), x.dtype),
+                                 tree, self.flags)
 
 
 def _canonical_sharding(storage: NamedSharding, shape, mesh) -> NamedSharding:
