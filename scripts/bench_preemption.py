@@ -1,8 +1,7 @@
 """What the stop agreement costs the training loop per step (maxtext_rocm/runtime/preemption.py).
 
-The loop calls `proceed(step)` before each step and `stopping_at(step)` after it. Measured here:
-the pair of calls with one process (no watcher) and with a watcher thread blocked on the
-key-value store (an in-process stand-in for the coordination service; the real one is a gRPC long
+The loop calls `proceed(step)` before each step. Measured here: that call with one process (no
+watcher) and with a watcher thread blocked on the key-value store (an in-process stand-in for the coordination service; the real one is a gRPC long
 poll that sleeps in C++ until a request comes, so it takes no CPU between requests either).
 
     python scripts/bench_preemption.py [N]
@@ -10,42 +9,26 @@ poll that sleeps in C++ until a request comes, so it takes no CPU between reques
 
 import signal
 import sys
-import threading
 import time
+from pathlib import Path
 
 from maxtext_rocm.runtime.preemption import StopAgreement
 
-
-class IdleStore:
-    """A key-value store whose long polls block until closed (what a watcher sees while no stop is asked)."""
-
-    def __init__(self):
-        self.data, self.cond = {}, threading.Condition()
-
-    def key_value_set(self, key, value, allow_overwrite=False):
-        with self.cond:
-            self.data[key] = value
-            self.cond.notify_all()
-
-    def blocking_key_value_get(self, key, timeout_ms):
-        with self.cond:
-            if not self.cond.wait_for(lambda: key in self.data, timeout_ms / 1000):
-                raise TimeoutError(key)
-            return self.data[key]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from helpers import KeyValueStore  # noqa: E402 - the in-process stand-in the agreement's tests use
 
 
 def per_step_us(agreement, n: int) -> float:
     started = time.perf_counter()
     for step in range(n):
         agreement.proceed(step)
-        agreement.stopping_at(step + 1)
     return (time.perf_counter() - started) / n * 1e6
 
 
 def main(n: int = 1_000_000) -> None:
     alone = StopAgreement(0)
     print(f"one process:             {per_step_us(alone, n):.2f} us/step")
-    watched = StopAgreement(0, 0, 2, IdleStore(), generation=0)
+    watched = StopAgreement(0, 0, 2, KeyValueStore(), generation=0)
     print(f"two processes (watcher): {per_step_us(watched, n):.2f} us/step")
     watched.close()
     stopped = StopAgreement(0)

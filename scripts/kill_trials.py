@@ -125,6 +125,21 @@ def final_state(run_dir: Path, steps: int):
     return jax.tree_util.tree_map(np.asarray, params), meta["checksums"]
 
 
+def same_final_checkpoints(run: Path, reference: Path, steps: int, read=final_state) -> bool:
+    """Whether checkpoint `steps` of `run` holds exactly the reference's parameters and checksums
+    (`read(run_dir, steps)` -> (params, checksums)); says so in one line."""
+    import jax
+    import numpy as np
+
+    got_params, got_sums = read(run, steps)
+    want_params, want_sums = read(reference, steps)
+    same_params = all(np.array_equal(a, b) for a, b in zip(jax.tree_util.tree_leaves(got_params),
+                                                           jax.tree_util.tree_leaves(want_params)))
+    print(f"final checkpoint {steps}: parameters {'identical' if same_params else 'DIFFER'}, checksums of "
+          f"every array {'identical' if got_sums == want_sums else 'DIFFER'}")
+    return same_params and got_sums == want_sums
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=20)
@@ -184,17 +199,7 @@ def main() -> int:
             print(f"the final launch failed; see {log}")
             return 1
 
-    import jax
-    import numpy as np
-
-    got_params, got_sums = final_state(run, args.steps)
-    want_params, want_sums = final_state(reference, args.steps)
-    same_params = all(np.array_equal(a, b) for a, b in zip(jax.tree_util.tree_leaves(got_params),
-                                                           jax.tree_util.tree_leaves(want_params)))
-    same = same_params and got_sums == want_sums
-    print(f"final checkpoint {args.steps}: parameters {'identical' if same_params else 'DIFFER'}, checksums of "
-          f"every array {'identical' if got_sums == want_sums else 'DIFFER'}")
-    exact = exact if same else 0
+    exact = exact if same_final_checkpoints(run, reference, args.steps, final_state) else 0
     kinds = ", ".join(f"{landed[:args.trials].count(kind)} {kind}" for kind in sorted(set(landed[:args.trials])))
     print(f"{exact} of {args.trials} trials resumed bit-exact (killed: {kinds}); "
           f"{time.perf_counter() - started:.0f} s in all; launches' output in {workdir}")

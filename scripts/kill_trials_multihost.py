@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kill_trials import REPO, TINY, rows, saves_begun  # noqa: E402
+from kill_trials import REPO, TINY, rows, same_final_checkpoints, saves_begun  # noqa: E402
 
 SAVE_EVERY = 3
 PROCESSES = 2
@@ -224,17 +224,7 @@ def main() -> int:
             print(f"the final launch failed; see {logs}")
             return 1
 
-    import jax
-    import numpy as np
-
-    got_params, got_sums = final_state(run, args.steps)
-    want_params, want_sums = final_state(reference, args.steps)
-    same_params = all(np.array_equal(a, b) for a, b in zip(jax.tree_util.tree_leaves(got_params),
-                                                           jax.tree_util.tree_leaves(want_params)))
-    same = same_params and got_sums == want_sums
-    print(f"final checkpoint {args.steps}: parameters {'identical' if same_params else 'DIFFER'}, checksums of "
-          f"every array {'identical' if got_sums == want_sums else 'DIFFER'}")
-    exact = exact if same else 0
+    exact = exact if same_final_checkpoints(run, reference, args.steps, final_state) else 0
     summary = ", ".join(f"{kinds.count(k)} {k}" for k in sorted(set(kinds)))
     print(f"{exact} of {args.trials} trials resumed bit-exact, {clean} of {args.trials} ended as expected "
           f"({summary}); {time.perf_counter() - started:.0f} s in all; output in {workdir}")

@@ -1,5 +1,6 @@
 """Shared by the numerical tests: a run's initial state and the loss and gradients of a batch."""
 
+import threading
 import types
 
 import jax
@@ -76,3 +77,23 @@ def assert_close(got, want, scale=1e-5, rtol=1e-5, err_msg=""):
         x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
         atol = scale * float(np.max(np.abs(y), initial=0.0))
         np.testing.assert_allclose(x, y, atol=atol, rtol=rtol, err_msg=f"{err_msg}{jax.tree_util.keystr(path)}")
+
+
+class KeyValueStore:
+    """In process, the two calls of JAX's coordination-service key-value store that the stop
+    agreement uses (runtime/preemption.py): a blocking get waits until the key is set."""
+
+    def __init__(self, strict: bool = True):
+        self.data, self.cond, self.strict = {}, threading.Condition(), strict
+
+    def key_value_set(self, key, value, allow_overwrite=False):
+        with self.cond:
+            assert not self.strict or allow_overwrite or key not in self.data, key
+            self.data[key] = value
+            self.cond.notify_all()
+
+    def blocking_key_value_get(self, key, timeout_ms):
+        with self.cond:
+            if not self.cond.wait_for(lambda: key in self.data, timeout_ms / 1000):
+                raise TimeoutError(key)
+            return self.data[key]

@@ -15,6 +15,8 @@ import pytest
 
 from maxtext_rocm.runtime.preemption import PreemptionGuard, StopAgreement, StopNotAgreed
 
+from helpers import KeyValueStore
+
 REPO = Path(__file__).resolve().parent.parent
 SMALL = ["--config.model.vocab_size=128", "--config.model.d_model=64", "--config.model.n_layers=2",
          "--config.model.n_heads=4", "--config.model.n_kv_heads=2", "--config.model.head_dim=16",
@@ -24,27 +26,8 @@ SMALL = ["--config.model.vocab_size=128", "--config.model.d_model=64", "--config
 ENV = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", PYTHONPATH=str(REPO))
 
 
-class FakeClient:
-    """The two calls of the coordination service's key-value store that the agreement uses."""
-
-    def __init__(self):
-        self.data, self.cond = {}, threading.Condition()
-
-    def key_value_set(self, key, value, allow_overwrite=False):
-        with self.cond:
-            assert allow_overwrite or key not in self.data, key
-            self.data[key] = value
-            self.cond.notify_all()
-
-    def blocking_key_value_get(self, key, timeout_ms):
-        with self.cond:
-            if not self.cond.wait_for(lambda: key in self.data, timeout_ms / 1000):
-                raise TimeoutError(key)
-            return self.data[key]
-
-
 def agreements(n, start=0, timeout_s=10.0, generation=0):
-    client = FakeClient()
+    client = KeyValueStore()
     return client, [StopAgreement(start, i, n, client, timeout_s=timeout_s, generation=generation) for i in range(n)]
 
 
@@ -102,7 +85,7 @@ def test_a_process_whose_loop_ended_still_answers_a_late_request():
 
 
 def test_a_peer_that_never_answers_is_one_sentence_not_a_hang():
-    client = FakeClient()
+    client = KeyValueStore()
     alone = StopAgreement(0, 0, 2, client, timeout_s=0.5, generation=1)  # process 1 never joins
     alone.proceed(0)
     alone.request(signal.SIGTERM)
