@@ -125,6 +125,32 @@ def final_state(run_dir: Path, steps: int):
     return jax.tree_util.tree_map(np.asarray, params), meta["checksums"]
 
 
+def time_reference(processes: list[subprocess.Popen], run_dir: Path, steps: int, logs) -> tuple | None:
+    """Waits for the reference launch; (its losses by step, seconds to its first step, seconds a
+    step after that), or None (said in one line) if it failed."""
+    started, first_step_s = time.perf_counter(), None
+    while any(p.poll() is None for p in processes):
+        if first_step_s is None and rows(run_dir):
+            first_step_s = time.perf_counter() - started
+        time.sleep(0.01)
+    if any(p.returncode != 0 for p in processes) or first_step_s is None:
+        print(f"the reference run failed (exits {[p.returncode for p in processes]}); see {logs}")
+        return None
+    step_s = (time.perf_counter() - started - first_step_s) / max(steps - 1, 1)
+    print(f"reference: {steps} steps in {time.perf_counter() - started:.1f} s (first step at "
+          f"{first_step_s:.1f} s, then {step_s:.2f} s a step)")
+    return {row["step"]: row["loss"] for row in rows(run_dir)}, first_step_s, step_s
+
+
+def trial_moments(trials: int, rng: random.Random) -> list[str]:
+    """When each trial's stop lands: while a checkpoint is written, in start-up, or within steps,
+    a third each in random order. The first lands within steps: it times a start-up from a warm
+    compilation cache, which the start-up stops then fall inside (the reference compiled everything)."""
+    moments = (["save", "start-up", "steps"] * trials)[:trials - 1]
+    rng.shuffle(moments)
+    return ["steps", *moments]
+
+
 def same_final_checkpoints(run: Path, reference: Path, steps: int, read=final_state) -> bool:
     """Whether checkpoint `steps` of `run` holds exactly the reference's parameters and checksums
     (`read(run_dir, steps)` -> (params, checksums)); says so in one line."""
@@ -152,25 +178,12 @@ def main() -> int:
     rng = random.Random(args.seed)
 
     started = time.perf_counter()
-    process = launch(reference, args.steps, cache, workdir / "reference.log")
-    first_step_s = None
-    while process.poll() is None:
-        if first_step_s is None and rows(reference):
-            first_step_s = time.perf_counter() - started
-        time.sleep(0.01)
-    if process.returncode != 0 or first_step_s is None:
-        print(f"the reference run failed (exit {process.returncode}); see {workdir / 'reference.log'}")
+    reference_run = time_reference([launch(reference, args.steps, cache, workdir / "reference.log")], reference,
+                                   args.steps, workdir / "reference.log")
+    if reference_run is None:
         return 1
-    want = {row["step"]: row["loss"] for row in rows(reference)}
-    step_s = (time.perf_counter() - started - first_step_s) / max(args.steps - 1, 1)
-    print(f"reference: {args.steps} steps in {time.perf_counter() - started:.1f} s (first step at "
-          f"{first_step_s:.1f} s, then {step_s:.2f} s a step)")
-
-    # The first kill lands within steps: it times a start-up from a warm compilation cache, which
-    # the start-up kills then fall inside (the reference's start-up compiled everything).
-    moments = (["save", "start-up", "steps"] * args.trials)[:args.trials - 1]
-    rng.shuffle(moments)
-    moments = ["steps", *moments]
+    want, first_step_s, step_s = reference_run
+    moments = trial_moments(args.trials, rng)
     exact, seen_rows, start_up_s, landed = 0, 0, first_step_s, []
     for trial in range(args.trials + 1):
         log = workdir / f"launch_{trial}.log"

@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kill_trials import REPO, TINY, rows, same_final_checkpoints, saves_begun  # noqa: E402
+from kill_trials import REPO, TINY, rows, same_final_checkpoints, saves_begun, time_reference, trial_moments  # noqa: E402
 
 SAVE_EVERY = 3
 PROCESSES = 2
@@ -164,22 +164,11 @@ def main() -> int:
 
     started = time.perf_counter()
     logs = [workdir / f"reference_{i}.log" for i in range(PROCESSES)]
-    processes, first_step_s = launch(reference, args.steps, cache, corpus, logs), None
-    while any(p.poll() is None for p in processes):
-        if first_step_s is None and rows(reference):
-            first_step_s = time.perf_counter() - started
-        time.sleep(0.01)
-    if any(p.returncode != 0 for p in processes) or first_step_s is None:
-        print(f"the reference run failed (exits {[p.returncode for p in processes]}); see {logs}")
+    reference_run = time_reference(launch(reference, args.steps, cache, corpus, logs), reference, args.steps, logs)
+    if reference_run is None:
         return 1
-    want = {row["step"]: row["loss"] for row in rows(reference)}
-    step_s = (time.perf_counter() - started - first_step_s) / max(args.steps - 1, 1)
-    print(f"reference: {args.steps} steps in {time.perf_counter() - started:.1f} s (first step at "
-          f"{first_step_s:.1f} s, then {step_s:.2f} s a step)")
-
-    moments = (["save", "start-up", "steps"] * args.trials)[:args.trials - 1]
-    rng.shuffle(moments)
-    moments = ["steps", *moments]  # the first times a start-up from a warm cache
+    want, first_step_s, step_s = reference_run
+    moments = trial_moments(args.trials, rng)
     exact, clean, seen_rows, start_up_s, kinds = 0, 0, 0, first_step_s, []
     for trial in range(args.trials + 1):
         logs = [workdir / f"launch_{trial}_process_{i}.log" for i in range(PROCESSES)]
