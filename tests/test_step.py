@@ -58,6 +58,38 @@ def test_every_remat_policy_gives_the_same_gradients(scan, devices, tmp_path):
         assert_close(grads, ref_grads, err_msg=remat)
 
 
+def expected_step_decision(finite, on_nonfinite, nonfinite_steps, skipped_in_a_row, limit):
+    """The skip/halt rule as docs/checkpoints.md states it, written independently of trainer/step.py:
+    (apply, step_increment, nonfinite_steps, skipped_in_a_row) after one step."""
+    if on_nonfinite == "stop":
+        if nonfinite_steps > 0:  # halted since the first bad step: nothing moves any more
+            return False, 0, nonfinite_steps, skipped_in_a_row
+        if finite:
+            return True, 1, nonfinite_steps, 0
+        return False, 0, nonfinite_steps + 1, skipped_in_a_row + 1  # the first bad step halts
+    if skipped_in_a_row >= limit:  # "skip", frozen after `limit` bad steps in a row
+        return False, 0, nonfinite_steps, skipped_in_a_row
+    if finite:
+        return True, 1, nonfinite_steps, 0
+    return False, 1, nonfinite_steps + 1, skipped_in_a_row + 1  # skipped, but the schedule moves on
+
+
+def test_skip_halt_rule_truth_table():
+    from maxtext_rocm.trainer.step import decide_step
+
+    limit = 3
+    decide = jax.jit(decide_step, static_argnames=("halting", "max_skipped_steps"))
+    cases = [(finite, mode, bad, in_a_row) for finite in (True, False) for mode in ("skip", "stop")
+             for bad in (0, 1, 4) for in_a_row in (0, 1, limit - 1, limit, limit + 1)]
+    assert len(cases) == 60
+    for finite, mode, bad, in_a_row in cases:
+        got = decide(jnp.asarray(finite), halting=mode == "stop", nonfinite_steps=jnp.int32(bad),
+                     skipped_in_a_row=jnp.int32(in_a_row), max_skipped_steps=limit)
+        assert tuple(got._fields) == ("apply", "step_increment", "nonfinite_steps", "skipped_in_a_row")
+        got = (bool(got.apply), int(got.step_increment), int(got.nonfinite_steps), int(got.skipped_in_a_row))
+        assert got == expected_step_decision(finite, mode, bad, in_a_row, limit), (finite, mode, bad, in_a_row)
+
+
 def test_weight_decay_skips_norm_scales(devices, tmp_path):
     cfg = small_config(**ONE_DEVICE, **{"output_dir": str(tmp_path)})
     mask = decay_mask(initial_run(cfg, devices[:1]).state.params)

@@ -14,3 +14,4 @@ from maxtext_rocm.checkpoint.checkpointer import (  # noqa: F401
 from maxtext_rocm.checkpoint.cli import main  # noqa: F401
 from maxtext_rocm.checkpoint.params import (  # noqa: F401
     export_params, restore_params, restore_params_to_host, run_config, verify_params)
+from maxtext_rocm.errors import CheckpointError  # noqa: F401  (what every reader raises)

@@ -74,7 +74,8 @@ def _leaf_summary(x: jax.Array):
     """(two uint32 sums, whether every element is finite) of one array, in one variadic reduction:
     XLA fuses the iotas, the weights and the isfinite test into the reduce's loop, so the program
     reads the array once and allocates no array-sized temporaries (separate jnp.sum calls
-    materialised the index and weight arrays: 2.25x the state). Each device reduces its own
+    materialised the index and weight arrays:
+    docs/figures.md#checkpoint-saves-the-loops-stall-and-the-checksum). Each device reduces its own
     block; the partitioner combines the partial sums across devices (a few bytes per array)."""
     bits, index = _bits(x), _global_index(x.shape)
     w1 = index * jnp.uint32(0x9E3779B1) | jnp.uint32(1)  # odd: every single change shows

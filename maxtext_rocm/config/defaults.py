@@ -42,7 +42,8 @@ def defaults() -> ml_collections.ConfigDict:
         # q/k/v and gate/up each as one dot over their kernels side by side, so that tensor
         # parallelism reduces x's gradient once per group (5 all-reduces per layer, not 8). The
         # parameters are the same either way. "auto": on when mesh tensor > 1; on one device the
-        # separate dots ran 5-20% faster (bf16, 2-core CPU). fp8 always keeps one dot per weight.
+        # separate dots are faster (docs/figures.md#separate-or-fused-projections-on-one-device).
+        # fp8 always keeps one dot per weight.
         fuse_projections="auto",
         # Attention under mesh sequence > 1 (maxtext_rocm/parallel/context.py): "all_gather" (K/V
         # gathered once per layer), "ring" (K/V blocks passed around the axis), "auto" (all_gather).

@@ -1,7 +1,7 @@
 """Sizes that cannot fit, refused before anything is allocated.
 
 A run whose state or batches exceed the machine should stop with one sentence at start-up, not
-after a 3 TB allocation attempt fourteen seconds in. The figures here are LOWER bounds, each a
+after a failing multi-TB allocation well into start-up. The figures here are LOWER bounds, each a
 quantity the trainer certainly holds, so the check never refuses a run that could fit; whether a
 run that passes it fits a target node exactly is `python -m maxtext_rocm.compile`'s question
 (an AOT compile with XLA's own buffer assignment), which the sentence points to.

@@ -45,11 +45,10 @@ def _version(path: Path, *extra) -> tuple:
 
 def check_jsonl(numbered: list[tuple[int, bytes]], field: str, path: Path) -> None:
     """Every line parses and holds a string `field`: checked before the run starts rather than at
-    the step that reaches a bad line. One pass of json.loads over the lines already in memory:
-    measured 23 MB/s (115 MB of 575-byte lines in 5.1 s) on a loaded 2-core machine, where reading
-    and splitting the same file took 2.2 s; pyarrow's JSON reader was no faster there (32 MB/s)
-    and lets invalid UTF-8 through. Corpora of many GB belong in pre-tokenized ArrayRecord files
-    (scripts/pretokenize.py), which are not scanned."""
+    the step that reaches a bad line. One pass of json.loads over the lines already in memory, a few
+    times the cost of reading them; pyarrow's JSON reader was no faster and lets invalid UTF-8
+    through (docs/figures.md#checking-json-lines-inputs-at-start-up). Corpora of many GB belong in
+    pre-tokenized ArrayRecord files (scripts/pretokenize.py), which are not scanned."""
     key = _version(path, field)
     if key in _CHECKED:
         return

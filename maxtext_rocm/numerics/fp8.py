@@ -84,8 +84,8 @@ def delayed_update(x, q_dtype, scale, history):
 # ------------------------------------------------------------------------------------------
 # The fp8 dot: both operands cast to fp8 and handed to dot_general as fp8 arrays, so every backend
 # runs an fp8 GEMM (cuBLASLt, hipBLASLt, Triton) rather than depending on XLA to recognise a
-# quantize-dequantize pattern around a bf16 dot. Measured on one H200 (jax 0.11.2): that pattern
-# compiled to no fp8 GEMM at all, and the 8B-shaped fp8 row ran at the bf16 row's speed.
+# quantize-dequantize pattern around a bf16 dot, which XLA did not always recognise
+# (docs/figures.md#the-quantize-dequantize-fp8-pattern-on-a-gpu).
 
 
 def _kept_axes(ndim, *removed):

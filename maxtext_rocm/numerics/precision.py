@@ -100,8 +100,8 @@ def f32_accumulating_dot_general(lhs: Array, rhs: Array, dimension_numbers, prec
     is a bf16 x bf16 dot with an fp32 result, rounded to the operands' dtype after (or returned
     as `preferred_element_type`). XLA's CPU backend computes a dot with a bf16 result as an fp32
     dot over upcast copies of its operands, but one with an fp32 result natively (YNNPACK): the
-    same single rounding at the end, at 1.3-5x the speed on 2 cores (scripts/bench_dots.py; the
-    reference comparison's dense bf16 step took 0.73x the time). JAX's own transposes
+    same single rounding at the end, several times faster (scripts/bench_dots.py;
+    docs/figures.md#bf16-matmuls-on-the-cpu). JAX's own transposes
     would receive an fp32 cotangent from that rounding and take the slow path again, hence the
     custom VJP; an fp32 result's cotangent is rounded to bf16 for its transposes, as flash
     attention's kernels do. Other backends accumulate bf16 dots in fp32 anyway and keep

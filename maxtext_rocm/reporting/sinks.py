@@ -82,10 +82,11 @@ def _import_tensorboardx():
     """tensorboardX, imported without torch.
 
     tensorboardX's writer module imports torch whenever torch is installed, only so that it can
-    accept torch tensors; that costs a training process about 1.3 s and 230 MiB before its first
-    step, and scalars never need it. A `None` entry in sys.modules makes `import torch` raise
-    ImportError, which tensorboardX handles; the entry is removed at once, so torch imports
-    normally afterwards (a notebook that imported torch first keeps it: nothing is hidden then).
+    accept torch tensors; that costs a training process start-up time and memory before its first
+    step (docs/figures.md#tensorboardx-without-torch), and scalars never need it. A `None` entry in
+    sys.modules makes `import torch` raise ImportError, which tensorboardX handles; the entry is
+    removed at once, so torch imports normally afterwards (a notebook that imported torch first
+    keeps it: nothing is hidden then).
     """
     if "tensorboardX" in sys.modules or "torch" in sys.modules:
         return importlib.import_module("tensorboardX")

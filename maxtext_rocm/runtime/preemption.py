@@ -15,9 +15,10 @@ own signal would leave its peers alone in a collective, so the stop is agreed:
   that number, reads every process's number, and takes the largest: the stop step. Every process
   reaches it (each has been cleared that far by some process, and the collectives of the steps
   below it need everyone), none passes it.
-- The main loop asks `proceed(step)` before each step: a lock and two attribute reads (~1 us, see
-  scripts/bench_preemption.py); no host sync and no remote call per step. It waits only when its
-  own number has been published and the decision has not arrived yet (bounded by `timeout_s`).
+- The main loop asks `proceed(step)` before each step: a lock and two attribute reads
+  (docs/figures.md#the-preemption-guard-per-step); no host sync and no remote call per step. It
+  waits only when its own number has been published and the decision has not arrived yet
+  (bounded by `timeout_s`).
 - A process whose loop ended (train.steps reached) publishes its final number when its guard
   closes, so a late request is still answered.
 

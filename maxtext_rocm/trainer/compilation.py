@@ -31,8 +31,9 @@ def compile_overlaps_init() -> bool:
     """Whether the train step compiles while the state is still being initialised or restored.
     On an accelerator XLA compiles on host cores that the state's making leaves idle (restoring a
     large checkpoint takes as long as compiling its step). On the CPU both compete for the same
-    cores and memory: tiny_llama on 2 cores started 0.5 s later with 140 MiB more peak RSS, so
-    there the step compiles once the state exists. (Either way the step is traced and lowered
+    cores and memory, so overlapping them starts later with a higher peak
+    (docs/figures.md#compiling-the-step-while-the-state-is-made-on-the-cpu): there the step
+    compiles once the state exists. (Either way the step is traced and lowered
     while the state is being made: that part is Python, and the init program's compilation and
     run release the GIL.)"""
     return jax.default_backend() != "cpu"
@@ -69,12 +70,12 @@ def cache_hits() -> int:
 def use_persistent_cache(setting: str, output_dir: str) -> str | None:
     """Points JAX's persistent compilation cache at `cache_directory(setting, output_dir)` (or
     turns it off) and returns that directory. Compiled programs are written there and read back
-    by any later process that compiles the same program for the same devices with the same
-    options: a run restarted after preemption, or resumed in its output_dir, skips compiling its
-    step and init programs (the reference comparison's MoE model on 2 CPU cores: launch to first
-    step 12.6 s cold, 5.3 s from the cache). JAX writes only programs that took >= 1 s to compile
-    (jax_persistent_cache_min_compile_time_secs) and, on GPUs, also keeps XLA's autotuning
-    results there. The setting is process-wide, as JAX's is: the newest Trainer's applies."""
+    by any later process that compiles the same program for the same devices with the same options:
+    a run restarted after preemption, or resumed in its output_dir, skips compiling its step and
+    init programs (docs/figures.md#the-persistent-compilation-cache). JAX writes only programs whose
+    compilation took at least jax_persistent_cache_min_compile_time_secs and, on GPUs, also keeps
+    XLA's autotuning results there. The setting is process-wide, as JAX's is: the newest Trainer's
+    applies."""
     from jax.experimental.compilation_cache import compilation_cache
 
     path = cache_directory(setting, output_dir)
@@ -93,8 +94,9 @@ def use_persistent_cache(setting: str, output_dir: str) -> str | None:
 def release_freed_host_memory() -> None:
     """Returns the heap that XLA's compiler and the init program have freed to the OS. glibc keeps
     freed small blocks (LLVM's IR, scattered over per-thread arenas) mapped, so the first step's
-    buffers came on top of them: the reference comparison's MoE model peaked at 1,545 MiB instead
-    of 1,239, the dense one at 988 instead of 811. A no-op where the C library has no malloc_trim."""
+    buffers would come on top of them and raise the run's peak RSS
+    (docs/figures.md#returning-freed-heap-after-compiling). A no-op where the C library has no
+    malloc_trim."""
     trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
     if trim is not None:
         trim(0)
@@ -107,10 +109,9 @@ INIT_O0_MAX_VALUES = 8_000_000
 def init_compiler_options(n_values: int) -> dict | None:
     """XLA options for the program that initialises the state. It runs once, so on the CPU its cost
     is one compile plus one pass of the RNG code over every parameter value: unoptimised (O0) that
-    code runs ~4x slower but compiles 0.6-1.5 s faster. Measured on 2 cores: tiny_llama (1.4M
-    values) starts fastest at O0, the reference comparison's dense model (20.6M: 2.5 s -> 0.6 s
-    to run) and MoE (42.6M) at O1; the crossover lies between ~6M and ~16M values. The random
-    bits are the same either way; a float can differ in its last bit (tiny presets: <= 3e-8)."""
+    code runs slower but compiles faster, which wins for small states only; INIT_O0_MAX_VALUES
+    sits at the measured crossover (docs/figures.md#compiling-the-states-init-program-on-the-cpu).
+    The random bits are the same either way; a float can differ in its last bit."""
     if jax.default_backend() != "cpu":
         return None
     return {"xla_backend_optimization_level": 0 if n_values < INIT_O0_MAX_VALUES else 1}
@@ -120,12 +121,12 @@ def init_compiler_options(n_values: int) -> dict | None:
 def unrolled_threefry_on_cpu():
     """Within this context, programs lowered for the CPU hash jax.random's Threefry with its 20
     rounds unrolled, as on every other backend. JAX's CPU rule rolls them into a loop of 5
-    iterations, which XLA's CPU backend compiles into ~15 kernels per random array and runs as
+    iterations, which XLA's CPU backend compiles into many kernels per random array and runs as
     5 passes over it; unrolled, each array's hash fuses into one kernel. Same algorithm, same
-    bits. For the state's init program, whose cost on the CPU is its compile plus one pass of
-    the RNG over every parameter: the reference comparison's MoE model (10 random arrays, 42.6M
-    values) went from 169 kernels to 36, compiled ~0.6 s faster and ran in 0.39 s instead of
-    0.74. Where JAX's internals are not as expected, nothing changes."""
+    bits. The state's init program, whose cost on the CPU is its compile plus one pass of the
+    RNG over every parameter, compiles and runs faster so
+    (docs/figures.md#threefry-unrolled-on-the-cpu). Where JAX's internals are not as expected,
+    nothing changes."""
     try:
         from jax._src.interpreters import mlir
         from jax._src.random import threefry2x32
@@ -157,11 +158,10 @@ def run_init(lowered: jax.stages.Lowered, key, n_param_values: int):
 
 
 def step_compiler_options(policy: str, platform: str) -> dict | None:
-    """XLA options for the train step. fp8 on a GPU compiles without Triton GEMMs: on one H200
-    (jax 0.11.2) the 8B-shaped fp8 row (8 layers, batch 2 x 8192) had not finished compiling
-    after 150 s with them, XLA autotuning Triton's configurations for every fp8 GEMM; without them
-    it compiled in ~12 s to cuBLASLt fp8 GEMMs and ran 1.24x the bf16 row's tokens/s. bf16 keeps
-    them: without, the bf16 row ran 8% slower. XLA_FLAGS naming the option wins over this.
+    """XLA options for the train step. fp8 on a GPU compiles without Triton GEMMs: with them XLA
+    autotunes Triton's configurations for every fp8 GEMM and the step may not finish compiling;
+    without them it compiles to cuBLASLt fp8 GEMMs. bf16 keeps them: without, it runs slower
+    (docs/figures.md#one-nvidia-h200). XLA_FLAGS naming the option wins over this.
     `platform`: that of the devices the step runs on (a CPU mesh in a GPU process gets none)."""
     if policy != "fp8" or platform != "gpu":
         return None

@@ -9,7 +9,7 @@ after gradient accumulation, so `grad_accum=4` computes exactly the gradient of 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -98,15 +98,22 @@ def split_micro_batches(batch: Batch, n: int) -> Batch:
     return jax.tree_util.tree_map(split, batch)
 
 
+class SummedGradients(NamedTuple):
+    """The gradients of the objective summed over the batch's tokens, the fp8 state's update (it
+    arrives as the "gradient" of the fp8 state) and the loss sums."""
+    grads: Any
+    fp8_update: Any
+    sums: dict
+
+
 def summed_gradients(params, model: nn.Module, batch: Batch, grad_accum: int, z_loss_weight: float,
-                     fp8_state=None):
-    """(gradients of the objective summed over the batch's tokens, the fp8 state's update, the
-    sums), accumulating micro-batches. The fp8 update arrives as the "gradient" of the fp8 state."""
+                     fp8_state=None) -> SummedGradients:
+    """The summed gradients, accumulating micro-batches."""
     fp8_state = fp8_state or {}
     grad_fn = jax.value_and_grad(summed_loss, argnums=(0, 4), has_aux=True)
     if grad_accum == 1:
         (_, sums), (grads, fp8_update) = grad_fn(params, model, batch, z_loss_weight, fp8_state)
-        return grads, fp8_update, sums
+        return SummedGradients(grads, fp8_update, sums)
 
     def accumulate(carry, micro):
         grads_acc, fp8_acc, sums_acc = carry
@@ -119,7 +126,7 @@ def summed_gradients(params, model: nn.Module, batch: Batch, grad_accum: int, z_
     zero_sums = {k: jnp.zeros((), jnp.float32) for k in ("ce", "z_loss", "tokens", *moe.ROUTER_LOSS_WEIGHTS)}
     (grads, fp8_update, sums), _ = jax.lax.scan(
         accumulate, (zeros, fp8_start, zero_sums), split_micro_batches(batch, grad_accum))
-    return grads, fp8_update, sums
+    return SummedGradients(grads, fp8_update, sums)
 
 
 def token_count(sums: dict) -> jax.Array:
@@ -138,11 +145,51 @@ def scaled(tree, factor: jax.Array):
     return jax.tree_util.tree_map(lambda x: x * factor.astype(x.dtype), tree)
 
 
+class Gradients(NamedTuple):
+    """Token-mean gradients over the whole batch, the fp8 state's update, the loss metrics."""
+    grads: Any
+    fp8_update: Any
+    metrics: dict
+
+
 def gradients(params, model: nn.Module, batch: Batch, grad_accum: int, z_loss_weight: float,
-              fp8_state=None):
-    """(token-mean gradients over the whole batch, the fp8 state's update, loss metrics)."""
-    grads, fp8_update, sums = summed_gradients(params, model, batch, grad_accum, z_loss_weight, fp8_state)
-    return scaled(grads, 1.0 / token_count(sums)), fp8_update, loss_metrics(sums)
+              fp8_state=None) -> Gradients:
+    """The token-mean gradients over the whole batch, accumulating micro-batches."""
+    summed = summed_gradients(params, model, batch, grad_accum, z_loss_weight, fp8_state)
+    return Gradients(scaled(summed.grads, 1.0 / token_count(summed.sums)), summed.fp8_update,
+                     loss_metrics(summed.sums))
+
+
+class StepDecision(NamedTuple):
+    """What one step does with its update, and the counters it leaves (int32 scalars)."""
+    apply: Array            # bool: run the optimizer update (else keep params, optimizer and fp8 state)
+    step_increment: Array   # 0 or 1: whether `step` moves on
+    nonfinite_steps: Array  # the new count of dropped non-finite steps
+    skipped_in_a_row: Array  # the new length of the latest run of dropped steps
+
+
+def decide_step(finite: Array, *, halting: bool, nonfinite_steps: Array, skipped_in_a_row: Array,
+                max_skipped_steps: int) -> StepDecision:
+    """The skip/halt rule, pure and traceable. An inf/NaN step must not poison the state.
+
+    - The state is *frozen* under "stop" (`halting`) once any step was non-finite, and under
+      "skip" once `max_skipped_steps` steps in a row were: a frozen state changes no more (no
+      update, no count, `step` stays), so the host, however late it looks, finds the last good
+      state, and divergence that skipping cannot cure stops the run (trainer/divergence.py)
+      instead of being skipped silently to the end.
+    - Otherwise a finite step applies its update and resets the run of skips; a non-finite one
+      drops its update and counts in both counters.
+    - `step` moves on with every step that is not frozen under "skip" (a skipped step is still a
+      step of the schedule), but under "stop" only with an applied update.
+    """
+    frozen = (nonfinite_steps > 0) if halting else (skipped_in_a_row >= max_skipped_steps)
+    apply = finite & ~frozen
+    counts = (~finite & ~frozen).astype(jnp.int32)
+    return StepDecision(
+        apply=apply,
+        step_increment=(apply if halting else ~frozen).astype(jnp.int32),
+        nonfinite_steps=nonfinite_steps + counts,
+        skipped_in_a_row=jnp.where(apply, 0, skipped_in_a_row + counts))
 
 
 def train_step(state: TrainState, batch: Batch, hyperparameters: dict[str, Array], *, model: nn.Module,
@@ -151,30 +198,25 @@ def train_step(state: TrainState, batch: Batch, hyperparameters: dict[str, Array
     the compiled program, so runs that differ only in them share it; `clip`: whether the optimizer
     clips (its state's layout depends on it)."""
     tx = build_optimizer(hyperparameters, clip)
-    summed, fp8_update, sums = summed_gradients(state.params, model, batch, train_cfg.grad_accum,
-                                                train_cfg.z_loss_weight, state.fp8)
-    metrics = loss_metrics(sums)
+    summed = summed_gradients(state.params, model, batch, train_cfg.grad_accum, train_cfg.z_loss_weight,
+                              state.fp8)
+    metrics = loss_metrics(summed.sums)
     # The token mean is taken inside the update branch below, where its multiply fuses into the
-    # optimizer's kernels; before the branch it was one more pass over every gradient (and one
-    # more kernel per parameter for XLA to compile). The norm of the mean is the mean's norm.
-    inv_tokens = 1.0 / token_count(sums)
-    grad_norm = optax.tree.norm(summed) * inv_tokens
+    # optimizer's kernels; before the branch it would be one more pass over every gradient (and
+    # one more kernel per parameter for XLA to compile). The norm of the mean is the mean's norm.
+    inv_tokens = 1.0 / token_count(summed.sums)
+    grad_norm = optax.tree.norm(summed.grads) * inv_tokens
 
-    # An inf/NaN step must not poison the state: keep the old one ("skip"), and under "stop"
-    # freeze everything from the first bad step on, so the host can checkpoint the last good state.
-    # "skip" freezes too once train.max_skipped_steps steps in a row were bad: divergence that
-    # skipping cannot cure stops the run (train.py) instead of being skipped silently to the end.
+    decision = decide_step(jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm),
+                           halting=train_cfg.on_nonfinite == "stop", nonfinite_steps=state.nonfinite_steps,
+                           skipped_in_a_row=state.skipped_in_a_row,
+                           max_skipped_steps=train_cfg.max_skipped_steps)
+
     # A branch rather than a select between old and new: the update then runs in place in the
     # donated buffers instead of beside a copy of parameters and optimizer state.
-    finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
-    halting = train_cfg.on_nonfinite == "stop"
-    frozen = (state.nonfinite_steps > 0) if halting else (state.skipped_in_a_row >= train_cfg.max_skipped_steps)
-    apply = finite & ~frozen
-    counts = (~finite & ~frozen).astype(jnp.int32)
-
     def update(operands):
-        params, opt_state, summed, fp8_update, _ = operands
-        updates, opt_state = tx.update(scaled(summed, inv_tokens), opt_state, params, grad_norm=grad_norm)
+        params, opt_state, grads, fp8_update, _ = operands
+        updates, opt_state = tx.update(scaled(grads, inv_tokens), opt_state, params, grad_norm=grad_norm)
         return optax.apply_updates(params, updates), opt_state, fp8_update
 
     def keep(operands):
@@ -182,12 +224,10 @@ def train_step(state: TrainState, batch: Batch, hyperparameters: dict[str, Array
         return params, opt_state, fp8_state
 
     params, opt_state, fp8_state = jax.lax.cond(
-        apply, update, keep, (state.params, state.opt_state, summed, fp8_update, state.fp8))
+        decision.apply, update, keep, (state.params, state.opt_state, summed.grads, summed.fp8_update, state.fp8))
     new_state = state.replace(
-        step=state.step + (apply if halting else ~frozen).astype(jnp.int32),
-        params=params, opt_state=opt_state, fp8=fp8_state,
-        nonfinite_steps=state.nonfinite_steps + counts,
-        skipped_in_a_row=jnp.where(apply, 0, state.skipped_in_a_row + counts))
+        step=state.step + decision.step_increment, params=params, opt_state=opt_state, fp8=fp8_state,
+        nonfinite_steps=decision.nonfinite_steps, skipped_in_a_row=decision.skipped_in_a_row)
     metrics.update(grad_norm=grad_norm, lr=learning_rate(state.step, hyperparameters),
                    nonfinite_steps=new_state.nonfinite_steps, skipped_in_a_row=new_state.skipped_in_a_row)
     return new_state, metrics
