@@ -27,7 +27,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from maxtext_rocm.checkpoint import checksums
-from maxtext_rocm.checkpoint.errors import cause, quiet_closed_loop_callbacks
+from maxtext_rocm.checkpoint.errors import cause, quiet_closed_loop_callbacks, quiet_orbax_error_logs
 from maxtext_rocm.errors import CheckpointError
 
 STATE, META = "state", "meta"  # the Checkpointer's item names (checkpoint.py)
@@ -158,6 +158,7 @@ def restore_params_checked(path, abstract_params):
     intact step of a run (warning about each damaged newer one), or exactly the step or export
     named, else one CheckpointError sentence."""
     quiet_closed_loop_callbacks()
+    quiet_orbax_error_logs()
     sources, explicit = _sources(Path(path).absolute())
     skipped = []
     for source in sources:
