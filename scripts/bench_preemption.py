@@ -7,6 +7,7 @@ poll that sleeps in C++ until a request comes, so it takes no CPU between reques
     python scripts/bench_preemption.py [N]
 """
 
+import argparse
 import signal
 import sys
 import time
@@ -41,4 +42,6 @@ def main(n: int = 1_000_000) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 1_000_000)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("n", nargs="?", type=int, default=1_000_000, help="calls timed per case")
+    main(parser.parse_args().n)

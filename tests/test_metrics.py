@@ -251,7 +251,7 @@ def test_wandb_online_without_a_login_is_one_clear_error(tmp_path, monkeypatch, 
 
 def test_tensorboardx_is_imported_without_torch():
     """tensorboardX imports torch when it can (~1.3 s and 230 MiB at start-up); the writer keeps it out."""
-    code = ("import sys; from maxtext_rocm import metric_sinks; metric_sinks._import_tensorboardx(); "
+    code = ("import sys; from maxtext_rocm.reporting import sinks; sinks._import_tensorboardx(); "
             "assert 'tensorboardX' in sys.modules and 'torch' not in sys.modules; import torch")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
