@@ -108,6 +108,10 @@ class Checkpointer:
         if self.should_save(step, last_step):
             save()
 
+    def has_saved(self, step: int) -> bool:
+        """Whether this Checkpointer has already started the save of `step` (save() would do nothing)."""
+        return step == self._last_saved
+
     # ------------------------------------------------------------------------------------------
     # Saving
 

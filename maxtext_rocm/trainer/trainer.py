@@ -95,6 +95,8 @@ class Trainer:
 
         self.commit_run_record()  # checkpoints of this launch's config: its record goes with them
         step, in_a_row = (int(x) for x in jax.device_get((self.state.step, self.state.skipped_in_a_row)))
+        if self.checkpointer.has_saved(step):  # the stop step was a save step too: every process knows it alike
+            return
         # Every data-loading process's position (a collective), or the step alone: replayed up to it.
         data_state = saved_data_state(self.data, step)
         try:
