@@ -160,10 +160,12 @@ def test_documents_that_yield_no_tokens_name_the_file(tmp_path, capsys):
 def test_the_packer_never_spins_on_documents_without_tokens():
     """A process whose share holds only token-less documents (the others' shares did not) stops
     with a sentence instead of looping for ever."""
-    from maxtext_rocm.data.files import DataError, RowPacker
+    from maxtext_rocm.data.checks import DataError
+    from maxtext_rocm.data.packing import DocumentStream, RowPacker
 
     dataset = [np.zeros(1, np.int32) for _ in range(6)]  # one token each: nothing to predict
-    packer = RowPacker(dataset, seq_len=16, seed=0, process_index=0, process_count=2, name="data.paths (x.jsonl)")
+    packer = RowPacker(DocumentStream(dataset, seed=0, process_index=0, process_count=2), seq_len=16,
+                       name="data.paths (x.jsonl)")
     raised = []
 
     def take():
