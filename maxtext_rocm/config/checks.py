@@ -14,7 +14,7 @@ from typing import Any, Iterable, Mapping
 import ml_collections
 
 from maxtext_rocm.config.choices import (
-    ATTENTION_IMPLEMENTATIONS, CONTEXT_PARALLEL_MODES, DATA_SOURCES, FP8_FORMATS, FP8_SCALINGS, MESH_AXES,
+    ATTENTION_IMPLEMENTATIONS, CONTEXT_PARALLEL_MODES, DATA_FORMATS, DATA_SOURCES, FP8_FORMATS, FP8_SCALINGS, MESH_AXES,
     MODEL_FAMILIES, MOE_IMPLEMENTATIONS, NONFINITE_ACTIONS, NUMBER_RANGES, PIPELINE_SCHEDULES, PRECISION_POLICIES,
     PROJECTION_FUSIONS, REMAT_POLICIES, SCHEDULES)
 from maxtext_rocm.errors import ConfigError
@@ -134,6 +134,10 @@ def validate(cfg: ml_collections.ConfigDict, device_count: int | None = None,
              f"checkpoint.load_params_from={c.load_params_from!r} is not a directory")
 
     _one_of("data.source", cfg.data.source, DATA_SOURCES)
+    _one_of("data.format", cfg.data.format, DATA_FORMATS)
+    _require(cfg.data.format == "text" or cfg.data.source == "files",
+             f"data.format={cfg.data.format!r} reads your own JSON Lines records; set data.source='files' and "
+             "data.paths, or use data.format='text'")
     _require(isinstance(cfg.data.epochs, int) and cfg.data.epochs >= 0,
              f"data.epochs={cfg.data.epochs!r} is not valid; use a number of passes >= 1, or 0 for no limit")
     _require(cfg.data.prefetch >= 1, f"data.prefetch must be >= 1 (batches built ahead), got {cfg.data.prefetch}")
@@ -147,7 +151,7 @@ def validate(cfg: ml_collections.ConfigDict, device_count: int | None = None,
                  "(held-out files); or set train.eval_every=0")
         from maxtext_rocm.data.files import check_inputs
 
-        check_inputs(cfg.data, m.vocab_size)  # files exist, are not empty, have the text field
+        check_inputs(cfg.data, m.vocab_size, t.seq_len)  # files exist, are not empty, have the text field
     if cfg.data.source == "embedded":
         from maxtext_rocm.data.tokenizer import ByteTokenizer
 

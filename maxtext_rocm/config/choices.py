@@ -11,6 +11,7 @@ FP8_FORMATS = ("auto", "ocp", "fnuz")
 FP8_SCALINGS = ("delayed", "current")
 SCHEDULES = ("cosine", "constant")
 DATA_SOURCES = ("synthetic", "embedded", "files")
+DATA_FORMATS = ("text", "chat", "prompt_completion", "preference")  # what a record of data.paths holds
 MODEL_FAMILIES = ("llama", "mixtral")
 MOE_IMPLEMENTATIONS = ("auto", "dropless", "capacity", "dense")
 PROJECTION_FUSIONS = ("auto", "on", "off")

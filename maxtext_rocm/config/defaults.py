@@ -104,6 +104,14 @@ def defaults() -> ml_collections.ConfigDict:
         # .jsonl / .parquet / .txt / .arrayrecord (pre-tokenized by scripts/pretokenize.py).
         paths="", eval_paths="",
         text_field="text",  # the JSON Lines field / Parquet column holding the text
+        # What each JSON line holds (data/formats.py, docs/finetuning.md): "text" (data.text_field),
+        # "chat" ({"messages": [{"role", "content"}, ...]}), "prompt_completion" ({"prompt",
+        # "completion"}) or "preference" ({"prompt", "chosen", "rejected"}: rows in pairs, for DPO).
+        format="text",
+        # The Jinja template chats are rendered with: "" the tokenizer's own (chat_template.jinja or
+        # tokenizer_config.json's chat_template beside data.tokenizer), a file, or built-in "llama3".
+        chat_template="",
+        train_on_prompt=False,  # chat/prompt_completion: train every token, not only the assistant's
         add_bos=True, add_eos=True,  # around each document, where the tokenizer has them
         packing=True,  # several documents per row (segment ids); off: one per row, truncated/padded
         epochs=0,  # passes over data.paths before the run stops with an error; 0: no limit

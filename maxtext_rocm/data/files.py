@@ -28,7 +28,7 @@ from maxtext_rocm.data.synthetic import local_rows
 from maxtext_rocm.data.tokenizer import check_vocab, load_tokenizer
 
 
-def check_inputs(data_cfg, model_vocab_size: int) -> None:
+def check_inputs(data_cfg, model_vocab_size: int, seq_len: int | None = None) -> None:
     """The checks config validation runs before any device work: files exist, are not empty and
     read as their format says (every JSON line, every text byte), the text field is there, the
     tokenizer fits the model, and some document gives the model a token to predict."""
@@ -38,6 +38,11 @@ def check_inputs(data_cfg, model_vocab_size: int) -> None:
     for key in ("paths", "eval_paths"):
         if data_cfg.get(key):
             files = expand_paths(data_cfg[key], f"data.{key}")
+            if data_cfg.get("format", "text") != "text":  # chats, prompt/completion, preference: data/formats.py
+                from maxtext_rocm.data.formats import check_format_inputs
+
+                check_format_inputs(files, data_cfg, tokenizer, seq_len)
+                continue
             docs = Documents(files, data_cfg.text_field)
             _check_yields_tokens(tokenized_dataset(docs, tokenizer, data_cfg.add_bos, data_cfg.add_eos),
                                  files, f"data.{key}")
@@ -76,16 +81,31 @@ class FilesSource:
         self.split, self.files = split, expand_paths(spec, key)
         self.rows = local_rows(global_batch, process_index, process_count)
         self.local_batch = self.rows.stop - self.rows.start
-        docs = Documents(self.files, data_cfg.get("text_field", "text"))
         spec = data_cfg.get("tokenizer", "byte") or "byte"
         self.tokenizer = load_tokenizer(spec)
         check_vocab(self.tokenizer, vocab_size, spec)
+        self.format = data_cfg.get("format", "text")
+        if self.format == "text":
+            docs = Documents(self.files, data_cfg.get("text_field", "text"))
+            self.dataset = tokenized_dataset(docs, self.tokenizer, data_cfg.get("add_bos", True),
+                                             data_cfg.get("add_eos", True))
+        else:  # chats, prompt/completion, preference pairs (data/formats.py)
+            from maxtext_rocm.data.formats import format_dataset
+
+            docs, self.dataset = format_dataset(self.files, data_cfg, self.tokenizer)
+        self._packer = RowPacker
+        if self.format == "preference":
+            from maxtext_rocm.data.preference import PairPacker
+
+            self._packer = PairPacker
+            if self.local_batch % 2:
+                raise DataError(f"data.format='preference' puts each pair in two rows, but this process has "
+                                f"{self.local_batch} rows of the global batch; make train.per_device_batch_size x "
+                                "local devices even")
         if docs.meta.get("vocab_size", 0) > vocab_size:
             raise DataError(f"{self.files[0]} was tokenized with {docs.meta['vocab_size']} ids but "
                             f"model.vocab_size={vocab_size}; use model.vocab_size >= {docs.meta['vocab_size']}")
         self.num_docs, self.pretokenized = len(docs), docs.pretokenized
-        self.dataset = tokenized_dataset(docs, self.tokenizer, data_cfg.get("add_bos", True),
-                                         data_cfg.get("add_eos", True))
         self.packing = data_cfg.get("packing", True)
         self.prefetch = max(1, int(data_cfg.get("prefetch", 4)))
         self._stream_args = dict(
@@ -106,7 +126,7 @@ class FilesSource:
 
     def _launch(self, start: dict) -> None:
         self._stop_thread()
-        packer = RowPacker(DocumentStream(**self._stream_args), **self._packer_args)
+        packer = self._packer(DocumentStream(**self._stream_args), **self._packer_args)
         packer.set_state(start)
         self._queue, self._stop = queue.Queue(self.prefetch), threading.Event()
         self._next = int(start["step"])
@@ -193,5 +213,7 @@ class FilesSource:
 
     def describe(self) -> str:
         kind = "pre-tokenized ArrayRecord" if self.pretokenized else f"{type(self.tokenizer).__name__}"
+        if self.format != "text":
+            kind += f", data.format={self.format!r}"
         return (f"files: {self.num_docs:,} documents in {len(self.files)} file(s) ({kind}), "
                 f"{'packed' if self.packing else 'one document per row'}, {self.split} split")
