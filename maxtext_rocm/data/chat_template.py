@@ -137,9 +137,9 @@ def load_chat_template(data_cfg, tokenizer) -> ChatTemplate:
     spec = data_cfg.get("chat_template", "") or ""
     path = getattr(tokenizer, "path", None)
     if path is None:
-        raise ConfigError(f"data.format={data_cfg.get('format')!r} renders chats with a chat template, which needs a "
-                          "tokenizer file: set data.tokenizer to a tokenizer.json (or a tiktoken/SentencePiece file "
-                          "with data.chat_template='llama3'); the byte tokenizer has no chat tokens")
+        raise ConfigError("chats are rendered with a chat template, which needs a tokenizer file: set data.tokenizer "
+                          "to a tokenizer.json (or a tiktoken/SentencePiece file with data.chat_template='llama3'); "
+                          "the byte tokenizer has no chat tokens")
     folder = Path(path).parent
     specials = _specials_from_config(folder, tokenizer)
     return _load(spec, str(folder), tuple(sorted(specials.items())))
