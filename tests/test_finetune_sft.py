@@ -72,6 +72,8 @@ def test_from_hf_preset_sft_back_to_hf_and_chat(tmp_path, monkeypatch, devices, 
 
     # Back to Hugging Face: the assistant's tokens learned, measured by transformers.
     assert convert_main(["to-hf", "runs/tiny_chat", "tiny_chat_hf"]) == 0
+    exported = transformers.AutoTokenizer.from_pretrained(elsewhere / "tiny_chat_hf")  # tokenizer copied along
+    assert exported.apply_chat_template(CHAT, tokenize=False).endswith("hello world<|eot_id|>")
     from maxtext_rocm.data.chat_template import load_chat_template
     from maxtext_rocm.data.formats import chat_example
     from maxtext_rocm.data.tokenizer import load_tokenizer
@@ -80,7 +82,8 @@ def test_from_hf_preset_sft_back_to_hf_and_chat(tmp_path, monkeypatch, devices, 
     example = chat_example(load_chat_template(cfg.data, tok), tok, CHAT)
     before = hf_token_losses(hf, example.tokens.tolist(), example.trained)
     after = hf_token_losses(elsewhere / "tiny_chat_hf", example.tokens.tolist(), example.trained)
-    print(f"transformers CE assistant {before[0]:.3f} -> {after[0]:.3f}, others {before[1]:.3f} -> {after[1]:.3f}")
+    with capsys.disabled():
+        print(f"transformers CE assistant {before[0]:.3f} -> {after[0]:.3f}, others {before[1]:.3f} -> {after[1]:.3f}")
     assert after[0] < 0.1 * before[0] and after[0] < 0.5
     assert after[1] > 10 * after[0]  # the prompt's tokens were not trained
 

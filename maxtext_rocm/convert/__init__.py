@@ -34,7 +34,7 @@ from maxtext_rocm import config as config_lib
 from maxtext_rocm.convert import files as files_lib
 from maxtext_rocm.convert.hf_config import ConvertError, hf_config, model_updates
 from maxtext_rocm.convert.mapping import IGNORED, aliases, leaf, plan
-from maxtext_rocm.convert.preset import finetune_keys, preset_source, validate_without_data
+from maxtext_rocm.convert.preset import finetune_keys, preset_source, tokenizer_files, validate_without_data
 
 __all__ = ["ConvertError", "from_hf", "hf_to_export", "checkpoint_to_hf", "to_hf"]
 
@@ -190,7 +190,8 @@ def hf_to_export(hf_dir, out_dir, overrides=None) -> Path:
 
 def to_hf(cfg, params, out_dir, *, dtype: str = "float32", max_shard_size: str | int = DEFAULT_SHARD_SIZE,
           hf_base: Mapping[str, Any] | None = None) -> Path:
-    """Writes `params` of `cfg` as a Hugging Face folder: safetensors shards (+ index) and config.json.
+    """Writes `params` of `cfg` as a Hugging Face folder: safetensors shards (+ index), config.json
+    and the tokenizer files beside cfg.data.tokenizer (convert/preset.py), so AutoTokenizer loads it.
 
     `hf_base` is the original config.json of an imported model, whose other keys (token ids,
     max_position_embeddings, ...) are kept.
@@ -231,6 +232,8 @@ def to_hf(cfg, params, out_dir, *, dtype: str = "float32", max_shard_size: str |
             (tmp / files_lib.INDEX).write_text(json.dumps(index, indent=2) + "\n")
         config = hf_config(cfg.model, hf_base, dtype, max_position=cfg.train.seq_len)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        for path in tokenizer_files(cfg.data.get("tokenizer", "") if "data" in cfg else ""):
+            shutil.copyfile(path, tmp / path.name)
         tmp.rename(out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

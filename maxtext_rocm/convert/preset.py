@@ -18,6 +18,19 @@ import ml_collections
 from maxtext_rocm import config as config_lib
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
+# What transformers' AutoTokenizer reads from a folder, copied by `to-hf` beside the weights.
+TOKENIZER_FOLDER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
+                          "chat_template.jinja")
+
+
+def tokenizer_files(spec: str) -> list[Path]:
+    """The tokenizer files of the folder `data.tokenizer` names a file of (none for "byte")."""
+    path = Path(str(spec).partition(":")[2] if str(spec).partition(":")[0] in ("hf", "sentencepiece", "tiktoken")
+                else str(spec)).expanduser()
+    if spec in ("", "byte") or not path.exists():
+        return []
+    folder = path if path.is_dir() else path.parent
+    return [folder / name for name in TOKENIZER_FOLDER_FILES if (folder / name).is_file()]
 
 
 def has_chat_template(folder: Path) -> bool:
