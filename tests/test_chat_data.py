@@ -218,3 +218,35 @@ def test_template_file_and_generation_marks(tok_dir, tok, tmp_path):
     with pytest.raises(ConfigError, match="neither a file nor a built-in"):
         load_chat_template(data_cfg(tok_dir, chat_template="nope"), tok)
     json.dumps(CHATS)
+
+
+def test_preference_position_resumes(tok_dir, tok, tmp_path):
+    """The pair source's position is the files source's: a restored source continues with the batch
+    an uninterrupted one gives next."""
+    records = [{"prompt": f"what is {i} plus {i}?", "chosen": " four.", "rejected": " no"} for i in range(5)]
+    cfg = data_cfg(tok_dir, paths=str(write_jsonl(tmp_path / "pref.jsonl", records)), format="preference")
+    make = lambda: FilesSource(cfg, vocab_size=tok.vocab_size, global_batch=4, seq_len=32)  # noqa: E731
+    first, again = make(), make()
+    try:
+        first.batch(0)
+        state = {**first.state(), "step": 1}
+        want = first.batch(1)
+        again.restore(state)
+        got = again.batch(1)
+    finally:
+        first.close(), again.close()
+    for key in want:
+        np.testing.assert_array_equal(got[key], want[key])
+
+
+def test_config_checks_the_new_keys(tok_dir, tmp_path):
+    from conftest import small_config
+
+    from maxtext_rocm import config as config_lib
+
+    with pytest.raises(ConfigError, match="data.format='chat' reads your own JSON Lines"):
+        config_lib.validate(small_config(**{"data.format": "chat"}))
+    with pytest.raises(ConfigError, match="data.chat_template='llama2' is neither a file nor a built-in"):
+        config_lib.validate(small_config(**{"data.chat_template": "llama2"}))
+    with pytest.raises(ConfigError, match="data.format='chats' is not valid"):
+        config_lib.validate(small_config(**{"data.format": "chats"}))

@@ -42,6 +42,23 @@ def hf_token_losses(folder: Path, ids: list[int], trained: np.ndarray) -> tuple[
     return float(losses[mask].mean()), float(losses[~mask].mean())
 
 
+def test_from_hf_writes_a_finetuning_preset(tmp_path, monkeypatch, capsys):
+    """From another working directory, with relative paths: the preset names the folder's tokenizer
+    by absolute path, trains chats at the published context length, and asks for data.paths."""
+    make_hf_chat_model(tmp_path / "hf", max_positions=80)
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    assert convert_main(["from-hf", "../hf", "out"]) == 0
+    assert "--config.data.paths=" in capsys.readouterr().out
+    monkeypatch.chdir(tmp_path)
+    cfg = config_lib.load_preset(str(tmp_path / "elsewhere" / "out" / "preset.py"))
+    assert cfg.data.tokenizer == str((tmp_path / "hf" / "tokenizer.json").resolve())
+    assert (cfg.data.source, cfg.data.format, cfg.train.seq_len, cfg.name) == ("files", "chat", 80, "out")
+    assert cfg.checkpoint.load_params_from == str(tmp_path / "elsewhere" / "out")
+    with pytest.raises(config_lib.ConfigError, match="needs data.paths"):
+        config_lib.load(str(tmp_path / "elsewhere" / "out" / "preset.py"))
+
+
 @pytest.mark.slow
 def test_from_hf_preset_sft_back_to_hf_and_chat(tmp_path, monkeypatch, devices, capsys):
     hf = make_hf_chat_model(tmp_path / "hf")

@@ -14,9 +14,9 @@ from typing import Any, Iterable, Mapping
 import ml_collections
 
 from maxtext_rocm.config.choices import (
-    ATTENTION_IMPLEMENTATIONS, CONTEXT_PARALLEL_MODES, DATA_FORMATS, DATA_SOURCES, FP8_FORMATS, FP8_SCALINGS, MESH_AXES,
-    MODEL_FAMILIES, MOE_IMPLEMENTATIONS, NONFINITE_ACTIONS, NUMBER_RANGES, PIPELINE_SCHEDULES, PRECISION_POLICIES,
-    PROJECTION_FUSIONS, REMAT_POLICIES, SCHEDULES)
+    ATTENTION_IMPLEMENTATIONS, CHAT_TEMPLATES, CONTEXT_PARALLEL_MODES, DATA_FORMATS, DATA_SOURCES, FP8_FORMATS,
+    FP8_SCALINGS, MESH_AXES, MODEL_FAMILIES, MOE_IMPLEMENTATIONS, NONFINITE_ACTIONS, NUMBER_RANGES, PIPELINE_SCHEDULES,
+    PRECISION_POLICIES, PROJECTION_FUSIONS, REMAT_POLICIES, SCHEDULES)
 from maxtext_rocm.errors import ConfigError
 from maxtext_rocm.config.mesh_sizes import axis_sizes, mesh_shape  # noqa: F401  (part of this module's interface)
 
@@ -138,6 +138,10 @@ def validate(cfg: ml_collections.ConfigDict, device_count: int | None = None,
     _require(cfg.data.format == "text" or cfg.data.source == "files",
              f"data.format={cfg.data.format!r} reads your own JSON Lines records; set data.source='files' and "
              "data.paths, or use data.format='text'")
+    template = cfg.data.chat_template
+    _require(isinstance(template, str) and (template in ("", *CHAT_TEMPLATES) or Path(template).expanduser().is_file()),
+             f"data.chat_template={template!r} is neither a file nor a built-in template; use a Jinja file, "
+             f"{', '.join(map(repr, CHAT_TEMPLATES))}, or '' for the tokenizer's own")
     _require(isinstance(cfg.data.epochs, int) and cfg.data.epochs >= 0,
              f"data.epochs={cfg.data.epochs!r} is not valid; use a number of passes >= 1, or 0 for no limit")
     _require(cfg.data.prefetch >= 1, f"data.prefetch must be >= 1 (batches built ahead), got {cfg.data.prefetch}")

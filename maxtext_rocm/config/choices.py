@@ -12,6 +12,7 @@ FP8_SCALINGS = ("delayed", "current")
 SCHEDULES = ("cosine", "constant")
 DATA_SOURCES = ("synthetic", "embedded", "files")
 DATA_FORMATS = ("text", "chat", "prompt_completion", "preference")  # what a record of data.paths holds
+CHAT_TEMPLATES = ("llama3",)  # built into data/chat_template.py; data.chat_template may also be a file
 MODEL_FAMILIES = ("llama", "mixtral")
 MOE_IMPLEMENTATIONS = ("auto", "dropless", "capacity", "dense")
 PROJECTION_FUSIONS = ("auto", "on", "off")
