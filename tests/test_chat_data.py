@@ -250,3 +250,23 @@ def test_config_checks_the_new_keys(tok_dir, tmp_path):
         config_lib.validate(small_config(**{"data.chat_template": "llama2"}))
     with pytest.raises(ConfigError, match="data.format='chats' is not valid"):
         config_lib.validate(small_config(**{"data.format": "chats"}))
+
+
+def test_a_template_that_refuses_a_conversation_stops_the_cli_with_file_and_line(tok_dir, tmp_path, capsys):
+    """A template's raise_exception (here: no system role, as some published templates say) is found
+    at launch for the first record of each sequence of roles: one sentence, exit 2, no run dir."""
+    from maxtext_rocm import train
+
+    (tmp_path / "no_system.jinja").write_text(
+        "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+        "{% endif %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}")
+    data = write_jsonl(tmp_path / "chats.jsonl", [{"messages": CHATS[1]}] * 3 + [{"messages": CHATS[0]}])
+    status = train.main(["configs/tiny_llama.py", "--config.model.vocab_size=512", "--config.data.source=files",
+                         f"--config.data.paths={data}", "--config.data.format=chat",
+                         f"--config.data.tokenizer={tok_dir / 'tokenizer.json'}",
+                         f"--config.data.chat_template={tmp_path / 'no_system.jinja'}",
+                         f"--config.output_dir={tmp_path / 'run'}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == 2 and len(err) == 1, err
+    assert err[0].startswith(f"error: {data} line 4: the chat template of ") and "System role not supported" in err[0]
+    assert not (tmp_path / "run").exists()

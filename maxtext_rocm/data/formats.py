@@ -132,12 +132,27 @@ def format_dataset(files, data_cfg, tokenizer):
     return records, grain.MapDataset.source(records).map(tokenize)
 
 
+def role_pattern(record: dict) -> tuple:
+    """The sequence of roles a record renders (a plain-text prompt: none)."""
+    messages = record.get("messages", record.get("prompt"))
+    return tuple(m["role"] for m in messages) if isinstance(messages, list) else ()
+
+
 def check_format_inputs(files, data_cfg, tokenizer, seq_len: int | None) -> None:
-    """Before any device work: every record's shape (Records), the template renders the first one,
-    and without packing (chat, prompt_completion) no example loses every trained token to the row's
+    """Before any device work: every record's shape (Records); the template renders and masks the
+    first record of each sequence of roles (a template refuses a role or an order of turns, e.g.
+    "roles must alternate", by the roles, so one of each is rendered, not every record); and
+    without packing (chat, prompt_completion) no example loses every trained token to the row's
     end, which tokenizes every record once."""
     records, dataset = format_dataset(files, data_cfg, tokenizer)
-    dataset[0]
-    if data_cfg.get("format") != "preference" and not data_cfg.get("packing", True) and seq_len:
-        for index in range(len(dataset)):
-            check_trained_within(dataset[index], seq_len, records.where(index))
+    exhaustive = data_cfg.get("format") != "preference" and not data_cfg.get("packing", True) and seq_len
+    seen = set()
+    for index in range(len(records)):
+        if not exhaustive:
+            pattern = role_pattern(records[index][0])
+            if pattern in seen:
+                continue
+            seen.add(pattern)
+        example = dataset[index]
+        if exhaustive:
+            check_trained_within(example, seq_len, records.where(index))
