@@ -89,19 +89,11 @@ class FilesSource:
             docs = Documents(self.files, data_cfg.get("text_field", "text"))
             self.dataset = tokenized_dataset(docs, self.tokenizer, data_cfg.get("add_bos", True),
                                              data_cfg.get("add_eos", True))
-        else:  # chats, prompt/completion, preference pairs (data/formats.py)
-            from maxtext_rocm.data.formats import format_dataset
+            self._packer = RowPacker
+        else:  # chats, prompt/completion, preference pairs
+            from maxtext_rocm.data.formats import format_source
 
-            docs, self.dataset = format_dataset(self.files, data_cfg, self.tokenizer)
-        self._packer = RowPacker
-        if self.format == "preference":
-            from maxtext_rocm.data.preference import PairPacker
-
-            self._packer = PairPacker
-            if self.local_batch % 2:
-                raise DataError(f"data.format='preference' puts each pair in two rows, but this process has "
-                                f"{self.local_batch} rows of the global batch; make train.per_device_batch_size x "
-                                "local devices even")
+            docs, self.dataset, self._packer = format_source(self.files, data_cfg, self.tokenizer, self.local_batch)
         if docs.meta.get("vocab_size", 0) > vocab_size:
             raise DataError(f"{self.files[0]} was tokenized with {docs.meta['vocab_size']} ids but "
                             f"model.vocab_size={vocab_size}; use model.vocab_size >= {docs.meta['vocab_size']}")
@@ -213,7 +205,9 @@ class FilesSource:
 
     def describe(self) -> str:
         kind = "pre-tokenized ArrayRecord" if self.pretokenized else f"{type(self.tokenizer).__name__}"
+        layout = "packed" if self.packing else "one document per row"
         if self.format != "text":
             kind += f", data.format={self.format!r}"
-        return (f"files: {self.num_docs:,} documents in {len(self.files)} file(s) ({kind}), "
-                f"{'packed' if self.packing else 'one document per row'}, {self.split} split")
+            layout = "a pair per two rows" if self.format == "preference" else layout
+        return (f"files: {self.num_docs:,} documents in {len(self.files)} file(s) ({kind}), {layout}, "
+                f"{self.split} split")

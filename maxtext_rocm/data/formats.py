@@ -138,6 +138,27 @@ def role_pattern(record: dict) -> tuple:
     return tuple(m["role"] for m in messages) if isinstance(messages, list) else ()
 
 
+class FormatSource(NamedTuple):
+    """What FilesSource reads for a data.format other than text."""
+
+    records: object  # data/records.py's Records: len(), where(i)
+    dataset: object  # grain.MapDataset of TokenizedExample or PreferencePair
+    packer: type  # RowPacker, or PairPacker for preference
+
+
+def format_source(files, data_cfg, tokenizer, local_rows: int) -> FormatSource:
+    from maxtext_rocm.data.packing import RowPacker
+    from maxtext_rocm.data.preference import PairPacker
+
+    records, dataset = format_dataset(files, data_cfg, tokenizer)
+    if data_cfg.get("format") != "preference":
+        return FormatSource(records, dataset, RowPacker)
+    if local_rows % 2:
+        raise DataError(f"data.format='preference' puts each pair in two rows, but this process has {local_rows} "
+                        "rows of the global batch; make train.per_device_batch_size x local devices even")
+    return FormatSource(records, dataset, PairPacker)
+
+
 def check_format_inputs(files, data_cfg, tokenizer, seq_len: int | None) -> None:
     """Before any device work: every record's shape (Records); the template renders and masks the
     first record of each sequence of roles (a template refuses a role or an order of turns, e.g.
