@@ -14,6 +14,13 @@ LLAMA3_GENERATION = (
     "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] | trim }}<|eot_id|>{% endgeneration %}"
     "{% else %}{{ m['content'] | trim }}<|eot_id|>{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
+# ChatML (Qwen-style) with generation marks; this tokenizer has no <|im_start|>/<|im_end|> tokens, so
+# they are plain text whose bytes may merge with their neighbours: boundaries inside tokens.
+CHATML_GENERATION = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' }}{% if m['role'] == 'assistant' %}"
+    "{% generation %}{{ m['content'] + '<|im_end|>' }}{% endgeneration %}{{ '\n' }}"
+    "{% else %}{{ m['content'] + '<|im_end|>' + '\n' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 CORPUS = ["the quick brown fox jumps over the lazy dog", "hello world, hello tokenizer", "what is two plus two?",
           "the answer is four.", "system: you are terse", "Grüße aus Köln — 東京"] * 10
 

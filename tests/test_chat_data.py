@@ -8,7 +8,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from chat_helpers import CHATS, LLAMA3_GENERATION, make_chat_tokenizer, write_jsonl
+from chat_helpers import CHATS, CHATML_GENERATION, LLAMA3_GENERATION, make_chat_tokenizer, write_jsonl
 from maxtext_rocm.data.chat_template import encode_rendered, end_of_turn, load_chat_template
 from maxtext_rocm.data.checks import DataError
 from maxtext_rocm.data.files import FilesSource, check_inputs
@@ -54,8 +54,12 @@ def test_rendering_and_ids_equal_transformers(template, tok_dir, tok):
         assert encode_rendered(tok, ours.render(chat)) == list(ids)
 
 
-def test_mask_equals_transformers_assistant_mask(tok_dir, tok):
+@pytest.mark.parametrize("kind", ["llama3", "chatml"])
+def test_mask_equals_transformers_assistant_mask(kind, tok_dir, tok, tmp_path):
     """Every assistant turn is trained, exactly where transformers' {% generation %} mask says."""
+    if kind == "chatml":
+        tok_dir = make_chat_tokenizer(tmp_path / "chatml", template=CHATML_GENERATION)
+        tok = load_tokenizer(str(tok_dir / "tokenizer.json"))
     template = load_chat_template(data_cfg(tok_dir), tok)
     ref = transformers.AutoTokenizer.from_pretrained(str(tok_dir))
     for chat in CHATS:
@@ -270,3 +274,9 @@ def test_a_template_that_refuses_a_conversation_stops_the_cli_with_file_and_line
     assert status == 2 and len(err) == 1, err
     assert err[0].startswith(f"error: {data} line 4: the chat template of ") and "System role not supported" in err[0]
     assert not (tmp_path / "run").exists()
+
+
+def test_a_chat_that_starts_with_the_assistant_is_one_sentence(tok_dir, tmp_path):
+    path = write_jsonl(tmp_path / "first.jsonl", [{"messages": CHATS[1][1:] + CHATS[1]}])
+    with pytest.raises(DataError, match=f"{path} line 1: the conversation starts with an assistant turn"):
+        check_inputs(data_cfg(tok_dir, paths=str(path), chat_template="llama3"), 512)

@@ -37,6 +37,10 @@ def assistant_spans(template: ChatTemplate, messages: list[dict], text: str, onl
         before = template.render(messages[:k], add_generation_prompt=True)
         through = template.render(messages[:k + 1])
         if not (text.startswith(before) and text.startswith(through) and len(before) <= len(through)):
+            if k == 0:  # e.g. Llama 3's template writes BOS with the first message, not before none
+                raise TemplateError(f"{where}: the conversation starts with an assistant turn, which the chat "
+                                    f"template ({template.where}) renders differently alone; start it with a system "
+                                    "or user message, or set data.train_on_prompt=true")
             raise TemplateError(f"{where}: the chat template ({template.where}) renders an earlier part of this "
                                 "conversation differently once later turns follow, so the assistant's words cannot "
                                 "be located; use another data.chat_template or data.train_on_prompt=true")
