@@ -280,3 +280,14 @@ def test_a_chat_that_starts_with_the_assistant_is_one_sentence(tok_dir, tmp_path
     path = write_jsonl(tmp_path / "first.jsonl", [{"messages": CHATS[1][1:] + CHATS[1]}])
     with pytest.raises(DataError, match=f"{path} line 1: the conversation starts with an assistant turn"):
         check_inputs(data_cfg(tok_dir, paths=str(path), chat_template="llama3"), 512)
+
+
+def test_finetune_keys_of_a_hf_folder(tok_dir, tok):
+    """The preset's data keys: the folder's tokenizer (absolute), chat where it has a template, the
+    context length; a tokenizer larger than the model is left out rather than failing the conversion."""
+    from maxtext_rocm.convert.preset import finetune_keys
+
+    keys = finetune_keys(tok_dir, {"vocab_size": 512, "max_position_embeddings": 64})
+    assert keys == {"data.source": "files", "data.tokenizer": str((tok_dir / "tokenizer.json").resolve()),
+                    "data.format": "chat", "train.seq_len": 64}
+    assert finetune_keys(tok_dir, {"vocab_size": tok.vocab_size - 1}) == {"data.source": "files"}

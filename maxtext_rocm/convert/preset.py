@@ -47,6 +47,8 @@ def finetune_keys(hf_dir: Path, hf: Mapping[str, Any]) -> dict[str, Any]:
     """The run keys (dotted) for fine-tuning the model of `hf_dir` on one's own data."""
     keys: dict[str, Any] = {"data.source": "files"}
     tokenizer = next((hf_dir / n for n in TOKENIZER_FILES if (hf_dir / n).is_file()), None)
+    if tokenizer is not None and not _fits(tokenizer, hf.get("vocab_size")):
+        tokenizer = None  # the conversion goes on; data.tokenizer stays to be given (the run checks it)
     if tokenizer is not None:
         keys["data.tokenizer"] = str(tokenizer.resolve())
         if has_chat_template(hf_dir):
@@ -54,6 +56,17 @@ def finetune_keys(hf_dir: Path, hf: Mapping[str, Any]) -> dict[str, Any]:
     if isinstance(hf.get("max_position_embeddings"), int) and hf["max_position_embeddings"] > 0:
         keys["train.seq_len"] = hf["max_position_embeddings"]
     return keys
+
+
+def _fits(path: Path, vocab_size) -> bool:
+    """The tokenizer reads and has no id beyond the model's embedding."""
+    from maxtext_rocm.config import UserError
+    from maxtext_rocm.data.tokenizer import load_tokenizer
+
+    try:
+        return isinstance(vocab_size, int) and load_tokenizer(str(path)).vocab_size <= vocab_size
+    except UserError:
+        return False
 
 
 def validate_without_data(cfg) -> None:
