@@ -189,7 +189,8 @@ def test_preference_truncation_cuts_the_prompt_from_the_left_then_the_response()
 
 @pytest.mark.parametrize("record, words", [
     ({"text": "hi"}, "line 2 has no 'messages'"),
-    ({"messages": [{"role": "user", "content": "hi"}, {"role": "bot", "content": "x"}]}, "line 2: messages[1] has role 'bot'"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "bot", "content": "x"}]},
+     "line 2: messages[1] has role 'bot'"),
     ({"messages": [{"role": "user", "content": ["hi"]}, {"role": "assistant", "content": "x"}]},
      "line 2: messages[0] content is list"),
     ({"messages": [{"role": "user", "content": "hi"}]}, "line 2: the conversation has no assistant turn"),

@@ -69,7 +69,8 @@ def chat_example(template: ChatTemplate, tokenizer, messages: list[dict], train_
         return TokenizedExample(np.asarray(ids, np.int32), None)
     trained = np.zeros(len(ids), bool)
     for start, stop in assistant_spans(template, messages, text, only_last, where):
-        trained[_token_boundary(tokenizer, text, ids, start, False):_token_boundary(tokenizer, text, ids, stop, True)] = True
+        first = _token_boundary(tokenizer, text, ids, start, end=False)
+        trained[first:_token_boundary(tokenizer, text, ids, stop, end=True)] = True
     return TokenizedExample(np.asarray(ids, np.int32), trained)
 
 

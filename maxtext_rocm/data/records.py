@@ -65,7 +65,8 @@ def _parse(line: bytes, where: str):
     try:
         return json.loads(line)
     except UnicodeDecodeError as error:
-        raise DataError(f"{where} is not UTF-8 text (byte {error.start} of the line); JSON Lines files must be UTF-8") from None
+        raise DataError(f"{where} is not UTF-8 text (byte {error.start} of the line); "
+                        "JSON Lines files must be UTF-8") from None
     except ValueError:
         raise DataError(f"{where} is not valid JSON") from None
 
