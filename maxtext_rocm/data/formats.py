@@ -171,7 +171,8 @@ def check_format_inputs(files, data_cfg, tokenizer, seq_len: int | None) -> None
     without packing (chat, prompt_completion) no example loses every trained token to the row's
     end, which tokenizes every record once."""
     records, dataset = format_dataset(files, data_cfg, tokenizer)
-    exhaustive = data_cfg.get("format") != "preference" and not data_cfg.get("packing", True) and seq_len
+    unpacked = data_cfg.get("packing", True) in (False, "none")  # a bool today; a mode name once packing has modes
+    exhaustive = data_cfg.get("format") != "preference" and unpacked and seq_len
     seen = set()
     for index in range(len(records)):
         if not exhaustive:
