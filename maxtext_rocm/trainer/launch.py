@@ -86,7 +86,8 @@ def stored_state(cfg, model, mesh) -> StateLayout:
 
     # The optimizer state's layout depends on whether it clips, not on the numbers (trainer/optimizer.py).
     tx = optim.build_optimizer(optim.hyperparameters(cfg.optimizer, cfg.train.steps), optim.clips(cfg.optimizer))
-    create = functools.partial(create_state, model=model, tx=tx, batch_shape=(1, min(cfg.train.seq_len, 8)))
+    create = functools.partial(create_state, model=model, tx=tx, batch_shape=(1, min(cfg.train.seq_len, 8)),
+                               reference=cfg.train.objective == "dpo")
     key = jax.random.key(cfg.train.seed)
     # Flax traces the model's init once, here; `init` replays the recorded program (re-tracing the
     # model cost 0.3-0.5 s of launch at the reference comparison's size).
@@ -119,7 +120,8 @@ def jit_train_step(cfg, model, mesh, state_sharding, batch_sharding):
     `optimizer_hyperparameters`."""
     return jax.jit(
         functools.partial(train_step, model=model, clip=optim.clips(cfg.optimizer),
-                          train_cfg=ml_collections.FrozenConfigDict(cfg.train)),
+                          train_cfg=ml_collections.FrozenConfigDict(cfg.train),
+                          dpo_cfg=ml_collections.FrozenConfigDict(cfg.dpo)),
         in_shardings=(state_sharding, batch_sharding, sharding.replicated(mesh)),
         out_shardings=(state_sharding, sharding.replicated(mesh)),
         donate_argnums=0,
@@ -226,6 +228,10 @@ def fresh_state(checkpoint_cfg, init_lowered, key, abstract, log, storage_order=
             params = storage_order.params_to_storage(restore_params(checkpoint_cfg.load_params_from,
                                                                     storage_order.canonical_abstract.params))
         state = state.replace(params=params)
+        if state.reference:  # the DPO reference is the starting point: these parameters
+            from maxtext_rocm.finetune import dpo
+
+            state = state.replace(reference=dpo.refreshed_reference(state.reference, params))
         log(f"parameters from {checkpoint_cfg.load_params_from}; fresh optimizer at step 0")
     return state, 0, None
 
