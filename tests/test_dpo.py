@@ -219,6 +219,7 @@ class LearnablePreferences:
         return "learnable preference pairs (tests/test_dpo.py)"
 
 
+@pytest.mark.slow  # two trainer launches: ~35 s of CPU; the default run tests the numerics above
 def test_training_learns_preferences_and_resume_keeps_the_reference(tmp_path):
     import json
 
@@ -251,3 +252,13 @@ def test_training_learns_preferences_and_resume_keeps_the_reference(tmp_path):
     assert_close(jax.tree_util.tree_map(lambda x: np.asarray(x, np.float32), resumed.state.reference),
                  jax.tree_util.tree_map(lambda x: np.asarray(x, np.float32), reference), scale=0, rtol=0)
     resumed.close()
+
+
+def test_reference_holds_matrices_in_the_compute_dtype_and_follows_loaded_params():
+    params = {"dense": {"kernel": jnp.ones((3, 4))}, "norm": {"scale": jnp.full((4,), 1.001)}}
+    reference = dpo.make_reference(params, jnp.bfloat16)
+    assert reference["dense"]["kernel"].dtype == jnp.bfloat16 and reference["norm"]["scale"].dtype == jnp.float32
+    loaded = {"dense": {"kernel": jnp.full((3, 4), 2.5)}, "norm": {"scale": jnp.full((4,), 0.5)}}
+    refreshed = dpo.refreshed_reference(reference, loaded)  # checkpoint.load_params_from's starting point
+    assert refreshed["dense"]["kernel"].dtype == jnp.bfloat16 and float(refreshed["dense"]["kernel"][0, 0]) == 2.5
+    assert refreshed["norm"]["scale"].dtype == jnp.float32 and float(refreshed["norm"]["scale"][0]) == 0.5
