@@ -202,11 +202,11 @@ class LearnablePreferences:
     of the vocabulary, rejected ones the upper half (inputs, targets and weights: the synthetic
     source's arrays)."""
 
-    def __init__(self, rows, seq_len, vocab):
-        self.rows, self.seq_len, self.vocab = rows, seq_len, vocab
+    def __init__(self, rows, seq_len, vocab, seed=1000):
+        self.rows, self.seq_len, self.vocab, self.seed = rows, seq_len, vocab, seed
 
     def batch(self, step):
-        b = preference_batch(self.rows // 2, self.seq_len, self.vocab, seed=1000 + step)
+        b = preference_batch(self.rows // 2, self.seq_len, self.vocab, seed=self.seed + step)
         half = self.vocab // 2
         chosen = np.arange(b["targets"].shape[0])[:, None] % 2 == 0
         # Response tokens (weight 1) remapped into their half; inputs are the targets shifted right.
@@ -220,7 +220,7 @@ class LearnablePreferences:
 
 
 @pytest.mark.slow  # two trainer launches: ~35 s of CPU; the default run tests the numerics above
-def test_training_learns_preferences_and_resume_keeps_the_reference(tmp_path):
+def test_training_learns_preferences_held_out_and_resume_keeps_the_reference(tmp_path):
     import json
 
     from maxtext_rocm.train import Trainer
@@ -229,15 +229,20 @@ def test_training_learns_preferences_and_resume_keeps_the_reference(tmp_path):
         "train.objective": "dpo", "dpo.beta": 0.1, "precision.policy": "bf16", "train.steps": 12,
         "train.per_device_batch_size": 8, "optimizer.lr": 3e-3, "optimizer.warmup_steps": 0,
         "optimizer.schedule": "constant", "log.every": 1, "checkpoint.every": 0, "checkpoint.async_save": False,
-        "output_dir": str(tmp_path / "run")})
+        "train.eval_every": 12, "train.eval_steps": 2, "output_dir": str(tmp_path / "run")})
     trainer = Trainer(cfg, devices=jax.devices()[:1], log=lambda *_: None)
     assert "objective dpo (beta 0.1" in trainer.describe().splitlines()[0]
     start = jax.tree_util.tree_map(np.asarray, trainer.state.params)
     trainer.data = LearnablePreferences(8, cfg.train.seq_len, cfg.model.vocab_size)
+    trainer.eval_data = LearnablePreferences(8, cfg.train.seq_len, cfg.model.vocab_size, seed=0)  # held out
     trainer.run()
     reference = jax.tree_util.tree_map(np.asarray, trainer.state.reference)
     trainer.close()
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    evaluated = [row for row in rows if "eval_loss" in row]
+    rows = [row for row in rows if "eval_loss" not in row]
+    assert len(evaluated) == 1 and evaluated[0]["eval_pairs"] == 8  # 2 batches of 4 pairs
+    assert evaluated[0]["eval_loss"] < LN2 - 0.05 and evaluated[0]["eval_dpo_accuracy"] >= 0.75
     # bf16 policy: the reference holds the matrices in bf16, which is what the model computes with.
     assert rows[0]["loss"] == pytest.approx(LN2, abs=1e-6) and rows[0]["dpo_accuracy"] == 0.0
     last = rows[-1]

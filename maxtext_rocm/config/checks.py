@@ -198,14 +198,11 @@ def validate(cfg: ml_collections.ConfigDict, device_count: int | None = None,
 
 
 def _validate_dpo(cfg) -> None:
-    """train.objective="dpo" beside the keys it cannot honour (the batch's pairs are checked
+    """train.objective="dpo" beside the key it cannot honour (the batch's pairs are checked
     against the mesh by trainer/preflight.py)."""
     _require(cfg.train.z_loss_weight == 0,
              f"train.z_loss_weight={cfg.train.z_loss_weight} applies to the language-model loss only; set it to 0 "
              "with train.objective='dpo'")
-    _require(not cfg.train.eval_every,
-             f"train.eval_every={cfg.train.eval_every} evaluates the language-model loss, which train.objective='dpo' "
-             "does not train; set train.eval_every=0")
 
 
 def dpo_batch_problem(global_batch: int, grad_accum: int, process_groups: int) -> str | None:

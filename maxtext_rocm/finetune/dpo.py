@@ -40,6 +40,8 @@ Array = jax.Array
 
 # The sums a step accumulates over micro-batches (their metric means divide by "pairs").
 SUM_KEYS = ("dpo_loss", "chosen_reward", "rejected_reward", "correct", "pairs", "tokens", *moe.ROUTER_LOSS_WEIGHTS)
+# Those an evaluation adds up over its batches (eval_metrics turns them into pair means).
+EVAL_SUM_KEYS = ("dpo_loss", "chosen_reward", "rejected_reward", "correct", "pairs")
 
 
 def make_reference(params, compute_dtype):
@@ -134,3 +136,11 @@ def metrics(sums: dict) -> dict:
             "dpo_accuracy": sums["correct"] / pairs, "dpo_chosen_reward": sums["chosen_reward"] / pairs,
             "dpo_rejected_reward": sums["rejected_reward"] / pairs, "tokens": sums["tokens"], "pairs": sums["pairs"],
             **{name: sums[name] / pairs for name in moe.ROUTER_LOSS_WEIGHTS}}
+
+
+def eval_metrics(sums: dict) -> dict:
+    """An evaluation's row from its summed EVAL_SUM_KEYS (host floats): pair means, and the pair count."""
+    pairs = max(sums["pairs"], 1.0)
+    return {"eval_loss": sums["dpo_loss"] / pairs, "eval_dpo_accuracy": sums["correct"] / pairs,
+            "eval_dpo_reward_margin": (sums["chosen_reward"] - sums["rejected_reward"]) / pairs,
+            "eval_pairs": sums["pairs"]}

@@ -264,10 +264,13 @@ def place_batch(host: dict, layout, batch_sharding, dtypes: dict, global_batch: 
             for k, v in layout.apply(host).items()}
 
 
-def jit_eval_step(model, mesh, state_sharding, batch_sharding):
-    """The jitted eval step: (params, batch, fp8 state) -> token-mean loss and token count."""
+def jit_eval_step(model, mesh, state_sharding, batch_sharding, dpo_cfg=None):
+    """The jitted eval step: (params, batch, fp8 state, DPO reference) -> token-mean loss and token
+    count, or under DPO (a non-empty reference) the batch's DPO sums (step.eval_step)."""
     from maxtext_rocm.trainer.step import eval_step
 
-    return jax.jit(lambda params, batch, fp8_state: eval_step(params, batch, model=model, fp8_state=fp8_state),
-                   in_shardings=(state_sharding.params, batch_sharding, state_sharding.fp8),
+    frozen_dpo = ml_collections.FrozenConfigDict(dpo_cfg) if dpo_cfg is not None else None
+    return jax.jit(lambda params, batch, fp8_state, reference: eval_step(
+                       params, batch, model=model, fp8_state=fp8_state, reference=reference, dpo_cfg=frozen_dpo),
+                   in_shardings=(state_sharding.params, batch_sharding, state_sharding.fp8, state_sharding.reference),
                    out_shardings=sharding.replicated(mesh))

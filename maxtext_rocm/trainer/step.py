@@ -274,6 +274,12 @@ def train_step(state: TrainState, batch: Batch, hyperparameters: dict[str, Array
     return new_state, metrics
 
 
-def eval_step(params, batch: Batch, *, model: nn.Module, fp8_state=None):
+def eval_step(params, batch: Batch, *, model: nn.Module, fp8_state=None, reference=None, dpo_cfg=None):
+    """The LM loss's token mean and token count; under DPO (a `reference` and `dpo_cfg` given)
+    the batch's DPO sums instead (finetune/dpo.py's SUM_KEYS), which evaluations add up."""
+    if reference:
+        fused = fused_head_loss(model.cfg, model.policy.fp8_lm_head)
+        _, sums = dpo.summed_loss(params, reference, model, batch, dpo_cfg, fused=fused, fp8_state=fp8_state)
+        return {key: sums[key] for key in dpo.EVAL_SUM_KEYS}
     _, sums = summed_loss(params, model, batch, 0.0, fp8_state)
     return {"loss": sums["ce"] / jnp.maximum(sums["tokens"], 1.0), "tokens": sums["tokens"]}
