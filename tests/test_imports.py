@@ -84,7 +84,7 @@ LAYERS = [
     ["config"],
     ["numerics"],
     ["models"],  # pure: logical axes only, no mesh
-    ["parallel"],  # the mesh-aware algorithms, built around model pieces
+    ["parallel", "finetune"],  # the mesh-aware algorithms; LoRA as a dot strategy beside a frozen base
     ["checkpoint", "reporting", "runtime"],
     ["trainer"],
     ["api", "planner", "convert"],

@@ -18,6 +18,7 @@ CONTEXT_PARALLEL_MODES = ("auto", "all_gather", "ring")  # attention under mesh 
 PRECISION_VARIANTS = ("", "bf16", "fp32", "fp8")
 NONFINITE_ACTIONS = ("skip", "stop")
 PIPELINE_SCHEDULES = ("gpipe", "circular")  # circular: pipeline.repeats virtual stages per device
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")  # the dense layers LoRA can adapt
 
 # The range of every number that is not a count (counts are checked one by one in
 # config/checks.py): (low, low included, high, high included), None for no bound. Every float in a
@@ -42,6 +43,8 @@ NUMBER_RANGES = {
     "train.hang_timeout_s": (0, True, None, False),
     "train.startup_timeout_s": (0, True, None, False),
     "log.peak_tflops": (0, True, None, False),
+    "lora.alpha": (0, False, None, False),
+    "lora.dropout": (0, True, 1, False),
     # Seeds: numpy's generators refuse negative ones, jax.random.key anything past int64.
     "train.seed": (0, True, 2**63, False),
     "data.seed": (0, True, 2**63, False),

@@ -17,9 +17,11 @@ import optax
 from flax import linen as nn
 from flax import struct
 
+from maxtext_rocm.finetune import lora
 from maxtext_rocm.numerics import cross_entropy, fp8
 from maxtext_rocm.numerics.fp8 import FP8_COLLECTION
 from maxtext_rocm.models import moe
+from maxtext_rocm.models.layers import ADAPTERS
 from maxtext_rocm.models.llama import lm_head_weight
 from maxtext_rocm.trainer.optimizer import build_optimizer, learning_rate
 from maxtext_rocm.parallel import loss
@@ -40,16 +42,23 @@ class TrainState(struct.PyTreeNode):
     # Delayed-scaling fp8 state (maxtext_rocm/numerics/fp8.py); empty for other policies. Not a
     # parameter: the step overwrites it, the optimizer never sees it.
     fp8: Any = struct.field(default_factory=dict)
+    # Under LoRA (maxtext_rocm/finetune/lora.py) the frozen base in the compute dtype, while
+    # `params` holds the adapters: never differentiated, never updated, not checkpointed (the
+    # run's checkpoint.load_params_from or train.seed names it). Empty otherwise.
+    frozen: Any = struct.field(default_factory=dict)
 
 
 def create_state(rng: Array, model: nn.Module, tx: optax.GradientTransformation,
                  batch_shape: tuple[int, int]) -> TrainState:
-    """Fresh parameters and optimizer state (still boxed with their logical axes)."""
+    """Fresh parameters and optimizer state (still boxed with their logical axes). A model whose
+    policy adds adapters (LoRA) trains them alone: they become `params`, the base `frozen`."""
     variables = model.init(rng, jnp.zeros(batch_shape, jnp.int32))
-    params = variables["params"]
+    params, frozen = variables["params"], {}
+    if variables.get(ADAPTERS):
+        params, frozen = variables[ADAPTERS], lora.to_compute_dtype(params, model.policy.compute_dtype)
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
                       nonfinite_steps=jnp.zeros((), jnp.int32), skipped_in_a_row=jnp.zeros((), jnp.int32),
-                      fp8=variables.get(FP8_COLLECTION, {}))
+                      fp8=variables.get(FP8_COLLECTION, {}), frozen=frozen)
 
 
 def token_losses(logits: Array, targets: Array) -> tuple[Array, Array]:
@@ -66,15 +75,20 @@ def fused_head_loss(model_cfg, fp8_lm_head: bool) -> bool:
     return model_cfg.loss_chunk_len > 0 and (model_cfg.tie_embeddings or not fp8_lm_head)
 
 
-def summed_loss(params, model: nn.Module, batch: Batch, z_loss_weight: float, fp8_state=None):
-    """The objective summed (not averaged) over tokens, and the sums the metrics need."""
-    variables = {"params": params, FP8_COLLECTION: fp8_state} if fp8_state else {"params": params}
+def summed_loss(params, model: nn.Module, batch: Batch, z_loss_weight: float, fp8_state=None, frozen=None,
+                dropout_key=None):
+    """The objective summed (not averaged) over tokens, and the sums the metrics need. Under LoRA
+    `params` are the adapters and `frozen` the base; `dropout_key` turns the adapters' dropout on."""
+    variables = lora.model_variables(params, frozen)
+    if fp8_state:
+        variables[FP8_COLLECTION] = fp8_state
     fused = fused_head_loss(model.cfg, model.policy.fp8_lm_head)
     out, aux = model.apply(variables, batch["inputs"], batch.get("positions"), batch.get("segment_ids"),
-                           return_hidden=fused, mutable=[moe.AUX_LOSSES])
+                           return_hidden=fused, mutable=[moe.AUX_LOSSES],
+                           rngs=None if dropout_key is None else {"dropout": dropout_key})
     weights = batch["weights"].astype(jnp.float32)
     if fused:
-        head_weight, vocab_axis = lm_head_weight(params, model.cfg)
+        head_weight, vocab_axis = lm_head_weight(frozen or params, model.cfg)
         objective, sums = loss.head_loss(  # on a mesh, each device on its own tokens (parallel/loss.py)
             out, head_weight, batch["targets"], weights, vocab_axis=vocab_axis, z_loss_weight=z_loss_weight,
             chunk=cross_entropy.chunk_length(out.shape[1], model.cfg.loss_chunk_len))
@@ -107,17 +121,20 @@ class SummedGradients(NamedTuple):
 
 
 def summed_gradients(params, model: nn.Module, batch: Batch, grad_accum: int, z_loss_weight: float,
-                     fp8_state=None) -> SummedGradients:
-    """The summed gradients, accumulating micro-batches."""
+                     fp8_state=None, frozen=None, dropout_key=None) -> SummedGradients:
+    """The summed gradients of `params`, accumulating micro-batches (`frozen`: a LoRA base, whose
+    gradient is never formed)."""
     fp8_state = fp8_state or {}
     grad_fn = jax.value_and_grad(summed_loss, argnums=(0, 4), has_aux=True)
     if grad_accum == 1:
-        (_, sums), (grads, fp8_update) = grad_fn(params, model, batch, z_loss_weight, fp8_state)
+        (_, sums), (grads, fp8_update) = grad_fn(params, model, batch, z_loss_weight, fp8_state, frozen, dropout_key)
         return SummedGradients(grads, fp8_update, sums)
 
     def accumulate(carry, micro):
         grads_acc, fp8_acc, sums_acc = carry
-        (_, sums), (grads, fp8_update) = grad_fn(params, model, micro, z_loss_weight, fp8_state)
+        micro, index = micro
+        key = None if dropout_key is None else jax.random.fold_in(dropout_key, index)
+        (_, sums), (grads, fp8_update) = grad_fn(params, model, micro, z_loss_weight, fp8_state, frozen, key)
         return (jax.tree_util.tree_map(jnp.add, grads_acc, grads), fp8.combine_updates(fp8_acc, fp8_update),
                 jax.tree_util.tree_map(jnp.add, sums_acc, sums)), None
 
@@ -125,7 +142,7 @@ def summed_gradients(params, model: nn.Module, batch: Batch, grad_accum: int, z_
     fp8_start = fp8.merge_identity(fp8_state)
     zero_sums = {k: jnp.zeros((), jnp.float32) for k in ("ce", "z_loss", "tokens", *moe.ROUTER_LOSS_WEIGHTS)}
     (grads, fp8_update, sums), _ = jax.lax.scan(
-        accumulate, (zeros, fp8_start, zero_sums), split_micro_batches(batch, grad_accum))
+        accumulate, (zeros, fp8_start, zero_sums), (split_micro_batches(batch, grad_accum), jnp.arange(grad_accum)))
     return SummedGradients(grads, fp8_update, sums)
 
 
@@ -153,9 +170,9 @@ class Gradients(NamedTuple):
 
 
 def gradients(params, model: nn.Module, batch: Batch, grad_accum: int, z_loss_weight: float,
-              fp8_state=None) -> Gradients:
+              fp8_state=None, frozen=None) -> Gradients:
     """The token-mean gradients over the whole batch, accumulating micro-batches."""
-    summed = summed_gradients(params, model, batch, grad_accum, z_loss_weight, fp8_state)
+    summed = summed_gradients(params, model, batch, grad_accum, z_loss_weight, fp8_state, frozen)
     return Gradients(scaled(summed.grads, 1.0 / token_count(summed.sums)), summed.fp8_update,
                      loss_metrics(summed.sums))
 
@@ -199,7 +216,7 @@ def train_step(state: TrainState, batch: Batch, hyperparameters: dict[str, Array
     clips (its state's layout depends on it)."""
     tx = build_optimizer(hyperparameters, clip)
     summed = summed_gradients(state.params, model, batch, train_cfg.grad_accum, train_cfg.z_loss_weight,
-                              state.fp8)
+                              state.fp8, state.frozen, lora_dropout_key(model, train_cfg.seed, state.step))
     metrics = loss_metrics(summed.sums)
     # The token mean is taken inside the update branch below, where its multiply fuses into the
     # optimizer's kernels; before the branch it would be one more pass over every gradient (and
@@ -233,6 +250,14 @@ def train_step(state: TrainState, batch: Batch, hyperparameters: dict[str, Array
     return new_state, metrics
 
 
-def eval_step(params, batch: Batch, *, model: nn.Module, fp8_state=None):
-    _, sums = summed_loss(params, model, batch, 0.0, fp8_state)
+def lora_dropout_key(model: nn.Module, seed: int, step: Array):
+    """The step's key for the adapters' dropout (a function of train.seed and the step, so a resumed
+    run draws what the uninterrupted one would), or None when no layer drops anything."""
+    if lora.dropout_rate(model.policy) == 0:
+        return None
+    return jax.random.fold_in(jax.random.key(seed), step)
+
+
+def eval_step(params, batch: Batch, *, model: nn.Module, fp8_state=None, frozen=None):
+    _, sums = summed_loss(params, model, batch, 0.0, fp8_state, frozen)
     return {"loss": sums["ce"] / jnp.maximum(sums["tokens"], 1.0), "tokens": sums["tokens"]}

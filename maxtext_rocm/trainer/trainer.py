@@ -100,7 +100,8 @@ class Trainer:
         # Every data-loading process's position (a collective), or the step alone: replayed up to it.
         data_state = saved_data_state(self.data, step)
         try:
-            self.checkpointer.save(step, self.state_in_model_order(), data_state, self.cfg.model)
+            # A LoRA base is not saved: checkpoint.load_params_from (in config.json) points at it.
+            self.checkpointer.save(step, self.state_in_model_order().replace(frozen={}), data_state, self.cfg.model)
         except NonFiniteState as error:
             raise divergence.bad_checkpoint(error, self.checkpointer.manager.latest_step()) from None
         if divergence.skip_limit_reached(self.cfg.train, in_a_row):  # saved: the frozen state is the last good one
@@ -125,7 +126,8 @@ class Trainer:
         ce, tokens = 0.0, 0.0
         with self.sharding_rules():
             for i in range(self.cfg.train.eval_steps):
-                out = self._eval_step(self.state.params, self._to_device(self.eval_data.batch(i)), self.state.fp8)
+                out = self._eval_step(self.state.params, self._to_device(self.eval_data.batch(i)), self.state.fp8,
+                                      self.state.frozen)
                 ce, tokens = ce + out["loss"] * out["tokens"], tokens + out["tokens"]
         if hasattr(self.eval_data, "close"):
             self.eval_data.close()  # no prefetching in the background while training

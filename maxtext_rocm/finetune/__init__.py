@@ -1,0 +1,1 @@
+"""Fine-tuning: LoRA as a dot strategy beside a frozen base (lora.py)."""
