@@ -115,6 +115,23 @@ def test_adapter_gradients_equal_the_merged_weight_reference(tmp_path, devices):
     assert all(float(jnp.abs(g).max()) > 0 for g in jax.tree_util.tree_leaves(got[1]))
 
 
+def test_dropout_acts_only_when_the_step_passes_a_key(tmp_path, devices):
+    """lora.dropout drops inputs of the low-rank path in the train step (a key from train.seed and
+    the step) and nowhere else: without a key the loss is the dropout-free one."""
+    from maxtext_rocm.trainer.step import lora_dropout_key
+
+    cfg = lora_config(tmp_path, **{"lora.dropout": 0.5})
+    run = initial_run(cfg, devices[:1])
+    adapters, batch = with_random_b(run.state.params), run.batch(0)
+    key = lora_dropout_key(run.model, cfg.train.seed, run.state.step)
+    assert key is not None
+    loss = jax.jit(lambda p, f, b, k: summed_loss(p, run.model, b, 0.0, None, f, k)[0])
+    with run.sharding_rules():
+        plain = float(loss(adapters, run.state.frozen, batch, None))
+        dropped = [float(loss(adapters, run.state.frozen, batch, jax.random.fold_in(key, i))) for i in range(2)]
+    assert plain not in dropped and dropped[0] != dropped[1]
+
+
 @pytest.mark.parametrize("mesh", [{"mesh.ici.fsdp": 8}, {"mesh.ici.fsdp": 4, "mesh.ici.tensor": 2}],
                          ids=["fsdp8", "fsdp4-tensor2"])
 def test_sharded_adapters_equal_the_unsharded_run(mesh, tmp_path, devices):
