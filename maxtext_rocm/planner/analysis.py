@@ -71,7 +71,7 @@ def analyse(cfg, kind: str, n_devices: int, usable: float = 0.92, compile_it: bo
 
     trained = _sharded_bytes(abstract.params)
     # A LoRA run's frozen base (compute dtype) counts as parameters, but has no gradients.
-    params = trained + _sharded_bytes(abstract.frozen)
+    params = trained + _sharded_bytes(getattr(abstract, "frozen", {}))
     # Gradients have the trained parameters' shapes, dtypes and shardings; accumulating
     # micro-batches keeps a running sum beside each micro-batch's gradients.
     grads = trained * (2 if cfg.train.grad_accum > 1 else 1)

@@ -27,7 +27,7 @@ from maxtext_rocm.finetune import lora
 from maxtext_rocm.trainer import compilation, optimizer as optim
 from maxtext_rocm.parallel import sharding
 from maxtext_rocm.config import ConfigError
-from maxtext_rocm.trainer.step import create_state, train_step
+from maxtext_rocm.trainer.step import create_state, frozen_base, train_step
 
 
 def resolve_auto(cfg, mesh, device, platform: str | None = None):
@@ -221,9 +221,9 @@ def restored_state(checkpointer, resume, abstract, log, storage_order=None):
 def fresh_state(checkpoint_cfg, init_lowered, key, abstract, log, storage_order=None):
     """(state, 0, None): the lowered init program compiled and run (every array made in its
     sharding), optionally with parameters from another run (checkpoint.load_params_from)."""
-    n_values = sum(x.size for x in jax.tree_util.tree_leaves((abstract.params, abstract.frozen)))
+    n_values = sum(x.size for x in jax.tree_util.tree_leaves((abstract.params, frozen_base(abstract))))
     state = compilation.run_init(init_lowered, key, n_values)
-    if checkpoint_cfg.load_params_from and abstract.frozen:  # LoRA: the parameters are the frozen base
+    if checkpoint_cfg.load_params_from and frozen_base(abstract):  # LoRA: the parameters are the frozen base
         state = state.replace(frozen=load_lora_base(checkpoint_cfg.load_params_from, abstract.frozen))
         log(f"LoRA base from {checkpoint_cfg.load_params_from}; fresh adapters and optimizer at step 0")
     elif checkpoint_cfg.load_params_from:
@@ -296,5 +296,5 @@ def jit_eval_step(model, mesh, state_sharding, batch_sharding):
 
     return jax.jit(lambda params, batch, fp8_state, frozen: eval_step(params, batch, model=model, fp8_state=fp8_state,
                                                                       frozen=frozen),
-                   in_shardings=(state_sharding.params, batch_sharding, state_sharding.fp8, state_sharding.frozen),
+                   in_shardings=(state_sharding.params, batch_sharding, state_sharding.fp8, frozen_base(state_sharding)),
                    out_shardings=sharding.replicated(mesh))

@@ -42,10 +42,24 @@ class TrainState(struct.PyTreeNode):
     # Delayed-scaling fp8 state (maxtext_rocm/numerics/fp8.py); empty for other policies. Not a
     # parameter: the step overwrites it, the optimizer never sees it.
     fp8: Any = struct.field(default_factory=dict)
-    # Under LoRA (maxtext_rocm/finetune/lora.py) the frozen base in the compute dtype, while
-    # `params` holds the adapters: never differentiated, never updated, not checkpointed (the
-    # run's checkpoint.load_params_from or train.seed names it). Empty otherwise.
+
+
+class LoraTrainState(TrainState):
+    """A LoRA run's state (maxtext_rocm/finetune/lora.py): `params` are the adapters. A subclass,
+    so that the checkpoints of every other run keep TrainState's tree."""
+    # The frozen base in the compute dtype: never differentiated, never updated, not checkpointed
+    # (the run's checkpoint.load_params_from, or train.seed, names it).
     frozen: Any = struct.field(default_factory=dict)
+
+
+def frozen_base(state: TrainState):
+    """A LoRA run's frozen base, or {} for any other state (or its sharding tree)."""
+    return getattr(state, "frozen", {})
+
+
+def without_base(state: TrainState) -> TrainState:
+    """The state as checkpoints hold it: a LoRA run's without its base, which its config names."""
+    return state.replace(frozen={}) if isinstance(state, LoraTrainState) else state
 
 
 def create_state(rng: Array, model: nn.Module, tx: optax.GradientTransformation,
@@ -53,12 +67,14 @@ def create_state(rng: Array, model: nn.Module, tx: optax.GradientTransformation,
     """Fresh parameters and optimizer state (still boxed with their logical axes). A model whose
     policy adds adapters (LoRA) trains them alone: they become `params`, the base `frozen`."""
     variables = model.init(rng, jnp.zeros(batch_shape, jnp.int32))
-    params, frozen = variables["params"], {}
+    params, fields = variables["params"], {}
     if variables.get(ADAPTERS):
         params, frozen = variables[ADAPTERS], lora.to_compute_dtype(params, model.policy.compute_dtype)
-    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
-                      nonfinite_steps=jnp.zeros((), jnp.int32), skipped_in_a_row=jnp.zeros((), jnp.int32),
-                      fp8=variables.get(FP8_COLLECTION, {}), frozen=frozen)
+        fields = {"frozen": frozen}
+    return (LoraTrainState if fields else TrainState)(
+        step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
+        nonfinite_steps=jnp.zeros((), jnp.int32), skipped_in_a_row=jnp.zeros((), jnp.int32),
+        fp8=variables.get(FP8_COLLECTION, {}), **fields)
 
 
 def token_losses(logits: Array, targets: Array) -> tuple[Array, Array]:
@@ -216,7 +232,7 @@ def train_step(state: TrainState, batch: Batch, hyperparameters: dict[str, Array
     clips (its state's layout depends on it)."""
     tx = build_optimizer(hyperparameters, clip)
     summed = summed_gradients(state.params, model, batch, train_cfg.grad_accum, train_cfg.z_loss_weight,
-                              state.fp8, state.frozen, lora_dropout_key(model, train_cfg.seed, state.step))
+                              state.fp8, frozen_base(state), lora_dropout_key(model, train_cfg.seed, state.step))
     metrics = loss_metrics(summed.sums)
     # The token mean is taken inside the update branch below, where its multiply fuses into the
     # optimizer's kernels; before the branch it would be one more pass over every gradient (and

@@ -26,6 +26,7 @@ from maxtext_rocm.trainer import compilation, divergence
 from maxtext_rocm.trainer.launch import (data_sources, jit_eval_step, launch, model_for_mesh, optimizer_hyperparameters,
                                          place_batch, resolve_auto)
 from maxtext_rocm.trainer.preflight import check_run
+from maxtext_rocm.trainer.step import frozen_base, without_base
 from maxtext_rocm.trainer.timing import StartupClock, StepClock
 
 
@@ -100,8 +101,7 @@ class Trainer:
         # Every data-loading process's position (a collective), or the step alone: replayed up to it.
         data_state = saved_data_state(self.data, step)
         try:
-            # A LoRA base is not saved: checkpoint.load_params_from (in config.json) points at it.
-            self.checkpointer.save(step, self.state_in_model_order().replace(frozen={}), data_state, self.cfg.model)
+            self.checkpointer.save(step, without_base(self.state_in_model_order()), data_state, self.cfg.model)
         except NonFiniteState as error:
             raise divergence.bad_checkpoint(error, self.checkpointer.manager.latest_step()) from None
         if divergence.skip_limit_reached(self.cfg.train, in_a_row):  # saved: the frozen state is the last good one
@@ -127,7 +127,7 @@ class Trainer:
         with self.sharding_rules():
             for i in range(self.cfg.train.eval_steps):
                 out = self._eval_step(self.state.params, self._to_device(self.eval_data.batch(i)), self.state.fp8,
-                                      self.state.frozen)
+                                      frozen_base(self.state))
                 ce, tokens = ce + out["loss"] * out["tokens"], tokens + out["tokens"]
         if hasattr(self.eval_data, "close"):
             self.eval_data.close()  # no prefetching in the background while training
