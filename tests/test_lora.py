@@ -11,7 +11,9 @@ import optax
 import pytest
 
 from maxtext_rocm import config as config_lib
+from maxtext_rocm.api import load_params
 from maxtext_rocm.config import ConfigError
+from maxtext_rocm.errors import CheckpointError
 from maxtext_rocm.train import Trainer
 from maxtext_rocm.trainer import launch
 from maxtext_rocm.trainer.step import gradients, summed_loss
@@ -78,7 +80,8 @@ def naive_merge(frozen, adapters, scale):
     return merged
 
 
-@pytest.mark.parametrize("policy", ["fp32", "bf16", "fp8"])
+# CI budget: bf16 (between the two) runs with -m slow.
+@pytest.mark.parametrize("policy", ["fp32", pytest.param("bf16", marks=pytest.mark.slow), "fp8"])
 def test_step_zero_loss_equals_the_base_models(policy, tmp_path, devices):
     """B = 0: the first loss is the base model's on the same parameters, to the bit; applied
     without its adapters the LoRA model is the base (DPO's reference policy). Under remat."""
@@ -132,8 +135,9 @@ def test_dropout_acts_only_when_the_step_passes_a_key(tmp_path, devices):
     assert plain not in dropped and dropped[0] != dropped[1]
 
 
-@pytest.mark.parametrize("mesh", [{"mesh.ici.fsdp": 8}, {"mesh.ici.fsdp": 4, "mesh.ici.tensor": 2}],
-                         ids=["fsdp8", "fsdp4-tensor2"])
+# CI budget: fsdp alone runs with -m slow; fsdp4-tensor2 shards over both axes.
+@pytest.mark.parametrize("mesh", [pytest.param({"mesh.ici.fsdp": 8}, marks=pytest.mark.slow),
+                                  {"mesh.ici.fsdp": 4, "mesh.ici.tensor": 2}], ids=["fsdp8", "fsdp4-tensor2"])
 def test_sharded_adapters_equal_the_unsharded_run(mesh, tmp_path, devices):
     """A shards like W's input, B like W's output; loss and adapter gradients match one device."""
     results = {}
@@ -155,6 +159,7 @@ def test_sharded_adapters_equal_the_unsharded_run(mesh, tmp_path, devices):
     assert_close(results["mesh"][1], results["one"][1])
 
 
+@pytest.mark.slow  # three trainers: ~4 minutes under this CPU's shared load
 def test_training_moves_only_the_adapters_and_resumes_bit_exact(tmp_path, devices):
     """Adam moments exist for the adapters alone, the base stays as it was, checkpoints hold no
     base, and a resumed run (base reloaded, adapters restored) ends where an uninterrupted one does."""
@@ -178,6 +183,8 @@ def test_training_moves_only_the_adapters_and_resumes_bit_exact(tmp_path, device
 
     saved = ocp.PyTreeCheckpointer().metadata(tmp_path / "whole" / "checkpoints" / "4" / "state").item_metadata.tree
     assert not saved.get("frozen") and "layers" in saved["params"]
+    with pytest.raises(CheckpointError, match="is a LoRA run .* to-hf RUN OUT"):  # generate's reader
+        load_params(tmp_path / "whole")
 
     first = Trainer(lora_config(tmp_path / "split", **overrides), devices=devices[:1], log=lambda *_: None)
     first.run(2)

@@ -20,6 +20,7 @@ TARGETS = ("q", "v", "o", "down")  # some of each block, so untouched matrices a
 RANK = 4
 
 
+@pytest.mark.slow  # a run, two exports, transformers and peft: ~3 minutes under this CPU's shared load
 def test_merged_and_peft_exports_give_the_same_logits(tmp_path, devices):
     """A LoRA run from an imported model: the merged export in transformers, the PEFT adapter on
     the original model through peft, and our forward pass with the adapters agree; only targeted
@@ -87,6 +88,7 @@ def merge_by_hand(frozen, adapters, scale):
     return merged
 
 
+@pytest.mark.slow  # a run of its own
 def test_adapter_export_of_a_run_without_lora_is_refused(tmp_path, capsys, devices):
     from conftest import small_config
 
