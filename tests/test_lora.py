@@ -101,6 +101,22 @@ def test_step_zero_loss_equals_the_base_models(policy, tmp_path, devices):
     assert float(lora_loss) == float(base_loss) == float(without_adapters)
 
 
+@pytest.mark.slow  # two MoE programs
+@pytest.mark.parametrize("moe_impl", ["dense", "dropless"])
+def test_mixtral_attention_takes_adapters(moe_impl, tmp_path, devices):
+    """Mixtral's attention takes adapters (its experts refuse them): step 0 is the base's loss."""
+    cfg = lora_config(tmp_path, **{"model.family": "mixtral", "model.n_experts": 4, "model.experts_per_token": 2,
+                                   "model.moe_impl": moe_impl, "lora.targets": ("q", "v")})
+    run = initial_run(cfg, devices[:1])
+    base = base_model(cfg, run)
+    with run.sharding_rules():
+        out = jax.jit(lambda p, f, b: gradients(p, run.model, b, 1, 0.0, None, f))(
+            run.state.params, run.state.frozen, run.batch(0))
+        sums = jax.jit(lambda f, b: summed_loss(f, base, b, 0.0)[1])(run.state.frozen, run.batch(0))
+    assert float(out.metrics["loss"]) == pytest.approx(float(sums["ce"] / sums["tokens"]), rel=1e-6)
+    assert set(out.grads["layers"]["attention"]) == {"q", "v"}
+
+
 def test_adapter_gradients_equal_the_merged_weight_reference(tmp_path, devices):
     """d loss / d(A, B) through the low-rank path inside the dot equals jax.grad through the
     explicitly merged kernels W + (alpha / r) A B of the plain model."""

@@ -48,8 +48,10 @@ class LoraDot(nn.Module):
     @nn.compact
     def __call__(self, x: Array, kernel: Array, dimension_numbers, precision=None,
                  preferred_element_type=None) -> Array:
-        dot = self.inner_cls(name="base") if self.inner_cls else self.plain_dot
-        y = dot(x, kernel, dimension_numbers)
+        if self.inner_cls:  # called as the layers call it
+            y = self.inner_cls(name="base")(x, kernel, dimension_numbers)
+        else:
+            y = self.plain_dot(x, kernel, dimension_numbers, precision, preferred_element_type)
         layer = self.parent
         if not (isinstance(layer, Dense) and layer.name in self.targets):
             return y
