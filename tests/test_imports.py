@@ -84,7 +84,8 @@ LAYERS = [
     ["config"],
     ["numerics"],
     ["models"],  # pure: logical axes only, no mesh
-    ["parallel", "finetune"],  # the mesh-aware algorithms; LoRA (a dot strategy beside a frozen base) and DPO
+    ["parallel"],  # the mesh-aware algorithms, built around model pieces
+    ["finetune"],  # LoRA (a dot strategy beside a frozen base) and DPO (on the mesh-aware loss)
     ["checkpoint", "reporting", "runtime"],
     ["trainer"],
     ["api", "planner", "convert"],
