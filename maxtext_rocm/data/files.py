@@ -33,7 +33,7 @@ DESCRIBE_PACKING = {"concat": "packed to the last token (concat)", "best_fit": "
                     "none": "one document per row"}
 
 
-def check_inputs(data_cfg, model_vocab_size: int) -> None:
+def check_inputs(data_cfg, model_vocab_size: int, seq_len: int | None = None) -> None:
     """The checks config validation runs before any device work: files exist, are not empty and
     read as their format says (every JSON line, every text byte), the text field is there, the
     tokenizer fits the model, and some document gives the model a token to predict."""
@@ -43,6 +43,11 @@ def check_inputs(data_cfg, model_vocab_size: int) -> None:
     for key in ("paths", "eval_paths"):
         if data_cfg.get(key):
             files = expand_paths(data_cfg[key], f"data.{key}")
+            if data_cfg.get("format", "text") != "text":  # chats, prompt/completion, preference: data/formats.py
+                from maxtext_rocm.data.formats import check_format_inputs
+
+                check_format_inputs(files, data_cfg, tokenizer, seq_len)
+                continue
             docs = Documents(files, data_cfg.text_field)
             _check_yields_tokens(tokenized_dataset(docs, tokenizer, data_cfg.add_bos, data_cfg.add_eos),
                                  files, f"data.{key}")
@@ -81,16 +86,23 @@ class FilesSource:
         self.split, self.files = split, expand_paths(spec, key)
         self.rows = local_rows(global_batch, process_index, process_count)
         self.local_batch = self.rows.stop - self.rows.start
-        docs = Documents(self.files, data_cfg.get("text_field", "text"))
         spec = data_cfg.get("tokenizer", "byte") or "byte"
         self.tokenizer = load_tokenizer(spec)
         check_vocab(self.tokenizer, vocab_size, spec)
+        self.format = data_cfg.get("format", "text")
+        if self.format == "text":
+            docs = Documents(self.files, data_cfg.get("text_field", "text"))
+            self.dataset = tokenized_dataset(docs, self.tokenizer, data_cfg.get("add_bos", True),
+                                             data_cfg.get("add_eos", True))
+            self._packer = RowPacker
+        else:  # chats, prompt/completion, preference pairs
+            from maxtext_rocm.data.formats import format_source
+
+            docs, self.dataset, self._packer = format_source(self.files, data_cfg, self.tokenizer, self.local_batch)
         if docs.meta.get("vocab_size", 0) > vocab_size:
             raise DataError(f"{self.files[0]} was tokenized with {docs.meta['vocab_size']} ids but "
                             f"model.vocab_size={vocab_size}; use model.vocab_size >= {docs.meta['vocab_size']}")
         self.num_docs, self.pretokenized = len(docs), docs.pretokenized
-        self.dataset = tokenized_dataset(docs, self.tokenizer, data_cfg.get("add_bos", True),
-                                         data_cfg.get("add_eos", True))
         self.packing = packing_mode(data_cfg.get("packing", "concat"))
         self.prefetch = max(1, int(data_cfg.get("prefetch", 4)))
         self._stream_args = dict(
@@ -111,7 +123,7 @@ class FilesSource:
 
     def _launch(self, start: dict) -> None:
         self._stop_thread()
-        packer = RowPacker(DocumentStream(**self._stream_args), **self._packer_args)
+        packer = self._packer(DocumentStream(**self._stream_args), **self._packer_args)
         packer.set_state(start)
         self._queue, self._stop = queue.Queue(self.prefetch), threading.Event()
         self._next = int(start["step"])
@@ -199,5 +211,9 @@ class FilesSource:
 
     def describe(self) -> str:
         kind = "pre-tokenized ArrayRecord" if self.pretokenized else f"{type(self.tokenizer).__name__}"
-        return (f"files: {self.num_docs:,} documents in {len(self.files)} file(s) ({kind}), "
-                f"{DESCRIBE_PACKING[self.packing]}, {self.split} split")
+        layout = DESCRIBE_PACKING[self.packing]
+        if self.format != "text":
+            kind += f", data.format={self.format!r}"
+            layout = "a pair per two rows" if self.format == "preference" else layout
+        return (f"files: {self.num_docs:,} documents in {len(self.files)} file(s) ({kind}), {layout}, "
+                f"{self.split} split")
