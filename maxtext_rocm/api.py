@@ -73,6 +73,12 @@ def load_params(path, cfg=None):
     the checksums saved with them (CheckpointError if a named step or export is damaged). `cfg`
     defaults to the run's own config (`run_config(path)`)."""
     cfg = run_config(path) if cfg is None else cfg
+    if "lora" in cfg and cfg.lora.rank > 0:  # its checkpoints hold adapters, not a model
+        from maxtext_rocm.checkpoint import CheckpointError
+
+        raise CheckpointError(f"{path} is a LoRA run (lora.rank={cfg.lora.rank}), whose checkpoints hold adapters "
+                              "alone; write its merged model with python -m maxtext_rocm.convert to-hf RUN OUT "
+                              "(and from-hf OUT DIR to read it here; docs/lora.md)")
     _, boxed, shardings = _abstract_params(cfg)
     abstract = jax.tree_util.tree_map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                                       nn.meta.unbox(boxed), shardings)

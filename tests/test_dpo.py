@@ -267,3 +267,28 @@ def test_reference_holds_matrices_in_the_compute_dtype_and_follows_loaded_params
     refreshed = dpo.refreshed_reference(reference, loaded)  # checkpoint.load_params_from's starting point
     assert refreshed["dense"]["kernel"].dtype == jnp.bfloat16 and float(refreshed["dense"]["kernel"][0, 0]) == 2.5
     assert refreshed["norm"]["scale"].dtype == jnp.float32 and float(refreshed["norm"]["scale"][0]) == 0.5
+
+
+def test_lora_dpo_uses_the_base_without_adapters_as_its_reference(tmp_path):
+    """Under LoRA the reference is the frozen base applied without adapters: no second copy in the
+    state, ln 2 at step 1 (B starts at zero), and the adapters alone learn the preference."""
+    import json
+
+    from maxtext_rocm.train import Trainer
+
+    cfg = small_config(**ONE_DEVICE, **{
+        "train.objective": "dpo", "dpo.beta": 0.1, "lora.rank": 4, "lora.alpha": 8.0, "train.steps": 8,
+        "train.per_device_batch_size": 8, "optimizer.lr": 1e-2, "optimizer.warmup_steps": 0,
+        "optimizer.schedule": "constant", "log.every": 1, "checkpoint.every": 0, "checkpoint.async_save": False,
+        "output_dir": str(tmp_path / "run")})
+    trainer = Trainer(cfg, devices=jax.devices()[:1], log=lambda *_: None)
+    assert not trainer.state.reference and trainer.state.frozen
+    base = jax.tree_util.tree_map(np.asarray, trainer.state.frozen)
+    trainer.data = LearnablePreferences(8, cfg.train.seq_len, cfg.model.vocab_size)
+    trainer.run()
+    after = jax.tree_util.tree_map(np.asarray, trainer.state.frozen)
+    trainer.close()
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["loss"] == pytest.approx(LN2, abs=1e-6)
+    assert rows[-1]["loss"] < LN2 - 0.02 and rows[-1]["dpo_reward_margin"] > 0
+    assert_close(after, base, scale=0, rtol=0)  # the base (and so the reference) never moved

@@ -84,8 +84,7 @@ LAYERS = [
     ["config"],
     ["numerics"],
     ["models"],  # pure: logical axes only, no mesh
-    ["parallel"],  # the mesh-aware algorithms, built around model pieces
-    ["finetune"],  # LoRA and the DPO objective, built on the models and the mesh-aware loss
+    ["parallel", "finetune"],  # the mesh-aware algorithms; LoRA (a dot strategy beside a frozen base) and DPO
     ["checkpoint", "reporting", "runtime"],
     ["trainer"],
     ["api", "planner", "convert"],

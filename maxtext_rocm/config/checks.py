@@ -15,10 +15,9 @@ import ml_collections
 
 from maxtext_rocm.config.choices import (
     ATTENTION_IMPLEMENTATIONS, CHAT_TEMPLATES, CONTEXT_PARALLEL_MODES, DATA_FORMATS, DATA_SOURCES, FP8_FORMATS,
-    FP8_SCALINGS, MESH_AXES, MODEL_FAMILIES, MOE_IMPLEMENTATIONS, NONFINITE_ACTIONS, NUMBER_RANGES, OBJECTIVES,
-    PIPELINE_SCHEDULES,
-    PRECISION_POLICIES, PROJECTION_FUSIONS, REMAT_POLICIES, SCHEDULES)
-from maxtext_rocm.errors import ConfigError, UserError
+    FP8_SCALINGS, LORA_TARGETS, MESH_AXES, MODEL_FAMILIES, MOE_IMPLEMENTATIONS, NONFINITE_ACTIONS, NUMBER_RANGES,
+    OBJECTIVES, PIPELINE_SCHEDULES, PRECISION_POLICIES, PROJECTION_FUSIONS, REMAT_POLICIES, SCHEDULES)
+from maxtext_rocm.errors import ConfigError
 from maxtext_rocm.config.mesh_sizes import axis_sizes, mesh_shape  # noqa: F401  (part of this module's interface)
 
 
@@ -137,6 +136,8 @@ def validate(cfg: ml_collections.ConfigDict, device_count: int | None = None,
     _require(not c.load_params_from or Path(c.load_params_from).is_dir(),
              f"checkpoint.load_params_from={c.load_params_from!r} is not a directory")
 
+    _validate_lora(cfg.lora, m, cfg.mesh)
+
     _one_of("data.source", cfg.data.source, DATA_SOURCES)
     _one_of("data.format", cfg.data.format, DATA_FORMATS)
     _require(cfg.data.format == "text" or cfg.data.source == "files",
@@ -155,11 +156,12 @@ def validate(cfg: ml_collections.ConfigDict, device_count: int | None = None,
     _require(isinstance(cfg.data.epochs, int) and cfg.data.epochs >= 0,
              f"data.epochs={cfg.data.epochs!r} is not valid; use a number of passes >= 1, or 0 for no limit")
     _require(cfg.data.prefetch >= 1, f"data.prefetch must be >= 1 (batches built ahead), got {cfg.data.prefetch}")
+    from maxtext_rocm.data.checks import DataError
     from maxtext_rocm.data.packing import packing_mode
 
     try:
         packing_mode(cfg.data.packing)
-    except UserError as error:
+    except DataError as error:
         raise ConfigError(str(error)) from None
     _require(cfg.data.packing_window >= 1,
              f"data.packing_window must be >= 1 (documents best-fit together), got {cfg.data.packing_window}")
@@ -237,6 +239,37 @@ def dpo_batch_problem(global_batch: int, grad_accum: int, process_groups: int) -
             f"and on each of the {process_groups} data-loading processes, but the global batch is {global_batch} "
             f"sequences; make it a multiple of {2 * grad_accum * process_groups} (train.per_device_batch_size x "
             "devices)")
+
+
+def lora_matrix_sizes(m) -> dict[str, tuple[int, int]]:
+    """(inputs, outputs) of each matrix LoRA can adapt in model group `m`."""
+    q, kv = m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim
+    return {"q": (m.d_model, q), "k": (m.d_model, kv), "v": (m.d_model, kv), "o": (q, m.d_model),
+            "gate": (m.d_model, m.mlp_dim), "up": (m.d_model, m.mlp_dim), "down": (m.mlp_dim, m.d_model)}
+
+
+def _validate_lora(lora, m, mesh) -> None:
+    _require(isinstance(lora.rank, int) and lora.rank >= 0,
+             f"lora.rank={lora.rank!r} is not valid; use the adapters' rank >= 1, or 0 for no LoRA")
+    targets = lora.targets
+    _require(not isinstance(targets, str) and len(targets) > 0 and all(t in LORA_TARGETS for t in targets)
+             and len(set(targets)) == len(targets),
+             f"lora.targets={targets!r} is not valid; use distinct names from {', '.join(LORA_TARGETS)}")
+    if lora.rank == 0:
+        return
+    experts = sorted(set(targets) & {"gate", "up", "down"}) if m.family == "mixtral" else []
+    _require(not experts,
+             f"lora.targets names {', '.join(experts)}, which in a mixtral model are the experts' weights, "
+             "and LoRA adapts no experts (their grouped matmuls have no low-rank path); use q, k, v, o")
+    sizes = lora_matrix_sizes(m)
+    for target in targets:
+        _require(lora.rank <= min(sizes[target]),
+                 f"lora.rank={lora.rank} is larger than the {target} matrix allows "
+                 f"({sizes[target][0]} x {sizes[target][1]}); use lora.rank <= {min(sizes[target])}")
+    stages = [mesh[group]["stage"] for group in ("ici", "dcn")]
+    _require(all(s == 1 for s in stages),
+             f"lora.rank={lora.rank} does not run under a pipeline (mesh.ici.stage={stages[0]}, "
+             f"mesh.dcn.stage={stages[1]}); set both to 1 and use fsdp or tensor to spread the model")
 
 
 def _validate_moe(m, seq_len: int) -> None:

@@ -21,6 +21,7 @@ PRECISION_VARIANTS = ("", "bf16", "fp32", "fp8")
 NONFINITE_ACTIONS = ("skip", "stop")
 OBJECTIVES = ("lm", "dpo")  # train.objective: next-token cross-entropy, or preference pairs (finetune/dpo.py)
 PIPELINE_SCHEDULES = ("gpipe", "circular")  # circular: pipeline.repeats virtual stages per device
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")  # the dense layers LoRA can adapt
 
 # The range of every number that is not a count (counts are checked one by one in
 # config/checks.py): (low, low included, high, high included), None for no bound. Every float in a
@@ -47,6 +48,8 @@ NUMBER_RANGES = {
     "log.peak_tflops": (0, True, None, False),
     "dpo.beta": (0, False, None, False),
     "dpo.label_smoothing": (0, True, 0.5, False),  # at 0.5 the loss no longer prefers either response
+    "lora.alpha": (0, False, None, False),
+    "lora.dropout": (0, True, 1, False),
     # Seeds: numpy's generators refuse negative ones, jax.random.key anything past int64.
     "train.seed": (0, True, 2**63, False),
     "data.seed": (0, True, 2**63, False),

@@ -1,5 +1,5 @@
 """Every default of a run, in one nested ConfigDict: a group per part of the trainer (`model`, `mesh`,
-`precision`, `optimizer`, `data`, `checkpoint`, `train`, `dpo`, `log`, `distributed`, `pipeline`), each key
+`precision`, `optimizer`, `data`, `checkpoint`, `train`, `dpo`, `lora`, `log`, `distributed`, `pipeline`), each key
 with a comment saying what it does. Presets (configs/NAME.py) start from `defaults()`."""
 
 from __future__ import annotations
@@ -171,6 +171,16 @@ def defaults() -> ml_collections.ConfigDict:
         async_save=True,  # write in the background while training goes on
         resume="auto",  # "auto" (newest complete checkpoint), "never", a step, or a checkpoint path
         load_params_from="",  # a run dir, checkpoint or params export to start from (fresh optimizer)
+    )
+    # LoRA (maxtext_rocm/finetune/lora.py): low-rank adapters beside a frozen base held in the
+    # compute dtype; only the adapters are trained, checkpointed and given optimizer state. The
+    # base is checkpoint.load_params_from (or, without it, train.seed's initialisation).
+    cfg.lora = dict(
+        rank=0,  # the adapters' rank r; 0: off (every parameter is trained)
+        alpha=16.0,  # the low-rank path is scaled by alpha / rank (PEFT's lora_alpha)
+        # the dense layers that get adapters: any of q, k, v, o (attention), gate, up, down (MLP)
+        targets=("q", "k", "v", "o", "gate", "up", "down"),
+        dropout=0.0,  # dropout on the adapters' input during training (PEFT's lora_dropout)
     )
     cfg.log = dict(
         every=10,

@@ -8,7 +8,9 @@ run that passes it fits a target node exactly is `python -m maxtext_rocm.compile
 
 - state: parameters, Adam's two moments, all fp32 (12 bytes per parameter), counting the matmul
   weights and the embedding table (every expert included; norm scales left out); under
-  train.objective="dpo" plus the frozen reference, those weights in the compute dtype;
+  train.objective="dpo" plus the frozen reference, those weights in the compute dtype; under
+  LoRA (lora.rank > 0) only the frozen base in the compute dtype (the adapters are too small to
+  count), which is also DPO's reference there;
 - activations: the block input of every layer for the backward pass, which every remat policy
   keeps (`full` keeps only that), in the compute dtype, for one micro-batch;
 - batches (host memory): the int32/fp32 [rows, seq_len] arrays of a batch (`data.batch_spec`),
@@ -60,6 +62,13 @@ def stored_params(m) -> int:
     return m.n_layers * (attention + ffn) + embeddings
 
 
+def state_bytes_per_param(cfg, compute_bytes: int) -> int:
+    """fp32 parameters and Adam's two moments, plus a DPO reference; a LoRA base alone."""
+    if cfg.get("lora") is not None and cfg.lora.rank > 0:
+        return compute_bytes
+    return 12 + (compute_bytes if cfg.train.objective == "dpo" else 0)
+
+
 def lower_bounds(cfg, n_devices: int, n_processes: int = 1) -> dict[str, int]:
     """Bytes this run certainly needs: the state and activations summed over all devices, and the
     batches of one process's host."""
@@ -71,7 +80,7 @@ def lower_bounds(cfg, n_devices: int, n_processes: int = 1) -> dict[str, int]:
     micro_tokens = global_rows // max(t.grad_accum, 1) * t.seq_len
     in_flight = cfg.data.prefetch + 1 if cfg.data.source == "files" else 1  # only files prefetch
     return {
-        "state": (12 + (compute_bytes if t.objective == "dpo" else 0)) * stored_params(m),
+        "state": state_bytes_per_param(cfg, compute_bytes) * stored_params(m),
         "activations": m.n_layers * micro_tokens * m.d_model * compute_bytes,
         "batches": len(batch_spec(cfg.data)) * 4 * (global_rows // n_processes) * t.seq_len * in_flight,
     }

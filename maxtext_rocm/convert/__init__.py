@@ -1,12 +1,13 @@
 """Hugging Face <-> maxtext_rocm checkpoints, for LlamaForCausalLM and MixtralForCausalLM.
 
     python -m maxtext_rocm.convert from-hf HF_DIR OUT_DIR [--config.GROUP.KEY=VALUE ...]
-    python -m maxtext_rocm.convert to-hf CHECKPOINT_DIR OUT_DIR [--dtype bfloat16] [--max-shard-size 5GB]
+    python -m maxtext_rocm.convert to-hf CHECKPOINT_DIR OUT_DIR [--dtype bfloat16] [--max-shard-size 5GB] [--adapter]
 
 `from-hf` writes a params export (`OUT_DIR/params` through orbax, `OUT_DIR/config.json`) that
 `checkpoint.load_params_from` starts a run from, plus `OUT_DIR/preset.py`, a preset that does so:
 `python -m maxtext_rocm.train OUT_DIR/preset.py`. `to-hf` takes an export, a run directory or one of
-its checkpoints and writes safetensors shards and a config.json that transformers loads.
+its checkpoints and writes safetensors shards and a config.json that transformers loads; of a LoRA
+run, the merged model, or with `--adapter` a PEFT adapter for its base (lora_export.py).
 
 From Python:
 
@@ -257,14 +258,16 @@ def _find_record(path: Path) -> tuple[dict, Path]:
 
 
 def checkpoint_to_hf(checkpoint_dir, out_dir, *, dtype: str | None = None,
-                     max_shard_size: str | int = DEFAULT_SHARD_SIZE) -> Path:
-    """`to-hf`: an export, run directory or checkpoint -> a Hugging Face folder.
+                     max_shard_size: str | int = DEFAULT_SHARD_SIZE, adapter: bool = False) -> Path:
+    """`to-hf`: an export, run directory or checkpoint -> a Hugging Face folder. A LoRA run gives
+    its merged model, or with `adapter` a PEFT adapter for its base (convert/lora_export.py).
 
     dtype defaults to the imported original's (an export written by `from-hf`), else float32.
     """
     import ml_collections
 
     from maxtext_rocm.checkpoint import restore_params_to_host
+    from maxtext_rocm.convert import lora_export
 
     checkpoint_dir, out_dir = Path(checkpoint_dir).absolute(), Path(out_dir).absolute()
     if not checkpoint_dir.is_dir():
@@ -274,8 +277,16 @@ def checkpoint_to_hf(checkpoint_dir, out_dir, *, dtype: str | None = None,
     record, _ = _find_record(checkpoint_dir)
     cfg = ml_collections.ConfigDict(record["config"])
     hf_base = record.get("hf_config")
+    is_lora = "lora" in cfg and cfg.lora.rank > 0
+    if adapter and not is_lora:
+        raise ConvertError(f"--adapter exports a LoRA run's adapters, and {checkpoint_dir} is not from a LoRA run "
+                           "(its lora.rank is 0); leave --adapter out to export its model")
+    if is_lora and lora_export.base_pointer(cfg) and hf_base is None:  # the base's origin, for its config keys
+        hf_base = _find_record(Path(lora_export.base_pointer(cfg)).absolute())[0].get("hf_config")
     if dtype is None:
         dtype = str((hf_base or {}).get("dtype") or (hf_base or {}).get("torch_dtype") or "float32")
     files_lib.numpy_dtype(dtype)  # a bad --dtype fails before the restore
-    params = restore_params_to_host(checkpoint_dir, cfg)
+    if adapter:
+        return lora_export.write_adapter(checkpoint_dir, cfg, out_dir, dtype, _staging)
+    params = lora_export.merged_params(checkpoint_dir, cfg) if is_lora else restore_params_to_host(checkpoint_dir, cfg)
     return to_hf(cfg, params, out_dir, dtype=dtype, max_shard_size=max_shard_size, hf_base=hf_base)

@@ -6,7 +6,8 @@ import sys
 
 USAGE = """usage:
   python -m maxtext_rocm.convert from-hf HF_DIR OUT_DIR [--config.GROUP.KEY=VALUE ...]
-  python -m maxtext_rocm.convert to-hf CHECKPOINT_DIR OUT_DIR [--dtype float32|bfloat16|float16] [--max-shard-size 5GB]"""
+  python -m maxtext_rocm.convert to-hf CHECKPOINT_DIR OUT_DIR [--dtype float32|bfloat16|float16] [--max-shard-size 5GB]
+                                   [--adapter]  (a LoRA run: its PEFT adapter, not the merged model)"""
 
 
 def _options(args: list[str], names: tuple[str, ...]) -> dict[str, str]:
@@ -41,7 +42,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {written} (fine-tune from it: python -m maxtext_rocm.train {written}/preset.py "
                   "--config.data.paths=YOUR_DATA.jsonl; docs/finetuning.md)")
         else:
-            written = checkpoint_to_hf(source, out, **_options(rest, ("--dtype", "--max-shard-size")))
+            adapter = "--adapter" in rest  # a flag: the LoRA run's PEFT adapter instead of the merged model
+            options = _options([a for a in rest if a != "--adapter"], ("--dtype", "--max-shard-size", "--adapter"))
+            written = checkpoint_to_hf(source, out, adapter=adapter, **options)
             print(f"wrote {written}")
     except UserError as error:
         print(f"error: {error}", file=sys.stderr)

@@ -30,6 +30,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from maxtext_rocm.finetune import lora
 from maxtext_rocm.models import moe
 from maxtext_rocm.models.llama import lm_head_weight
 from maxtext_rocm.numerics import cross_entropy
@@ -54,9 +55,9 @@ def make_reference(params, compute_dtype):
 
 
 def reference_params(state) -> Any:
-    """The parameters the reference policy runs with. Without LoRA the frozen copy the state holds
-    (`make_reference`); under LoRA this is where the base parameters without adapters go instead."""
-    return state.reference
+    """The parameters the reference policy runs with: under LoRA the frozen base, applied without
+    its adapters (no second copy); otherwise the frozen copy the state holds (`make_reference`)."""
+    return getattr(state, "frozen", None) or state.reference
 
 
 def refreshed_reference(reference, params):
@@ -71,16 +72,21 @@ class SequenceLogprobs(NamedTuple):
     router: dict
 
 
-def sequence_logprobs(params, model, batch: dict, *, fused: bool, fp8_state=None) -> SequenceLogprobs:
+def sequence_logprobs(params, model, batch: dict, *, fused: bool, fp8_state=None, frozen=None,
+                      dropout_key=None) -> SequenceLogprobs:
     """Each row's log-probability of its weighted targets under `params`, differentiable. `fused`:
     whether the loss applies the LM head itself, in chunks (trainer/step.py's fused_head_loss),
-    which works on every mesh (parallel/loss.py); else from the model's full logits."""
-    variables = {"params": params, FP8_COLLECTION: fp8_state} if fp8_state else {"params": params}
+    which works on every mesh (parallel/loss.py); else from the model's full logits. Under LoRA
+    `params` are the adapters and `frozen` the base (finetune/lora.py)."""
+    variables = lora.model_variables(params, frozen)
+    if fp8_state:
+        variables[FP8_COLLECTION] = fp8_state
     out, aux = model.apply(variables, batch["inputs"], batch.get("positions"), batch.get("segment_ids"),
-                           return_hidden=fused, mutable=[moe.AUX_LOSSES])
+                           return_hidden=fused, mutable=[moe.AUX_LOSSES],
+                           rngs=None if dropout_key is None else {"dropout": dropout_key})
     weights = batch["weights"].astype(jnp.float32)
     if fused:
-        head_weight, vocab_axis = lm_head_weight(params, model.cfg)
+        head_weight, vocab_axis = lm_head_weight(frozen or params, model.cfg)
         chunk = cross_entropy.chunk_length(out.shape[1], model.cfg.loss_chunk_len)
         logps = loss.sequence_logprobs(out, head_weight, batch["targets"], weights, vocab_axis, chunk)
     else:
@@ -107,10 +113,13 @@ def pair_terms(policy_logps: Array, reference_logps: Array, beta: float, label_s
     return PairTerms(losses, chosen, rejected)
 
 
-def summed_loss(params, reference, model, batch: dict, dpo_cfg, *, fused: bool, fp8_state=None):
+def summed_loss(params, reference, model, batch: dict, dpo_cfg, *, fused: bool, fp8_state=None, frozen=None,
+                dropout_key=None):
     """(objective, sums): the DPO loss summed over this batch's pairs (plus the MoE router losses
-    scaled alike) and the sums of SUM_KEYS. The reference's pass carries no gradient."""
-    policy = sequence_logprobs(params, model, batch, fused=fused, fp8_state=fp8_state)
+    scaled alike) and the sums of SUM_KEYS. The reference's pass carries no gradient. Under LoRA
+    `params` are the adapters, `frozen` the base, and `reference` that same base without adapters."""
+    policy = sequence_logprobs(params, model, batch, fused=fused, fp8_state=fp8_state, frozen=frozen,
+                               dropout_key=dropout_key)
     ref = jax.lax.stop_gradient(sequence_logprobs(reference, model, batch, fused=fused, fp8_state=fp8_state).logps)
     terms = pair_terms(policy.logps, ref, dpo_cfg.beta, dpo_cfg.label_smoothing)
     pairs = terms.losses.shape[0]

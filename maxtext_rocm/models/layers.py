@@ -16,6 +16,9 @@ from flax import linen as nn
 from maxtext_rocm.numerics.precision import Policy
 
 Array = jax.Array
+# The collection of trainable variables that a policy's dot strategy may add beside a frozen kernel
+# (maxtext_rocm/finetune/lora.py): the scanned stack stacks it over layers like "params".
+ADAPTERS = "adapters"
 
 
 def kernel_init(in_axes: Sequence[int], out_axes: Sequence[int]):

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from maxtext_rocm.models.attention import CACHE, Attention
-from maxtext_rocm.models.layers import Dense, Embed, Kernel, RMSNorm, fused_projections
+from maxtext_rocm.models.layers import ADAPTERS, Dense, Embed, Kernel, RMSNorm, fused_projections
 from maxtext_rocm.models.moe import AUX_LOSSES
 from maxtext_rocm.numerics.fp8 import FP8_COLLECTION
 from maxtext_rocm.numerics.precision import DOT_WITH_BATCH_AXES, DOT_WITHOUT_BATCH_AXES, Policy, without_fp8
@@ -112,12 +112,12 @@ class Decoder(nn.Module):
             # forward pass; unrolled layers need prevent_cse.
             block = nn.remat(block, policy=REMAT_POLICIES[m.remat], prevent_cse=not m.scan_layers)
         if m.scan_layers:
-            # Router losses sown by MoE layers and fp8 scaling state stack over layers like the
-            # parameters.
+            # Router losses sown by MoE layers, fp8 scaling state and a dot strategy's adapters stack
+            # over layers like the parameters; each layer draws its own dropout.
             def scanned(length: int, **kwargs) -> nn.Module:
                 stack = nn.scan(
-                    block, variable_axes={"params": 0, AUX_LOSSES: 0, FP8_COLLECTION: 0, CACHE: 0},
-                    split_rngs={"params": True},
+                    block, variable_axes={"params": 0, AUX_LOSSES: 0, FP8_COLLECTION: 0, CACHE: 0, ADAPTERS: 0},
+                    split_rngs={"params": True, "dropout": True},
                     in_axes=(nn.broadcast, nn.broadcast), length=length,
                     metadata_params={nn.PARTITION_NAME: "layers"})
                 return stack(m, self.policy, self.decode, self.expert_exchange, self.context_attention, **kwargs)

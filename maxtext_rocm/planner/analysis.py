@@ -69,10 +69,12 @@ def analyse(cfg, kind: str, n_devices: int, usable: float = 0.92, compile_it: bo
     abstract, state_sharding, storage_order = layout.abstract, layout.sharding, layout.storage_order
     batch_sharding = sharding.batch_sharding(mesh)
 
-    params = _sharded_bytes(abstract.params)
-    # Gradients have the parameters' shapes, dtypes and shardings; accumulating micro-batches
-    # keeps a running sum beside each micro-batch's gradients.
-    grads = params * (2 if cfg.train.grad_accum > 1 else 1)
+    trained = _sharded_bytes(abstract.params)
+    # A LoRA run's frozen base (compute dtype) counts as parameters, but has no gradients.
+    params = trained + _sharded_bytes(getattr(abstract, "frozen", {}))
+    # Gradients have the trained parameters' shapes, dtypes and shardings; accumulating
+    # micro-batches keeps a running sum beside each micro-batch's gradients.
+    grads = trained * (2 if cfg.train.grad_accum > 1 else 1)
     fsdp_sharded = sizes["fsdp"] * sizes["sequence"] * sizes["expert"] > 1
     microbatches = cfg.pipeline.microbatches if sizes["stage"] > 1 else 1
     act = estimates.analytic_activations(cfg, sizes, n_devices, microbatches)

@@ -23,16 +23,18 @@ import ml_collections
 import numpy as np
 from flax import linen as nn
 
+from maxtext_rocm.finetune import lora
 from maxtext_rocm.trainer import compilation, optimizer as optim
 from maxtext_rocm.parallel import sharding
 from maxtext_rocm.config import ConfigError
-from maxtext_rocm.trainer.step import create_state, train_step
+from maxtext_rocm.trainer.step import create_state, frozen_base, train_step
 
 
 def resolve_auto(cfg, mesh, device, platform: str | None = None):
     """Writes into `cfg` what it leaves to "auto" for this mesh and device: the fp8 format, the
     projection fusion, the pipeline's microbatches and (unless the caller did already) the
-    attention implementation, so config.json records what runs. Returns the precision policy.
+    attention implementation, so config.json records what runs. Returns the precision policy, with
+    cfg.lora's adapters in its dot (finetune/lora.py) when lora.rank > 0.
     `platform`: the platform the program is for when it is not the device's (the planner's GPU
     targets, compiled on a CPU)."""
     from maxtext_rocm.models.attention import resolve_implementation
@@ -47,7 +49,7 @@ def resolve_auto(cfg, mesh, device, platform: str | None = None):
     if platform is None:
         cfg.model.attention = resolve_implementation(cfg.model.attention, device, policy.compute_dtype,
                                                      cfg.train.seq_len)
-    return policy
+    return lora.policy_with_lora(policy, cfg.lora)
 
 
 def model_for_mesh(cfg, policy, mesh, platform: str | None = None, model_cfg=None):
@@ -87,7 +89,8 @@ def stored_state(cfg, model, mesh) -> StateLayout:
     # The optimizer state's layout depends on whether it clips, not on the numbers (trainer/optimizer.py).
     tx = optim.build_optimizer(optim.hyperparameters(cfg.optimizer, cfg.train.steps), optim.clips(cfg.optimizer))
     create = functools.partial(create_state, model=model, tx=tx, batch_shape=(1, min(cfg.train.seq_len, 8)),
-                               reference=cfg.train.objective == "dpo")
+                               # DPO's reference: a frozen copy, unless LoRA's frozen base serves as one
+                               reference=cfg.train.objective == "dpo" and cfg.lora.rank == 0)
     key = jax.random.key(cfg.train.seed)
     # Flax traces the model's init once, here; `init` replays the recorded program (re-tracing the
     # model cost 0.3-0.5 s of launch at the reference comparison's size).
@@ -166,13 +169,17 @@ def launch(cfg, model, mesh, batch_sharding, batch_dtypes, checkpointer, shardin
             f"from in {cfg.output_dir}; raise train.steps above {newest} to train on, or use "
             "another output_dir to start afresh")
     if resume:
-        if cfg.checkpoint.load_params_from:  # resume wins; say so, or the user believes the parameters came in
+        if cfg.checkpoint.load_params_from and not lora.enabled(cfg.lora):  # resume wins; say so, or the user believes the parameters came in
             log(f"warning: checkpoint.load_params_from={cfg.checkpoint.load_params_from!r} is ignored: output_dir "
                 f"{cfg.output_dir} holds checkpoint {resume.steps[0]}, which this run resumes from; give the run a new "
                 "output_dir to start from those parameters")
+    init_jit = jax.jit(lambda k: nn.meta.unbox(layout.init(k)), out_shardings=layout.sharding)
+    if resume and lora.enabled(cfg.lora):  # the adapters from the checkpoint, the base from where it always comes
+        made = compilation.in_thread(restored_lora_state, cfg.checkpoint, compilation.lower_init(init_jit, layout.key),
+                                     layout.key, checkpointer, resume, layout.abstract, log)
+    elif resume:
         made = compilation.in_thread(restored_state, checkpointer, resume, layout.abstract, log, layout.storage_order)
     else:
-        init_jit = jax.jit(lambda k: nn.meta.unbox(layout.init(k)), out_shardings=layout.sharding)
         made = compilation.in_thread(fresh_state, cfg.checkpoint, compilation.lower_init(init_jit, layout.key),
                                      layout.key, layout.abstract, log, layout.storage_order)
     with sharding_rules():
@@ -217,9 +224,12 @@ def restored_state(checkpointer, resume, abstract, log, storage_order=None):
 def fresh_state(checkpoint_cfg, init_lowered, key, abstract, log, storage_order=None):
     """(state, 0, None): the lowered init program compiled and run (every array made in its
     sharding), optionally with parameters from another run (checkpoint.load_params_from)."""
-    n_values = sum(x.size for x in jax.tree_util.tree_leaves(abstract.params))
+    n_values = sum(x.size for x in jax.tree_util.tree_leaves((abstract.params, frozen_base(abstract))))
     state = compilation.run_init(init_lowered, key, n_values)
-    if checkpoint_cfg.load_params_from:
+    if checkpoint_cfg.load_params_from and frozen_base(abstract):  # LoRA: the parameters are the frozen base
+        state = state.replace(frozen=load_lora_base(checkpoint_cfg.load_params_from, abstract.frozen))
+        log(f"LoRA base from {checkpoint_cfg.load_params_from}; fresh adapters and optimizer at step 0")
+    elif checkpoint_cfg.load_params_from:
         from maxtext_rocm.checkpoint import restore_params
 
         if storage_order is None:
@@ -234,6 +244,29 @@ def fresh_state(checkpoint_cfg, init_lowered, key, abstract, log, storage_order=
             state = state.replace(reference=dpo.refreshed_reference(state.reference, params))
         log(f"parameters from {checkpoint_cfg.load_params_from}; fresh optimizer at step 0")
     return state, 0, None
+
+
+def load_lora_base(path, abstract_frozen):
+    """A LoRA run's frozen base from `path`, verified, in the compute dtype of `abstract_frozen`.
+    Read in the stored fp32 (the checksums are of those values) and cast: for a moment the base is
+    held twice (fp32 + compute dtype)."""
+    from maxtext_rocm.checkpoint import restore_params
+
+    stored = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, np.float32, sharding=x.sharding),
+                                    abstract_frozen)
+    base = restore_params(path, stored)
+    return jax.tree_util.tree_map(lambda x, a: x.astype(a.dtype), base, abstract_frozen)
+
+
+def restored_lora_state(checkpoint_cfg, init_lowered, key, checkpointer, resume, abstract, log):
+    """(state, its step, data position) of a resumed LoRA run: adapters, optimizer state and
+    counters from checkpoint `resume` (which holds no base), the base from checkpoint.load_params_from
+    as at the start, or, without it, train.seed's initialisation made again."""
+    restored, data_state, step = checkpointer.restore(resume, abstract.replace(frozen={}))
+    fresh, _, _ = fresh_state(checkpoint_cfg, init_lowered, key, abstract, lambda _: None)
+    log(f"resumed from {resume.manager.directory}/{step}"
+        + (f" (LoRA base from {checkpoint_cfg.load_params_from})" if checkpoint_cfg.load_params_from else ""))
+    return restored.replace(frozen=fresh.frozen), int(data_state["step"]), data_state
 
 
 def data_sources(cfg, global_batch: int, resumed_data_state: dict | None, mesh=None):
@@ -265,12 +298,14 @@ def place_batch(host: dict, layout, batch_sharding, dtypes: dict, global_batch: 
 
 
 def jit_eval_step(model, mesh, state_sharding, batch_sharding, dpo_cfg=None):
-    """The jitted eval step: (params, batch, fp8 state, DPO reference) -> token-mean loss and token
-    count, or under DPO (a non-empty reference) the batch's DPO sums (step.eval_step)."""
+    """The jitted eval step: (params, batch, fp8 state, DPO reference, LoRA base) -> token-mean loss
+    and token count, or under DPO (a non-empty reference) the batch's DPO sums (step.eval_step)."""
     from maxtext_rocm.trainer.step import eval_step
 
     frozen_dpo = ml_collections.FrozenConfigDict(dpo_cfg) if dpo_cfg is not None else None
-    return jax.jit(lambda params, batch, fp8_state, reference: eval_step(
-                       params, batch, model=model, fp8_state=fp8_state, reference=reference, dpo_cfg=frozen_dpo),
-                   in_shardings=(state_sharding.params, batch_sharding, state_sharding.fp8, state_sharding.reference),
+    return jax.jit(lambda params, batch, fp8_state, reference, frozen: eval_step(
+                       params, batch, model=model, fp8_state=fp8_state, reference=reference, dpo_cfg=frozen_dpo,
+                       frozen=frozen),
+                   in_shardings=(state_sharding.params, batch_sharding, state_sharding.fp8, state_sharding.reference,
+                                 frozen_base(state_sharding)),
                    out_shardings=sharding.replicated(mesh))

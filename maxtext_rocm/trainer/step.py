@@ -19,10 +19,11 @@ import optax
 from flax import linen as nn
 from flax import struct
 
-from maxtext_rocm.finetune import dpo
+from maxtext_rocm.finetune import dpo, lora
 from maxtext_rocm.numerics import cross_entropy, fp8
 from maxtext_rocm.numerics.fp8 import FP8_COLLECTION
 from maxtext_rocm.models import moe
+from maxtext_rocm.models.layers import ADAPTERS
 from maxtext_rocm.models.llama import lm_head_weight
 from maxtext_rocm.trainer.optimizer import build_optimizer, learning_rate
 from maxtext_rocm.parallel import loss
@@ -48,16 +49,39 @@ class TrainState(struct.PyTreeNode):
     reference: Any = struct.field(default_factory=dict)
 
 
+class LoraTrainState(TrainState):
+    """A LoRA run's state (maxtext_rocm/finetune/lora.py): `params` are the adapters. A subclass,
+    so that the checkpoints of every other run keep TrainState's tree."""
+    # The frozen base in the compute dtype: never differentiated, never updated, not checkpointed
+    # (the run's checkpoint.load_params_from, or train.seed, names it).
+    frozen: Any = struct.field(default_factory=dict)
+
+
+def frozen_base(state: TrainState):
+    """A LoRA run's frozen base, or {} for any other state (or its sharding tree)."""
+    return getattr(state, "frozen", {})
+
+
+def without_base(state: TrainState) -> TrainState:
+    """The state as checkpoints hold it: a LoRA run's without its base, which its config names."""
+    return state.replace(frozen={}) if isinstance(state, LoraTrainState) else state
+
+
 def create_state(rng: Array, model: nn.Module, tx: optax.GradientTransformation,
                  batch_shape: tuple[int, int], reference: bool = False) -> TrainState:
-    """Fresh parameters and optimizer state (still boxed with their logical axes); `reference`:
-    with the DPO reference, a frozen copy of the parameters in the compute dtype."""
+    """Fresh parameters and optimizer state (still boxed with their logical axes). A model whose
+    policy adds adapters (LoRA) trains them alone: they become `params`, the base `frozen`.
+    `reference`: with the DPO reference, a frozen copy of the parameters in the compute dtype."""
     variables = model.init(rng, jnp.zeros(batch_shape, jnp.int32))
-    params = variables["params"]
-    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
-                      nonfinite_steps=jnp.zeros((), jnp.int32), skipped_in_a_row=jnp.zeros((), jnp.int32),
-                      fp8=variables.get(FP8_COLLECTION, {}),
-                      reference=dpo.make_reference(params, model.policy.compute_dtype) if reference else {})
+    params, fields = variables["params"], {}
+    if reference:
+        fields["reference"] = dpo.make_reference(params, model.policy.compute_dtype)
+    if variables.get(ADAPTERS):
+        params, fields["frozen"] = variables[ADAPTERS], lora.to_compute_dtype(params, model.policy.compute_dtype)
+    return (LoraTrainState if "frozen" in fields else TrainState)(
+        step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
+        nonfinite_steps=jnp.zeros((), jnp.int32), skipped_in_a_row=jnp.zeros((), jnp.int32),
+        fp8=variables.get(FP8_COLLECTION, {}), **fields)
 
 
 def token_losses(logits: Array, targets: Array) -> tuple[Array, Array]:
@@ -74,15 +98,20 @@ def fused_head_loss(model_cfg, fp8_lm_head: bool) -> bool:
     return model_cfg.loss_chunk_len > 0 and (model_cfg.tie_embeddings or not fp8_lm_head)
 
 
-def summed_loss(params, model: nn.Module, batch: Batch, z_loss_weight: float, fp8_state=None):
-    """The objective summed (not averaged) over tokens, and the sums the metrics need."""
-    variables = {"params": params, FP8_COLLECTION: fp8_state} if fp8_state else {"params": params}
+def summed_loss(params, model: nn.Module, batch: Batch, z_loss_weight: float, fp8_state=None, frozen=None,
+                dropout_key=None):
+    """The objective summed (not averaged) over tokens, and the sums the metrics need. Under LoRA
+    `params` are the adapters and `frozen` the base; `dropout_key` turns the adapters' dropout on."""
+    variables = lora.model_variables(params, frozen)
+    if fp8_state:
+        variables[FP8_COLLECTION] = fp8_state
     fused = fused_head_loss(model.cfg, model.policy.fp8_lm_head)
     out, aux = model.apply(variables, batch["inputs"], batch.get("positions"), batch.get("segment_ids"),
-                           return_hidden=fused, mutable=[moe.AUX_LOSSES])
+                           return_hidden=fused, mutable=[moe.AUX_LOSSES],
+                           rngs=None if dropout_key is None else {"dropout": dropout_key})
     weights = batch["weights"].astype(jnp.float32)
     if fused:
-        head_weight, vocab_axis = lm_head_weight(params, model.cfg)
+        head_weight, vocab_axis = lm_head_weight(frozen or params, model.cfg)
         objective, sums = loss.head_loss(  # on a mesh, each device on its own tokens (parallel/loss.py)
             out, head_weight, batch["targets"], weights, vocab_axis=vocab_axis, z_loss_weight=z_loss_weight,
             chunk=cross_entropy.chunk_length(out.shape[1], model.cfg.loss_chunk_len))
@@ -111,29 +140,32 @@ def split_micro_batches(batch: Batch, n: int, rows_together: int = 1) -> Batch:
 
 class Objective(NamedTuple):
     """What the step minimises, as a sum over the batch that the step divides once by a count."""
-    summed_loss: Callable  # (params, batch, fp8_state) -> (summed objective, sums for the metrics)
+    summed_loss: Callable  # (params, batch, fp8_state, dropout_key) -> (summed objective, sums for the metrics)
     sum_keys: tuple  # the sums' keys (zeros start the accumulation)
     count_key: str  # the sum the mean divides by: "tokens" (LM) or "pairs" (DPO)
     rows_together: int  # rows that no micro-batch split may separate
     metrics: Callable  # sums -> the step's loss metrics, "loss" among them
 
 
-def lm_objective(model: nn.Module, z_loss_weight: float) -> Objective:
-    return Objective(lambda p, b, f: summed_loss(p, model, b, z_loss_weight, f),
+def lm_objective(model: nn.Module, z_loss_weight: float, frozen=None) -> Objective:
+    """Next-token cross-entropy; `frozen`: a LoRA run's base."""
+    return Objective(lambda p, b, f, k: summed_loss(p, model, b, z_loss_weight, f, frozen, k),
                      ("ce", "z_loss", "tokens", *moe.ROUTER_LOSS_WEIGHTS), "tokens", 1, loss_metrics)
 
 
-def dpo_objective(model: nn.Module, reference, dpo_cfg) -> Objective:
+def dpo_objective(model: nn.Module, reference, dpo_cfg, frozen=None) -> Objective:
+    """Preference pairs against `reference`; `frozen`: a LoRA run's base (then also the reference)."""
     fused = fused_head_loss(model.cfg, model.policy.fp8_lm_head)
-    return Objective(lambda p, b, f: dpo.summed_loss(p, reference, model, b, dpo_cfg, fused=fused, fp8_state=f),
+    return Objective(lambda p, b, f, k: dpo.summed_loss(p, reference, model, b, dpo_cfg, fused=fused, fp8_state=f,
+                                                        frozen=frozen, dropout_key=k),
                      dpo.SUM_KEYS, "pairs", 2, dpo.metrics)
 
 
 def step_objective(state: TrainState, model: nn.Module, train_cfg, dpo_cfg=None) -> Objective:
     """train.objective's Objective for this state."""
     if train_cfg.get("objective", "lm") == "dpo":
-        return dpo_objective(model, dpo.reference_params(state), dpo_cfg)
-    return lm_objective(model, train_cfg.z_loss_weight)
+        return dpo_objective(model, dpo.reference_params(state), dpo_cfg, frozen_base(state))
+    return lm_objective(model, train_cfg.z_loss_weight, frozen_base(state))
 
 
 class SummedGradients(NamedTuple):
@@ -145,18 +177,21 @@ class SummedGradients(NamedTuple):
 
 
 def summed_gradients(params, model: nn.Module, batch: Batch, grad_accum: int, z_loss_weight: float,
-                     fp8_state=None, objective: Objective | None = None) -> SummedGradients:
-    """The summed gradients, accumulating micro-batches; `objective`: the LM loss unless given."""
+                     fp8_state=None, objective: Objective | None = None, dropout_key=None) -> SummedGradients:
+    """The summed gradients of `params`, accumulating micro-batches; `objective`: the LM loss unless
+    given; `dropout_key`: the step's key for LoRA's adapter dropout (None: no dropout)."""
     fp8_state = fp8_state or {}
     objective = objective or lm_objective(model, z_loss_weight)
     grad_fn = jax.value_and_grad(objective.summed_loss, argnums=(0, 2), has_aux=True)
     if grad_accum == 1:
-        (_, sums), (grads, fp8_update) = grad_fn(params, batch, fp8_state)
+        (_, sums), (grads, fp8_update) = grad_fn(params, batch, fp8_state, dropout_key)
         return SummedGradients(grads, fp8_update, sums)
 
     def accumulate(carry, micro):
         grads_acc, fp8_acc, sums_acc = carry
-        (_, sums), (grads, fp8_update) = grad_fn(params, micro, fp8_state)
+        micro, index = micro
+        key = None if dropout_key is None else jax.random.fold_in(dropout_key, index)
+        (_, sums), (grads, fp8_update) = grad_fn(params, micro, fp8_state, key)
         return (jax.tree_util.tree_map(jnp.add, grads_acc, grads), fp8.combine_updates(fp8_acc, fp8_update),
                 jax.tree_util.tree_map(jnp.add, sums_acc, sums)), None
 
@@ -164,7 +199,8 @@ def summed_gradients(params, model: nn.Module, batch: Batch, grad_accum: int, z_
     fp8_start = fp8.merge_identity(fp8_state)
     zero_sums = {k: jnp.zeros((), jnp.float32) for k in objective.sum_keys}
     (grads, fp8_update, sums), _ = jax.lax.scan(
-        accumulate, (zeros, fp8_start, zero_sums), split_micro_batches(batch, grad_accum, objective.rows_together))
+        accumulate, (zeros, fp8_start, zero_sums),
+        (split_micro_batches(batch, grad_accum, objective.rows_together), jnp.arange(grad_accum)))
     return SummedGradients(grads, fp8_update, sums)
 
 
@@ -202,9 +238,10 @@ class Gradients(NamedTuple):
 
 
 def gradients(params, model: nn.Module, batch: Batch, grad_accum: int, z_loss_weight: float,
-              fp8_state=None, objective: Objective | None = None) -> Gradients:
-    """The token-mean (pair-mean for DPO) gradients over the whole batch, accumulating micro-batches."""
-    objective = objective or lm_objective(model, z_loss_weight)
+              fp8_state=None, objective: Objective | None = None, frozen=None) -> Gradients:
+    """The token-mean (pair-mean for DPO) gradients over the whole batch, accumulating micro-batches
+    (`frozen`: a LoRA base, whose gradient is never formed)."""
+    objective = objective or lm_objective(model, z_loss_weight, frozen)
     summed = summed_gradients(params, model, batch, grad_accum, z_loss_weight, fp8_state, objective)
     count = jnp.maximum(summed.sums[objective.count_key], 1.0)
     return Gradients(scaled(summed.grads, 1.0 / count), summed.fp8_update, objective.metrics(summed.sums))
@@ -250,7 +287,7 @@ def train_step(state: TrainState, batch: Batch, hyperparameters: dict[str, Array
     tx = build_optimizer(hyperparameters, clip)
     objective = step_objective(state, model, train_cfg, dpo_cfg)
     summed = summed_gradients(state.params, model, batch, train_cfg.grad_accum, train_cfg.z_loss_weight,
-                              state.fp8, objective)
+                              state.fp8, objective, lora_dropout_key(model, train_cfg.seed, state.step))
     metrics = objective.metrics(summed.sums)
     # The token mean is taken inside the update branch below, where its multiply fuses into the
     # optimizer's kernels; before the branch it would be one more pass over every gradient (and
@@ -284,12 +321,23 @@ def train_step(state: TrainState, batch: Batch, hyperparameters: dict[str, Array
     return new_state, metrics
 
 
-def eval_step(params, batch: Batch, *, model: nn.Module, fp8_state=None, reference=None, dpo_cfg=None):
-    """The LM loss's token mean and token count; under DPO (a `reference` and `dpo_cfg` given)
-    the batch's DPO sums instead (finetune/dpo.py's SUM_KEYS), which evaluations add up."""
-    if reference:
+def lora_dropout_key(model: nn.Module, seed: int, step: Array):
+    """The step's key for the adapters' dropout (a function of train.seed and the step, so a resumed
+    run draws what the uninterrupted one would), or None when no layer drops anything."""
+    if lora.dropout_rate(model.policy) == 0:
+        return None
+    return jax.random.fold_in(jax.random.key(seed), step)
+
+
+def eval_step(params, batch: Batch, *, model: nn.Module, fp8_state=None, reference=None, dpo_cfg=None,
+              frozen=None):
+    """The LM loss's token mean and token count; under DPO (`dpo_cfg` given) the batch's DPO sums
+    instead (finetune/dpo.py's SUM_KEYS), which evaluations add up. `frozen`: a LoRA run's base
+    (`params` are then its adapters, and the DPO reference is the base alone)."""
+    if dpo_cfg is not None:
         fused = fused_head_loss(model.cfg, model.policy.fp8_lm_head)
-        _, sums = dpo.summed_loss(params, reference, model, batch, dpo_cfg, fused=fused, fp8_state=fp8_state)
+        _, sums = dpo.summed_loss(params, frozen or reference, model, batch, dpo_cfg, fused=fused,
+                                  fp8_state=fp8_state, frozen=frozen)
         return {key: sums[key] for key in dpo.EVAL_SUM_KEYS}
-    _, sums = summed_loss(params, model, batch, 0.0, fp8_state)
+    _, sums = summed_loss(params, model, batch, 0.0, fp8_state, frozen)
     return {"loss": sums["ce"] / jnp.maximum(sums["tokens"], 1.0), "tokens": sums["tokens"]}

@@ -26,6 +26,7 @@ from maxtext_rocm.trainer import compilation, divergence
 from maxtext_rocm.trainer.launch import (data_sources, jit_eval_step, launch, model_for_mesh, optimizer_hyperparameters,
                                          place_batch, resolve_auto)
 from maxtext_rocm.trainer.preflight import check_run
+from maxtext_rocm.trainer.step import frozen_base, without_base
 from maxtext_rocm.trainer.timing import StartupClock, StepClock
 
 
@@ -100,7 +101,7 @@ class Trainer:
         # Every data-loading process's position (a collective), or the step alone: replayed up to it.
         data_state = saved_data_state(self.data, step)
         try:
-            self.checkpointer.save(step, self.state_in_model_order(), data_state, self.cfg.model)
+            self.checkpointer.save(step, without_base(self.state_in_model_order()), data_state, self.cfg.model)
         except NonFiniteState as error:
             raise divergence.bad_checkpoint(error, self.checkpointer.manager.latest_step()) from None
         if divergence.skip_limit_reached(self.cfg.train, in_a_row):  # saved: the frozen state is the last good one
@@ -127,7 +128,7 @@ class Trainer:
         with self.sharding_rules():
             for i in range(self.cfg.train.eval_steps):
                 out = self._eval_step(self.state.params, self._to_device(self.eval_data.batch(i)), self.state.fp8,
-                                      self.state.reference)
+                                      self.state.reference, frozen_base(self.state))
                 if "loss" not in out:  # DPO: sums over pairs (step.eval_step)
                     sums = out if sums is None else jax.tree_util.tree_map(lambda a, b: a + b, sums, out)
                     continue
@@ -238,7 +239,8 @@ class Trainer:
         # A pipeline's own layer order (parallel/pipeline_layout.py) <-> the model's, or None.
         self.storage_order = launched.storage_order
         self.data, self.eval_data = data_sources(cfg, self.global_batch, launched.data_state, self.mesh)
-        self._eval_step = (jit_eval_step(self.model, self.mesh, self.state_sharding, self.batch_sharding, cfg.dpo)
+        self._eval_step = (jit_eval_step(self.model, self.mesh, self.state_sharding, self.batch_sharding,
+                                         cfg.dpo if cfg.train.objective == "dpo" else None)
                            if self.eval_data is not None else None)
         self.stopped_by_signal = None
         self.profiler = Profiler(cfg.log.profile_steps, cfg.output_dir, enabled=self.is_logger)
