@@ -33,7 +33,7 @@ def tok(tok_dir):
 def data_cfg(tok_dir, **keys):
     base = dict(source="files", paths="", eval_paths="", tokenizer=str(tok_dir / "tokenizer.json"), format="chat",
                 chat_template="", train_on_prompt=False, text_field="text", add_bos=True, add_eos=True,
-                packing=True, epochs=0, prefetch=2, seed=0, allow_changed=False)
+                packing="concat", epochs=0, prefetch=2, seed=0, allow_changed=False)
     base.update(keys)
     return ml_collections.ConfigDict(base)
 
@@ -99,7 +99,7 @@ def test_chat_rows_keep_conversations_apart_and_weight_assistants(tok_dir, tok, 
     template = load_chat_template(data_cfg(tok_dir), tok)
     examples = {tuple(e.tokens.tolist()): e for e in (chat_example(template, tok, c) for c in CHATS)}
     for train_on_prompt in (False, True):
-        cfg = data_cfg(tok_dir, paths=str(path), train_on_prompt=train_on_prompt)
+        cfg = data_cfg(tok_dir, paths=str(path), train_on_prompt=train_on_prompt, packing="best_fit")  # whole chats
         source = FilesSource(cfg, vocab_size=tok.vocab_size, global_batch=2, seq_len=256)
         try:
             batch = source.batch(0)
@@ -125,7 +125,7 @@ def test_prompt_completion(tok_dir, tok, tmp_path):
     records = [{"prompt": "what is two plus two?", "completion": " the answer is four."},
                {"prompt": CHATS[0][:4], "completion": "Six."}]
     path = write_jsonl(tmp_path / "pc.jsonl", records)
-    cfg = data_cfg(tok_dir, paths=str(path), format="prompt_completion", packing=False)
+    cfg = data_cfg(tok_dir, paths=str(path), format="prompt_completion", packing="none")
     source = FilesSource(cfg, vocab_size=tok.vocab_size, global_batch=2, seq_len=64)
     try:
         examples = [source.dataset[i] for i in range(2)]
@@ -210,7 +210,7 @@ def test_bad_preference_and_template_inputs(tok_dir, tmp_path):
     with pytest.raises(ConfigError, match="has no chat template"):
         check_inputs(data_cfg(bare, paths=str(chats)), 512)
     with pytest.raises(DataError, match=r"has \d+ tokens, more than train.seq_len=4 .* all \d+ of its trained"):
-        check_inputs(data_cfg(tok_dir, paths=str(chats), packing=False), 512, seq_len=4)
+        check_inputs(data_cfg(tok_dir, paths=str(chats), packing="none"), 512, seq_len=4)
     with pytest.raises(ConfigError, match="byte tokenizer has no chat tokens"):
         check_inputs(data_cfg(tok_dir, paths=str(chats), tokenizer="byte"), 512)
 

@@ -81,7 +81,7 @@ def test_pretokenize_script_round_trips_to_arrayrecord(tmp_path):
 def test_packing_layout(tmp_path):
     texts = make_docs(30, lo=1, hi=6)  # each shorter than a row
     write_jsonl(tmp_path / "d.jsonl", texts)
-    src = source(tmp_path / "d.jsonl", seq_len=64)
+    src = source(tmp_path / "d.jsonl", seq_len=64, packing="best_fit")  # whole documents
     b = src.batch(0)
     assert set(b) == {"inputs", "targets", "weights", "positions", "segment_ids"}
     assert all(v.shape == (4, 64) for v in b.values())
@@ -96,7 +96,7 @@ def test_packing_layout(tmp_path):
             assert tokens[0] == TOK.bos_id and tokens[-1] == TOK.eos_id
             assert TOK.decode(tokens) in texts
     # Without packing: one document per row, padded, the padding weighted 0.
-    b = source(tmp_path / "d.jsonl", seq_len=64, packing=False).batch(0)
+    b = source(tmp_path / "d.jsonl", seq_len=64, packing="none").batch(0)
     assert b["segment_ids"].max() == 1 and np.all(b["weights"] == (b["segment_ids"] > 0))
     assert b["weights"].sum(axis=1).min() < 64
     # A document longer than a row is cut, not dropped: every token is a target exactly once.
@@ -151,7 +151,7 @@ def test_two_processes_read_every_document_once_per_epoch(tmp_path):
         seen = []
         for p in range(2):
             stream = DocumentStream(dataset, seed=3, process_index=p, process_count=2)
-            packer = RowPacker(stream, seq_len=16)
+            packer = RowPacker(stream, seq_len=16, packing="none")  # each (short) document whole, in order
             order = stream.order(epoch)
             seen.append([TOK.decode(dataset[int(i)]) for i in order])
             # The packer reads exactly that share: the targets of one epoch spell it out.
@@ -216,7 +216,8 @@ def test_eval_loss_is_the_token_mean(tmp_path, devices):
     write_jsonl(tmp_path / "eval.jsonl", make_docs(7, seed=9, lo=1, hi=5))
     cfg = small_config(**{"model.vocab_size": 512, "data.source": "files", "data.paths": str(tmp_path / "train.jsonl"),
                           "data.eval_paths": str(tmp_path / "eval.jsonl"), "train.eval_every": 2,
-                          "train.eval_steps": 2, "train.steps": 2, "checkpoint.enabled": False, "output_dir": str(tmp_path / "run")})
+                          "train.eval_steps": 2, "train.steps": 2, "checkpoint.enabled": False, "output_dir": str(tmp_path / "run"),
+                          "data.packing": "best_fit"})  # whole documents: padding, which the mean leaves out
     trainer = Trainer(cfg, devices=devices, log=lambda *_: None)
     got = trainer.evaluate()
     params = jax.device_get(trainer.state.params)

@@ -70,16 +70,31 @@ def assert_bit_for_bit(rows, whole, steps):
     assert rows[-1]["loss"] != pytest.approx(want[3]["loss"], abs=1e-3)  # the updates did something
 
 
+def global_padding(data, steps, **data_keys):
+    """Each step's share of positions without a token over both processes' rows (the global batch
+    of 8 x 128), from the sources read in this process."""
+    from test_data_files import source
+
+    local = [[source(data, global_batch=8, seq_len=128, process_index=p, process_count=2, **data_keys).batch(s)
+              for s in range(steps)] for p in range(2)]
+    return [float(np.mean([local[p][s]["segment_ids"] == 0 for p in range(2)])) for s in range(steps)]
+
+
 def test_two_processes_resumed_mid_run_train_like_the_uninterrupted_run(tmp_path):
     """The uninterrupted run saves step 3 while its prefetch thread is ahead; a new run resumed from
     that checkpoint trains steps 4-6 on the same batches: the same losses, bit for bit (the
-    checkpoint used to keep process 0's position for both, and process 1 read other documents)."""
+    checkpoint used to keep process 0's position for both, and process 1 read other documents).
+    Whole documents (data.packing=best_fit, windows of 4 documents, rows of 128): both processes'
+    rows have padding, and every logged step reports the global batch's share of it."""
     data = corpus(tmp_path / "corpus.jsonl")
-    whole = whole_run(tmp_path, data, *SAVING, "--config.checkpoint.every=3")
+    best_fit = ["--config.data.packing=best_fit", "--config.data.packing_window=4", "--config.train.seq_len=128"]
+    whole = whole_run(tmp_path, data, *SAVING, *best_fit, "--config.checkpoint.every=3")
     checkpoint = tmp_path / "whole" / "checkpoints" / "3"
     assert_positions_of_both(checkpoint)
+    padding = global_padding(data, 6, packing="best_fit", packing_window=4)
+    assert [r["padding_fraction"] for r in whole] == pytest.approx(padding, abs=1e-6) and min(padding) > 0
     log0 = two_processes(tmp_path, "logs_resumed", *SMALL, *TWO, *FILES, f"--config.data.paths={data}", *SAVING,
-                         f"--config.checkpoint.resume={checkpoint}", "--config.train.steps=6",
+                         *best_fit, f"--config.checkpoint.resume={checkpoint}", "--config.train.steps=6",
                          f"--config.output_dir={tmp_path}/resumed")
     assert "resumed from" in log0
     assert_bit_for_bit(read_rows(tmp_path / "resumed" / "metrics.jsonl"), whole, [4, 5, 6])

@@ -156,6 +156,15 @@ def validate(cfg: ml_collections.ConfigDict, device_count: int | None = None,
     _require(isinstance(cfg.data.epochs, int) and cfg.data.epochs >= 0,
              f"data.epochs={cfg.data.epochs!r} is not valid; use a number of passes >= 1, or 0 for no limit")
     _require(cfg.data.prefetch >= 1, f"data.prefetch must be >= 1 (batches built ahead), got {cfg.data.prefetch}")
+    from maxtext_rocm.data.checks import DataError
+    from maxtext_rocm.data.packing import packing_mode
+
+    try:
+        packing_mode(cfg.data.packing)
+    except DataError as error:
+        raise ConfigError(str(error)) from None
+    _require(cfg.data.packing_window >= 1,
+             f"data.packing_window must be >= 1 (documents best-fit together), got {cfg.data.packing_window}")
     _require(t.eval_every >= 0, f"train.eval_every must be >= 0 (0: no evaluation), got {t.eval_every}")
     _require(t.eval_steps >= 1, f"train.eval_steps must be >= 1, got {t.eval_steps}")
     if cfg.data.source == "files":

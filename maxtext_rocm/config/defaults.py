@@ -113,7 +113,12 @@ def defaults() -> ml_collections.ConfigDict:
         chat_template="",
         train_on_prompt=False,  # chat/prompt_completion: train every token, not only the assistant's
         add_bos=True, add_eos=True,  # around each document, where the tokenizer has them
-        packing=True,  # several documents per row (segment ids); off: one per row, truncated/padded
+        # How documents become rows (data/packing.py): "concat" fills every row to the last token,
+        # documents continuing into the next row (no padding but at the end of finite data);
+        # "best_fit" keeps documents whole (best-fit over data.packing_window documents; the rest of
+        # a row is padding, reported as padding_fraction); "none": one document per row, truncated.
+        packing="concat",
+        packing_window=512,  # best_fit: documents packed together; more: less padding, more memory
         epochs=0,  # passes over data.paths before the run stops with an error; 0: no limit
         prefetch=4,  # batches a background thread builds ahead of the step
         # Resume over data files that changed since the checkpoint (appended, replaced, removed), or

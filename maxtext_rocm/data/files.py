@@ -4,8 +4,9 @@ The pipeline, per process:
 
     documents (data/documents.py: grain.MapDataset over every file, tokenized lazily by .map)
       -> this process's documents in each epoch's order (data/packing.py: DocumentStream)
-      -> rows of train.seq_len: packed (data.packing) with segment ids and per-document positions,
-         or one document per row, truncated and padded; padding has weight 0 (RowPacker)
+      -> rows of train.seq_len (RowPacker, data.packing): documents concatenated and cut at row
+         ends ("concat"), whole documents best-fit into rows ("best_fit"), or one per row ("none");
+         segment ids and per-document positions; padding has segment 0 and weight 0
       -> local batches, built ahead of the trainer by a background thread (FilesSource)
 
 The position in that stream is three integers per process (epoch, document cursor, token offset
@@ -23,9 +24,13 @@ import numpy as np
 from maxtext_rocm.data import resume
 from maxtext_rocm.data.checks import DataError
 from maxtext_rocm.data.documents import Documents, expand_paths, tokenized_dataset
-from maxtext_rocm.data.packing import DocumentStream, RowPacker
+from maxtext_rocm.data.packing import DocumentStream, RowPacker, packing_mode
 from maxtext_rocm.data.synthetic import local_rows
 from maxtext_rocm.data.tokenizer import check_vocab, load_tokenizer
+
+
+DESCRIBE_PACKING = {"concat": "packed to the last token (concat)", "best_fit": "whole documents best-fit into rows",
+                    "none": "one document per row"}
 
 
 def check_inputs(data_cfg, model_vocab_size: int, seq_len: int | None = None) -> None:
@@ -98,13 +103,13 @@ class FilesSource:
             raise DataError(f"{self.files[0]} was tokenized with {docs.meta['vocab_size']} ids but "
                             f"model.vocab_size={vocab_size}; use model.vocab_size >= {docs.meta['vocab_size']}")
         self.num_docs, self.pretokenized = len(docs), docs.pretokenized
-        self.packing = data_cfg.get("packing", True)
+        self.packing = packing_mode(data_cfg.get("packing", "concat"))
         self.prefetch = max(1, int(data_cfg.get("prefetch", 4)))
         self._stream_args = dict(
             dataset=self.dataset, seed=data_cfg.seed, process_index=process_index, process_count=process_count,
             shuffle=split == "train", epochs=data_cfg.get("epochs", 0) if split == "train" else 0)
-        self._packer_args = dict(seq_len=seq_len, packing=self.packing, name=(
-            f"{key} ({', '.join(map(str, self.files[:3]))}{' ...' * (len(self.files) > 3)})"))
+        self._packer_args = dict(seq_len=seq_len, packing=self.packing, window=data_cfg.get("packing_window", 512),
+                                 name=f"{key} ({', '.join(map(str, self.files[:3]))}{' ...' * (len(self.files) > 3)})")
         self.shard, self.shards = process_index, process_count  # this process's group of rows, of how many
         self.allow_changed = bool(data_cfg.get("allow_changed", False))
         # Taken as the files are read (JSON Lines and Parquet are read whole here), not at the first save.
@@ -196,6 +201,7 @@ class FilesSource:
             resume.check_files(state["files"], self.fingerprint(), step, self.allow_changed)
         position = resume.own_position(state, self.shard, self.shards, self.allow_changed)
         if position is not None:
+            position = resume.check_packing(state, position, self.packing, step, self.allow_changed)
             position = resume.check_position(position, self.num_docs, self.shard, self.shards, step,
                                              self.allow_changed)
             self._start = {"step": step, **{k: int(position[k]) for k in resume.POSITION_KEYS}}
@@ -205,7 +211,7 @@ class FilesSource:
 
     def describe(self) -> str:
         kind = "pre-tokenized ArrayRecord" if self.pretokenized else f"{type(self.tokenizer).__name__}"
-        layout = "packed" if self.packing else "one document per row"
+        layout = DESCRIBE_PACKING[self.packing]
         if self.format != "text":
             kind += f", data.format={self.format!r}"
             layout = "a pair per two rows" if self.format == "preference" else layout

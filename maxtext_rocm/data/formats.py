@@ -119,7 +119,7 @@ def check_trained_within(example: TokenizedExample, seq_len: int, where: str) ->
         return
     raise DataError(f"{where} has {len(example.tokens)} tokens, more than train.seq_len={seq_len} holds, and all "
                     f"{int(trained.sum())} of its trained (assistant) tokens lie past them and would be cut; raise "
-                    "train.seq_len, shorten it, or set data.packing=true")
+                    "train.seq_len, shorten it, or set data.packing='concat' (or 'best_fit': both cut, never truncate)")
 
 
 def format_dataset(files, data_cfg, tokenizer):
@@ -171,7 +171,7 @@ def check_format_inputs(files, data_cfg, tokenizer, seq_len: int | None) -> None
     without packing (chat, prompt_completion) no example loses every trained token to the row's
     end, which tokenizes every record once."""
     records, dataset = format_dataset(files, data_cfg, tokenizer)
-    unpacked = data_cfg.get("packing", True) in (False, "none")  # a bool today; a mode name once packing has modes
+    unpacked = data_cfg.get("packing", "concat") == "none"  # the one mode that truncates
     exhaustive = data_cfg.get("format") != "preference" and unpacked and seq_len
     seen = set()
     for index in range(len(records)):

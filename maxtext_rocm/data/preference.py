@@ -53,8 +53,8 @@ def pair_row(example: TokenizedExample, seq_len: int) -> dict[str, np.ndarray]:
 class PairPacker:
     """The RowPacker's interface (state, set_state, batch) over a stream of PreferencePairs."""
 
-    def __init__(self, stream, seq_len: int, packing: bool = False, name: str = "the data"):
-        del packing  # a pair is never packed with another example
+    def __init__(self, stream, seq_len: int, packing: str = "none", window: int = 0, name: str = "the data"):
+        del packing, window  # a pair is never packed with another example
         self.stream, self.seq_len, self.name = stream, seq_len, name
         self.epoch, self.cursor, self.offset = 0, 0, 0
 

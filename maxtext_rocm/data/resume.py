@@ -5,11 +5,12 @@ process's position, gathered before the save, and a fingerprint of the data file
 
     {"step": 12, "shards": 2, "positions": [{"epoch": 0, "cursor": 22, "offset": 14},
                                             {"epoch": 0, "cursor": 33, "offset": 54}],
-     "files": [{"file": "corpus/a.jsonl", "size": 123456, "hash": "9f0c..."}, ...]}
+     "files": [{"file": "corpus/a.jsonl", "size": 123456, "hash": "9f0c..."}, ...], "packing": "concat"}
 
 `shards` counts the groups of processes that load distinct batch rows (sharding.batch_rows_of_process:
 usually the process count; pipeline stages across hosts load the same rows); `positions[i]` is
-group i's (epoch, document cursor, token offset). On resume each process takes its own group's.
+group i's (epoch, document cursor, token offset; under data.packing="best_fit" the offset counts
+rows of the window that starts at the cursor). On resume each process takes its own group's.
 
 Older checkpoints hold one flat position ({"step", "epoch", "cursor", "offset"}), process 0's:
 restored as it is in a one-process run; a run of several processes replays its stream up to the
@@ -124,6 +125,24 @@ def check_position(position: dict, documents: int, shard: int, shards: int, step
                     "to go on from the next epoch")
 
 
+def check_packing(saved: dict, position: dict, packing: str, step: int, allow_changed: bool) -> dict:
+    """`position` if it means the same under this run's data.packing as under the checkpoint's; else a
+    DataError, or under data.allow_changed the start of its document (or window). A position at a
+    document's start means the same in every mode; mid-document, concat (and the whole-document
+    packer of checkpoints without a "packing" key) count tokens, best_fit counts rows of a window."""
+    was = saved.get("packing", "concat")
+    if was == packing or int(position["offset"]) == 0:
+        return position
+    if allow_changed:
+        warn(f"checkpoint step {step} was saved with data.packing={was!r} and this run has {packing!r}; "
+             "data.allow_changed=true: the data continues from the start of the saved document (or window)")
+        return {**position, "offset": 0}
+    raise DataError(f"checkpoint step {step} was saved with data.packing={was!r} in the middle of a document "
+                    f"(or window), and this run has data.packing={packing!r}, which cannot continue from there; "
+                    f"resume with data.packing={was!r}, or {ALLOW} to go on from the start of that document "
+                    "(its start repeats)")
+
+
 def gather(local: dict, size: int = 2048) -> list[dict]:
     """Every process's JSON-able `local`, in process order: a collective, which every process calls
     at the same point (the Trainer's save)."""
@@ -158,7 +177,7 @@ def saved_state(source, step: int) -> dict:
     if sorted(positions) != list(range(shards)):
         raise ValueError(f"data positions of shards {sorted(positions)} were gathered, not of all {shards}")
     return {"step": step, "shards": shards, "positions": [positions[i] for i in range(shards)],
-            "files": source.fingerprint()}
+            "files": source.fingerprint(), "packing": getattr(source, "packing", "concat")}
 
 
 def warn(message: str) -> None:

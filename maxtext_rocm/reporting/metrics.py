@@ -250,6 +250,9 @@ def format_line(step: int, total_steps: int, metrics: Mapping[str, Any]) -> str:
         parts.append(f"lr {lr:.2e}")
     if gnorm is not None:
         parts.append(f"gnorm {gnorm:.3f}")
+    padding = get("padding_fraction")
+    if padding is not None:  # the batch's positions holding no token: what packing wasted
+        parts.append(f"pad {100 * padding:.1f}%")
     if step_time is not None:
         parts.append(f"{step_time:.3f} s/step")
     if tokens is not None:

@@ -36,6 +36,8 @@ def logged_row(cfg, step_metrics: dict, step_time: float | None, global_batch: i
         "tokens_per_s_per_device": tokens_per_s, "tflops_per_s_per_device": tflops,
         "mfu": metrics_lib.mfu(tflops, peak_tflops) if tflops else None,
         "nonfinite_steps": int(step_metrics["nonfinite_steps"]),
+        # Positions of the step's batch that hold no token (segment id 0), global over processes.
+        "padding_fraction": float(step_metrics.get("padding", 0.0)),
     }
     if cfg.train.z_loss_weight:
         row["z_loss"] = float(step_metrics["z_loss"])

@@ -220,6 +220,16 @@ def scaled(tree, factor: jax.Array):
     return jax.tree_util.tree_map(lambda x: x * factor.astype(x.dtype), tree)
 
 
+def padding_fraction(batch: Batch) -> Array:
+    """The share of the batch's positions that hold no token (segment id 0): what packing wasted.
+    A masked prompt (weight 0 inside a segment) is not padding. A batch without segment ids (the
+    synthetic and embedded sources) has none. A mean over the global batch array, so every process
+    reports the global fraction, read on logging steps with the loss (no extra host sync)."""
+    if "segment_ids" not in batch:
+        return jnp.zeros((), jnp.float32)
+    return jnp.mean((batch["segment_ids"] == 0).astype(jnp.float32))
+
+
 class Gradients(NamedTuple):
     """Token-mean gradients over the whole batch, the fp8 state's update, the loss metrics."""
     grads: Any
@@ -306,7 +316,7 @@ def train_step(state: TrainState, batch: Batch, hyperparameters: dict[str, Array
     new_state = state.replace(
         step=state.step + decision.step_increment, params=params, opt_state=opt_state, fp8=fp8_state,
         nonfinite_steps=decision.nonfinite_steps, skipped_in_a_row=decision.skipped_in_a_row)
-    metrics.update(grad_norm=grad_norm, lr=learning_rate(state.step, hyperparameters),
+    metrics.update(grad_norm=grad_norm, lr=learning_rate(state.step, hyperparameters), padding=padding_fraction(batch),
                    nonfinite_steps=new_state.nonfinite_steps, skipped_in_a_row=new_state.skipped_in_a_row)
     return new_state, metrics
 
