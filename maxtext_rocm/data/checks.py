@@ -33,28 +33,15 @@ def json_text(line: bytes, field: str, path, number: int) -> str:
     return text
 
 
-# Files whose every line (JSON Lines) or every byte (text) was checked in this process, by version:
-# config validation, the train source and a restart within one process check a file once.
+# Text files whose every byte was checked in this process, by version: config validation, the train
+# source and a restart within one process check a file once. (JSON Lines lines are checked as their
+# offset index is built, data/lineindex.py, which keeps the result beside the file.)
 _CHECKED: set[tuple] = set()
 
 
 def _version(path: Path, *extra) -> tuple:
     stat = path.stat()
     return (str(path.resolve()), stat.st_size, stat.st_mtime_ns, *extra)
-
-
-def check_jsonl(numbered: list[tuple[int, bytes]], field: str, path: Path) -> None:
-    """Every line parses and holds a string `field`: checked before the run starts rather than at
-    the step that reaches a bad line. One pass of json.loads over the lines already in memory, a few
-    times the cost of reading them; pyarrow's JSON reader was no faster and lets invalid UTF-8
-    through (docs/figures.md#checking-json-lines-inputs-at-start-up). Corpora of many GB belong in
-    pre-tokenized ArrayRecord files (scripts/pretokenize.py), which are not scanned."""
-    key = _version(path, field)
-    if key in _CHECKED:
-        return
-    for number, line in numbered:
-        json_text(line, field, path, number)
-    _CHECKED.add(key)
 
 
 def check_text(path: Path) -> None:
