@@ -137,6 +137,9 @@ def validate(cfg: ml_collections.ConfigDict, device_count: int | None = None,
     _require(isinstance(cfg.data.epochs, int) and cfg.data.epochs >= 0,
              f"data.epochs={cfg.data.epochs!r} is not valid; use a number of passes >= 1, or 0 for no limit")
     _require(cfg.data.prefetch >= 1, f"data.prefetch must be >= 1 (batches built ahead), got {cfg.data.prefetch}")
+    _require(isinstance(cfg.data.workers, int) and not isinstance(cfg.data.workers, bool) and cfg.data.workers >= 0,
+             f"data.workers={cfg.data.workers!r} is not valid; use a number of tokenizing processes >= 2, or 0 "
+             "for the background thread alone")
     _require(t.eval_every >= 0, f"train.eval_every must be >= 0 (0: no evaluation), got {t.eval_every}")
     _require(t.eval_steps >= 1, f"train.eval_steps must be >= 1, got {t.eval_steps}")
     if cfg.data.source == "files":

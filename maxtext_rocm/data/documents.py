@@ -68,9 +68,12 @@ class Documents:
         self._pid = os.getpid()
         self.pretokenized = None
         self.meta = {}
+        self.versions = []  # (size, mtime_ns) of each file as it was opened: the workers check theirs
         for path in files:
             kind = file_format(path)
-            if path.stat().st_size == 0:
+            stat = path.stat()
+            self.versions.append((stat.st_size, stat.st_mtime_ns))
+            if stat.st_size == 0:
                 raise DataError(f"{path} is empty; remove it from the data paths or give it documents")
             if (kind == ARRAYRECORD) != bool(self.pretokenized) and self.pretokenized is not None:
                 raise DataError(f"{path}: pre-tokenized ArrayRecord files cannot be mixed with text files")

@@ -88,6 +88,12 @@ class FilesSource:
                                          data_cfg.get("add_eos", True))
         self.packing = data_cfg.get("packing", True)
         self.prefetch = max(1, int(data_cfg.get("prefetch", 4)))
+        # data.workers >= 2: processes tokenize ahead of the packer (data/workers.py), started with the
+        # first batch; pre-tokenized files have nothing to tokenize.
+        self.workers = 0 if docs.pretokenized else int(data_cfg.get("workers", 0))
+        self._pool, self._pool_args = None, dict(
+            files=self.files, versions=docs.versions, text_field=docs.text_field, tokenizer=spec,
+            bos=data_cfg.get("add_bos", True), eos=data_cfg.get("add_eos", True), workers=self.workers)
         self._stream_args = dict(
             dataset=self.dataset, seed=data_cfg.seed, process_index=process_index, process_count=process_count,
             shuffle=split == "train", epochs=data_cfg.get("epochs", 0) if split == "train" else 0)
@@ -95,7 +101,7 @@ class FilesSource:
             f"{key} ({', '.join(map(str, self.files[:3]))}{' ...' * (len(self.files) > 3)})"))
         self.shard, self.shards = process_index, process_count  # this process's group of rows, of how many
         self.allow_changed = bool(data_cfg.get("allow_changed", False))
-        # Taken as the files are read (JSON Lines and Parquet are read whole here), not at the first save.
+        # Taken as the files are opened (not at the first save): the version the offset index describes.
         self._fingerprint = resume.fingerprint(self.files) if split == "train" else None
         self._start = {"step": 0, "epoch": 0, "cursor": 0, "offset": 0}
         self._state = dict(self._start)
@@ -106,7 +112,11 @@ class FilesSource:
 
     def _launch(self, start: dict) -> None:
         self._stop_thread()
-        packer = RowPacker(DocumentStream(**self._stream_args), **self._packer_args)
+        if self.workers > 1 and self._pool is None:
+            from maxtext_rocm.data.workers import WorkerPool
+
+            self._pool = WorkerPool(**self._pool_args)
+        packer = RowPacker(DocumentStream(**self._stream_args, pool=self._pool), **self._packer_args)
         packer.set_state(start)
         self._queue, self._stop = queue.Queue(self.prefetch), threading.Event()
         self._next = int(start["step"])
@@ -138,6 +148,9 @@ class FilesSource:
 
     def close(self) -> None:
         self._stop_thread()
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
 
     # -- the interface the trainer uses ---------------------------------------------------------
 

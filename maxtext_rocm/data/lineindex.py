@@ -58,14 +58,17 @@ def _key_hash(check_key: str) -> int:
 
 def line_index(path: Path, check: Callable[[bytes, int], None] | None, check_key: str) -> LineIndex:
     """The index of `path`'s non-blank lines, each passed to `check(line, number)` when it is built
-    (`check_key` names that check: a sidecar built with another one is built again)."""
+    (`check_key` names that check: a sidecar built with another one is built again). check=None
+    (the data workers, whose parent checked the file) takes any sidecar of this version of the file
+    and marks one it builds as unchecked."""
     stat = path.stat()
+    check_key = check_key if check is not None else ""
     key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns, check_key)
     if key in _LOADED:
         return _LOADED[key]
     header = np.array([MAGIC, stat.st_size, stat.st_mtime_ns, _key_hash(check_key), 0], np.int64)
     for sidecar in sidecar_paths(path):
-        index = _load(sidecar, header)
+        index = _load(sidecar, header, any_check=check is None)
         if index is not None:
             _LOADED[key] = index
             return index
@@ -79,14 +82,14 @@ def line_index(path: Path, check: Callable[[bytes, int], None] | None, check_key
     return index
 
 
-def _load(sidecar: Path, header: np.ndarray) -> LineIndex | None:
+def _load(sidecar: Path, header: np.ndarray, any_check: bool) -> LineIndex | None:
     try:
         flat = np.load(sidecar, mmap_mode="r", allow_pickle=False)
     except (OSError, ValueError):
         return None
     if flat.dtype != np.int64 or flat.ndim != 1 or len(flat) < HEADER:
         return None
-    if not np.array_equal(flat[:4], header[:4]):
+    if not np.array_equal(flat[:4 - any_check], header[:4 - any_check]):
         return None  # another version of the file, or checked for another field
     n = int(flat[4])
     if len(flat) != HEADER + 2 * n:

@@ -24,22 +24,31 @@ class DocumentStream:
     """
 
     def __init__(self, dataset, seed: int, process_index: int, process_count: int,
-                 shuffle: bool = True, epochs: int = 0):
+                 shuffle: bool = True, epochs: int = 0, pool=None):
         self.dataset, self.seed, self.shuffle, self.epochs = dataset, seed, shuffle, epochs
         self.process_index, self.process_count = process_index, process_count
         self.num_docs = len(dataset)
         if self.num_docs < process_count:
             raise DataError(f"the data has {self.num_docs} documents, fewer than the {process_count} "
                             "processes that share it; give more documents")
-        self._order_epoch, self._order, self._doc_key, self._doc = None, None, None, None
+        self._orders: dict[int, np.ndarray] = {}  # this epoch's and the next (read ahead across the end)
+        self._doc_key, self._doc = None, None
+        # data.workers: documents tokenized by worker processes, in this order (data/workers.py)
+        self._ahead = None
+        if pool is not None:
+            from maxtext_rocm.data.workers import ReadAhead
+
+            self._ahead = ReadAhead(self, pool)
 
     def order(self, epoch: int) -> np.ndarray:
         """Global document indices this process reads in `epoch`, in order."""
-        if self._order_epoch != epoch:
+        if epoch not in self._orders:
             order = (np.random.default_rng([self.seed, epoch]).permutation(self.num_docs) if self.shuffle
                      else np.arange(self.num_docs))
-            self._order_epoch, self._order = epoch, order[self.process_index::self.process_count]
-        return self._order
+            while len(self._orders) >= 2:
+                self._orders.pop(min(self._orders))
+            self._orders[epoch] = order[self.process_index::self.process_count]
+        return self._orders[epoch]
 
     def per_epoch(self, epoch: int) -> int:
         return len(self.order(epoch))
@@ -51,7 +60,9 @@ class DocumentStream:
             if self.epochs and epoch >= self.epochs:
                 raise DataError(f"the data ran out after data.epochs={self.epochs} epochs; raise data.epochs "
                                 "(0: no limit) or lower train.steps")
-            self._doc_key, self._doc = key, as_example(self.dataset[int(self.order(epoch)[cursor])])
+            self._doc = (self._ahead.get(epoch, cursor) if self._ahead is not None else
+                         as_example(self.dataset[int(self.order(epoch)[cursor])]))
+            self._doc_key = key
         return self._doc
 
 
