@@ -116,6 +116,18 @@ class Documents:
     def __len__(self) -> int:
         return int(self._ends[-1])
 
+    def blocks(self) -> np.ndarray | None:
+        """Where Parquet files are among these: the end (a document index) of each block of documents
+        read together, for a shuffle by blocks (a Parquet row group; one document of any other file).
+        None where every document is read alone cheaply (shuffled one by one)."""
+        if not any(kind == PARQUET for kind, _, _ in self._parts):
+            return None
+        ends, start = [], 0
+        for (kind, _, items), end in zip(self._parts, self._ends):
+            ends.append(items.group_ends + start if kind == PARQUET else np.arange(start + 1, end + 1, dtype=np.int64))
+            start = int(end)
+        return np.concatenate(ends)
+
     def _locate(self, index: int):
         if not 0 <= index < len(self):
             raise IndexError(f"document {index} of {len(self)}")

@@ -96,7 +96,8 @@ class FilesSource:
             bos=data_cfg.get("add_bos", True), eos=data_cfg.get("add_eos", True), workers=self.workers)
         self._stream_args = dict(
             dataset=self.dataset, seed=data_cfg.seed, process_index=process_index, process_count=process_count,
-            shuffle=split == "train", epochs=data_cfg.get("epochs", 0) if split == "train" else 0)
+            shuffle=split == "train", epochs=data_cfg.get("epochs", 0) if split == "train" else 0,
+            blocks=docs.blocks())
         self._packer_args = dict(seq_len=seq_len, packing=self.packing, name=(
             f"{key} ({', '.join(map(str, self.files[:3]))}{' ...' * (len(self.files) > 3)})"))
         self.shard, self.shards = process_index, process_count  # this process's group of rows, of how many

@@ -24,8 +24,9 @@ class DocumentStream:
     """
 
     def __init__(self, dataset, seed: int, process_index: int, process_count: int,
-                 shuffle: bool = True, epochs: int = 0, pool=None):
+                 shuffle: bool = True, epochs: int = 0, pool=None, blocks=None):
         self.dataset, self.seed, self.shuffle, self.epochs = dataset, seed, shuffle, epochs
+        self.blocks = blocks  # Documents.blocks(): shuffle by blocks (Parquet row groups), or None
         self.process_index, self.process_count = process_index, process_count
         self.num_docs = len(dataset)
         if self.num_docs < process_count:
@@ -43,8 +44,9 @@ class DocumentStream:
     def order(self, epoch: int) -> np.ndarray:
         """Global document indices this process reads in `epoch`, in order."""
         if epoch not in self._orders:
-            order = (np.random.default_rng([self.seed, epoch]).permutation(self.num_docs) if self.shuffle
-                     else np.arange(self.num_docs))
+            rng = np.random.default_rng([self.seed, epoch])
+            order = (np.arange(self.num_docs) if not self.shuffle else rng.permutation(self.num_docs)
+                     if self.blocks is None else block_order(rng, self.blocks))
             while len(self._orders) >= 2:
                 self._orders.pop(min(self._orders))
             self._orders[epoch] = order[self.process_index::self.process_count]
@@ -64,6 +66,16 @@ class DocumentStream:
                          as_example(self.dataset[int(self.order(epoch)[cursor])]))
             self._doc_key = key
         return self._doc
+
+
+def block_order(rng: np.random.Generator, ends: np.ndarray, window: int = 2) -> np.ndarray:
+    """Every document once: the blocks (ending at `ends`) in a random order, `window` blocks at a
+    time, the documents of each window in a random order. A Parquet row group is decoded once per
+    window (data/parquet.py keeps the last two decoded) instead of once per document."""
+    ends = np.asarray(ends, np.int64)
+    window_of_block = rng.permutation(len(ends)) // window
+    block_of_doc = np.repeat(np.arange(len(ends)), np.diff(ends, prepend=0))
+    return np.lexsort((rng.random(int(ends[-1])), window_of_block[block_of_doc]))
 
 
 class RowPacker:

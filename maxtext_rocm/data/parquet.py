@@ -4,9 +4,12 @@ comes from decoding the text column of the row group that holds it, and the last
 groups stay decoded, so neighbouring documents (file order, or the documents of one worker's
 chunk) cost one decode.
 
-A shuffled epoch visits row groups at random, so a row group of R rows may be decoded up to R
-times per epoch: write files with row groups of a few thousand rows (pyarrow's `row_group_size`),
-or pre-tokenize them (scripts/pretokenize.py reads in file order).
+A document-level shuffle would visit row groups at random and decode a whole row group for
+nearly every document (0.055M tokens/s on a 200 MB file of 20 MB row groups, against 7M in file
+order: docs/figures.md#corpora-larger-than-memory). So where Parquet files are among the data, an
+epoch's order is shuffled by blocks (data/packing.py, `block_order`): the row groups in a random
+order, CACHED of them at a time, their documents shuffled together; each row group is decoded once
+per epoch (per worker). Documents of other files are blocks of one document each.
 """
 from __future__ import annotations
 
@@ -53,6 +56,11 @@ class ParquetFileRows:
 
     def __len__(self) -> int:
         return int(self._ends[-1])
+
+    @property
+    def group_ends(self) -> np.ndarray:
+        """int64: each row group's end, as a row number (the last is len())."""
+        return self._ends
 
     def _group(self, index: int, whole_rows: bool):
         """(table of the row group holding row `index`, the row's place in it)."""
