@@ -305,3 +305,44 @@ def test_pretokenize_writes_the_same_bytes_with_two_processes(tmp_path, monkeypa
         assert done.value.code == 0
         outputs.append((out.read_bytes(), json.loads((tmp_path / f"t{workers}.arrayrecord.meta.json").read_text())))
     assert outputs[0] == outputs[1] and outputs[0][1]["documents"] == 300
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_whole_job_stops_a_run_with_workers_cleanly(tmp_path):
+    """A scheduler's SIGTERM reaches the trainer and its workers alike: the trainer stops at a step
+    with a checkpoint and exit 0 (the workers ignore the signal and leave with it), and nothing of
+    the session is left running."""
+    import signal
+
+    path = tmp_path / "z.jsonl"
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts(200, hi=80)))
+    run = tmp_path / "run"
+    small = ["--config.model.vocab_size=512", "--config.model.d_model=64", "--config.model.n_layers=2",
+             "--config.model.n_heads=4", "--config.model.n_kv_heads=2", "--config.model.head_dim=16",
+             "--config.model.mlp_dim=128", "--config.train.seq_len=32", "--config.train.per_device_batch_size=2",
+             "--config.log.every=1", "--config.log.tensorboard=false", "--config.train.compilation_cache=off"]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "maxtext_rocm.train", "configs/tiny_llama.py", *small, "--config.data.source=files",
+         f"--config.data.paths={path}", "--config.data.workers=2", "--config.train.steps=100000",
+         f"--config.output_dir={run}"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True, env={**os.environ, "PYTHONPATH": REPO,
+                                     "XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
+    deadline = time.monotonic() + 300
+    while not process.stdout.readline().startswith("step 3"):
+        assert time.monotonic() < deadline and process.poll() is None, process.communicate()
+    os.killpg(process.pid, signal.SIGTERM)
+    out, err = process.communicate(timeout=120)
+    assert process.returncode == 0, err
+    assert "checkpoint committed" in err.strip().splitlines()[-1], err
+    deadline = time.monotonic() + 20
+    alive = lambda: [p for p in os.listdir("/proc") if p.isdigit() and _session(p) == process.pid]  # noqa: E731
+    while alive() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not alive()
+
+
+def _session(pid: str) -> int | None:
+    try:
+        return os.getsid(int(pid))
+    except OSError:
+        return None

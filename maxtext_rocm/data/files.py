@@ -89,8 +89,9 @@ class FilesSource:
         self.packing = data_cfg.get("packing", True)
         self.prefetch = max(1, int(data_cfg.get("prefetch", 4)))
         # data.workers >= 2: processes tokenize ahead of the packer (data/workers.py), started with the
-        # first batch; pre-tokenized files have nothing to tokenize.
-        self.workers = 0 if docs.pretokenized else int(data_cfg.get("workers", 0))
+        # first batch; pre-tokenized files have nothing to tokenize, and the eval split's few batches
+        # (its thread stops after each evaluation) are not worth processes standing by.
+        self.workers = 0 if docs.pretokenized or split == "eval" else int(data_cfg.get("workers", 0))
         self._pool, self._pool_args = None, dict(
             files=self.files, versions=docs.versions, text_field=docs.text_field, tokenizer=spec,
             bos=data_cfg.get("add_bos", True), eos=data_cfg.get("add_eos", True), workers=self.workers)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import socket
 import tempfile
 from pathlib import Path
 from typing import Callable, NamedTuple
@@ -100,7 +101,7 @@ def _load(sidecar: Path, header: np.ndarray, any_check: bool) -> LineIndex | Non
 def _save(sidecar: Path, flat: np.ndarray) -> bool:
     """Written to a temporary name and renamed: a process reading it never sees half of one, and
     processes building it at once each write a whole one."""
-    tmp = sidecar.with_name(f"{sidecar.name}.{os.getpid()}.tmp")
+    tmp = sidecar.with_name(f"{sidecar.name}.{socket.gethostname()}.{os.getpid()}.tmp")  # hosts sharing a disk
     try:
         sidecar.parent.mkdir(parents=True, exist_ok=True)
         with open(tmp, "wb") as f:
