@@ -114,6 +114,19 @@ def write_big_corpus(path: str, megabytes: float, bpe: str | None) -> int:
     return 0
 
 
+def cpu_seconds(pid: int) -> float:
+    """A worker's user + system CPU time so far (/proc/PID/stat fields 14 and 15)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def vm_hwm_mib(pid: int) -> float:
+    """A worker's peak RSS since its exec (getrusage's children figure counts the forked parent's image)."""
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) / 1024
+
+
 def time_loader(args) -> int:
     import resource
 
@@ -126,17 +139,25 @@ def time_loader(args) -> int:
     source = build_source(cfg, vocab_size=1 << 20, global_batch=args.rows, seq_len=args.seq_len)
     opened = time.perf_counter() - started
     source.batch(0)  # starts the thread (and the workers)
+    workers = [p.pid for p in source._pool._procs] if source._pool else []
+    cpu_before = time.process_time(), sum(cpu_seconds(pid) for pid in workers)
     started, trained = time.perf_counter(), 0.0
     for step in range(1, args.steps + 1):
         trained += float(source.batch(step)["weights"].sum())
     seconds = time.perf_counter() - started
+    cpu = time.process_time() - cpu_before[0], sum(cpu_seconds(pid) for pid in workers) - cpu_before[1]
+    workers_peak = max([vm_hwm_mib(pid) for pid in workers] or [0])
     source.close()
     positions = args.steps * args.rows * args.seq_len
     print(f"{source.describe()}; data.workers={args.workers}, {len(os.sched_getaffinity(0))} CPUs")
     print(f"opened in {opened:.1f} s; {args.steps} batches of {args.rows} x {args.seq_len} in {seconds:.2f} s: "
           f"{positions / seconds / 1e6:.3f}M tokens/s ({trained / seconds / 1e6:.3f}M trained)")
+    # CPU seconds, not only wall time: on a shared machine (a share per session) the wall time of N
+    # workers need not scale, but where the tokenizing CPU goes shows what N cores would give.
+    print(f"CPU seconds per 1M positions: {cpu[0] / positions * 1e6:.2f} this process (thread and packer), "
+          f"{cpu[1] / positions * 1e6:.2f} its workers")
     print(f"peak RSS: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB this process, "
-          f"{resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024:.0f} MiB its largest worker")
+          f"{workers_peak:.0f} MiB its largest worker")
     return 0
 
 

@@ -68,9 +68,10 @@ def main() -> int:
             "tokens": tokens, "bos": not args.no_bos, "eos": not args.no_eos}
     with open(args.out + META_SUFFIX, "w") as f:
         json.dump(meta, f, indent=1)
-    seconds = time.perf_counter() - started
+    seconds, cpu = time.perf_counter() - started, os.times()
     print(f"wrote {args.out}: {len(docs):,} documents, {tokens:,} tokens in {seconds:.1f} s "
-          f"({tokens / seconds / 1e6:.2f}M tokens/s, {max(1, args.workers)} process(es))")
+          f"({tokens / seconds / 1e6:.2f}M tokens/s; CPU seconds: {cpu.user + cpu.system:.1f} this process, "
+          f"{cpu.children_user + cpu.children_system:.1f} {max(1, args.workers) * (args.workers > 1)} workers)")
     return 0
 
 
