@@ -96,6 +96,32 @@ def test_sidecar_is_reused_rebuilt_when_the_file_changes_and_falls_back_to_tmp(t
     elsewhere.unlink()
 
 
+def test_processes_opening_a_file_together_read_it_once(tmp_path, monkeypatch):
+    """The processes of a node start together: one builds the index, the others wait for its sidecar
+    (threads with their own lock descriptors stand in for processes)."""
+    import threading
+
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts(30)))
+    built, real_build = [], lineindex._build
+
+    def slow_build(*args):
+        built.append(1)
+        time.sleep(0.3)
+        return real_build(*args)
+
+    monkeypatch.setattr(lineindex, "_build", slow_build)
+    monkeypatch.setattr(lineindex, "_LOADED", {})
+    counts = []
+    threads = [threading.Thread(target=lambda: counts.append(lineindex.line_index(path, None, "x").count))
+               for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert counts == [30, 30, 30] and built == [1]
+
+
 def test_parquet_is_read_a_row_group_at_a_time(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq

@@ -10,6 +10,8 @@ load it (memory-mapped) instead of reading the corpus again. 16 bytes per docume
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import os
 import socket
@@ -24,7 +26,7 @@ from maxtext_rocm.data.checks import DataError
 CHUNK = 8 << 20  # bytes read per step of the index pass: bounded memory whatever the file's size
 MAGIC = 0x4D58544A534F4E31  # "MXTJSON1": a sidecar of this layout
 HEADER = 5  # MAGIC, size, mtime_ns, check key hash, document count; then starts[n], lengths[n]
-SIDECAR_PREFIX, SIDECAR_SUFFIX = ".", ".idx.npy"
+SIDECAR_PREFIX, SIDECAR_SUFFIX = ".", ".idx.npy"  # and ".idx.npy.lock", taken while one is built
 
 # Indexes built or loaded in this process, by (path, size, mtime, check key): config validation,
 # the train source and a restart share one pass even where no sidecar could be written.
@@ -42,7 +44,7 @@ class LineIndex(NamedTuple):
 
 def is_sidecar(path) -> bool:
     name = Path(path).name
-    return name.startswith(SIDECAR_PREFIX) and name.endswith(SIDECAR_SUFFIX)
+    return name.startswith(SIDECAR_PREFIX) and name.endswith((SIDECAR_SUFFIX, SIDECAR_SUFFIX + ".lock"))
 
 
 def sidecar_paths(path: Path) -> list[Path]:
@@ -68,19 +70,44 @@ def line_index(path: Path, check: Callable[[bytes, int], None] | None, check_key
     if key in _LOADED:
         return _LOADED[key]
     header = np.array([MAGIC, stat.st_size, stat.st_mtime_ns, _key_hash(check_key), 0], np.int64)
-    for sidecar in sidecar_paths(path):
-        index = _load(sidecar, header, any_check=check is None)
-        if index is not None:
-            _LOADED[key] = index
-            return index
-    index = _build(path, check)
-    header[4] = len(index.starts)
-    flat = np.concatenate([header, index.starts, index.lengths])
-    for sidecar in sidecar_paths(path):
-        if _save(sidecar, flat):
-            break
+
+    def saved():
+        for sidecar in sidecar_paths(path):
+            found = _load(sidecar, header, any_check=check is None)
+            if found is not None:
+                return found
+        return None
+
+    index = saved()
+    if index is None:
+        with _building(path):  # the processes of a node start together: one reads the file, the others wait
+            index = saved()
+            if index is None:
+                index = _build(path, check)
+                header[4] = len(index.starts)
+                flat = np.concatenate([header, index.starts, index.lengths])
+                any(_save(sidecar, flat) for sidecar in sidecar_paths(path))
     _LOADED[key] = index
     return index
+
+
+@contextlib.contextmanager
+def _building(path: Path):
+    """An exclusive lock (flock) on a lock file beside the sidecar, or in the temp directory; no
+    lock where neither can be created (each process then reads the file itself)."""
+    for sidecar in sidecar_paths(path):
+        try:
+            sidecar.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(sidecar.with_name(sidecar.name + ".lock"), os.O_CREAT | os.O_RDWR, 0o666)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # releases the lock
+        return
+    yield
 
 
 def _load(sidecar: Path, header: np.ndarray, any_check: bool) -> LineIndex | None:
