@@ -3,6 +3,7 @@ index and its sidecar, Parquet by row groups, peak RSS against corpus size, data
 pretokenize.py on every core."""
 import json
 import os
+import re
 import runpy
 import subprocess
 import sys
@@ -351,13 +352,18 @@ def test_sigterm_to_the_whole_job_stops_a_run_with_workers_cleanly(tmp_path):
         [sys.executable, "-m", "maxtext_rocm.train", "configs/tiny_llama.py", *small, "--config.data.source=files",
          f"--config.data.paths={path}", "--config.data.workers=2", "--config.train.steps=100000",
          f"--config.output_dir={run}"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        start_new_session=True, env={**os.environ, "PYTHONPATH": REPO,
+        start_new_session=True, env={**os.environ, "PYTHONPATH": REPO, "PYTHONUNBUFFERED": "1",
                                      "XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
-    deadline = time.monotonic() + 300
-    while not process.stdout.readline().startswith("step 3"):
-        assert time.monotonic() < deadline and process.poll() is None, process.communicate()
-    os.killpg(process.pid, signal.SIGTERM)
-    out, err = process.communicate(timeout=120)
+    try:
+        deadline = time.monotonic() + 300
+        while not re.match(r"step +3/", process.stdout.readline()):
+            assert time.monotonic() < deadline and process.poll() is None, "no step 3 line"
+        os.killpg(process.pid, signal.SIGTERM)
+        out, err = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
     assert process.returncode == 0, err
     assert "checkpoint committed" in err.strip().splitlines()[-1], err
     deadline = time.monotonic() + 20
