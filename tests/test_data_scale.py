@@ -61,6 +61,22 @@ def test_offset_index_reads_what_splitting_the_file_reads(tmp_path, monkeypatch)
         Documents([tmp_path / "b.jsonl"])
 
 
+def test_records_of_other_shapes_are_checked_by_the_callers_check(tmp_path):
+    path = tmp_path / "chat.jsonl"
+    good = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    path.write_text(json.dumps(good) + "\n" + json.dumps({"messages": "oops"}) + "\n")
+
+    def messages(record, where):
+        if not isinstance(record.get("messages"), list):
+            raise DataError(f"{where} has no list of messages")
+
+    with pytest.raises(DataError, match=r"chat.jsonl line 2 has no list of messages"):
+        Documents([path], record_check=messages)
+    path.write_text(json.dumps(good) + "\n")
+    docs = Documents([path], record_check=messages)
+    assert docs.record(0) == good and len(docs) == 1
+
+
 def test_sidecar_is_reused_rebuilt_when_the_file_changes_and_falls_back_to_tmp(tmp_path, monkeypatch):
     path = tmp_path / "c.jsonl"
     path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts(30)))

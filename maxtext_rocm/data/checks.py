@@ -16,14 +16,19 @@ class DataError(UserError):
     """An input file that cannot be used: missing, empty, of an unknown kind, or without the text field."""
 
 
-def json_text(line: bytes, field: str, path, number: int) -> str:
+def json_record(line: bytes, path, number: int):
+    """Line `number` of JSON Lines file `path`, parsed (a DataError naming both if it is not UTF-8 JSON)."""
     try:
-        record = json.loads(line)
+        return json.loads(line)
     except UnicodeDecodeError as error:
         raise DataError(f"{path} line {number} is not UTF-8 text (byte {error.start} of the line); "
                         "JSON Lines files must be UTF-8") from None
     except ValueError:
         raise DataError(f"{path} line {number} is not valid JSON") from None
+
+
+def json_text(line: bytes, field: str, path, number: int) -> str:
+    record = json_record(line, path, number)
     if not isinstance(record, dict) or field not in record:
         raise DataError(f"{path} line {number} has no field {field!r} (data.text_field); "
                         f"its fields are: {', '.join(record) if isinstance(record, dict) else 'none'}")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from maxtext_rocm.data.checks import DataError, check_text, json_text
+from maxtext_rocm.data.checks import DataError, check_text, json_record, json_text
 from maxtext_rocm.data.lineindex import LineIndex, is_sidecar, line_index, line_number, read_line
 from maxtext_rocm.data.parquet import ParquetFileRows
 
@@ -58,11 +58,13 @@ class Documents:
     files through grain's ArrayRecordDataSource. `record(i)` gives a document's whole record (every
     field of its JSON line or Parquet row), `where(i)` its file and line or row, for messages.
     `check=False` skips the line checks where an index has to be built (the data workers, whose
-    parent process checked the files).
+    parent process checked the files). `record_check(record, where)` replaces the check that each
+    JSON line holds a string text field, for records of other shapes (a chat's `messages`): it
+    raises a DataError naming `where` ("FILE line N") for a record it cannot use.
     """
 
-    def __init__(self, files: list[Path], text_field: str = "text", check: bool = True):
-        self.text_field, self.files = text_field, list(files)
+    def __init__(self, files: list[Path], text_field: str = "text", check: bool = True, record_check=None):
+        self.text_field, self.files, self.record_check = text_field, list(files), record_check
         self._parts = []  # (kind, path, items): a LineIndex, a ParquetFileRows, [path] or a grain source
         self._fds: dict[int, int] = {}  # part -> open file descriptor (JSON Lines), opened on first read
         self._pid = os.getpid()
@@ -85,12 +87,18 @@ class Documents:
 
     def _open(self, kind: str, path: Path, check: bool):
         if kind == JSONL:
-            field = self.text_field
+            field, record_check = self.text_field, self.record_check
 
             def check_line(line: bytes, number: int) -> None:
-                json_text(line, field, path, number)
+                if record_check is None:
+                    json_text(line, field, path, number)
+                else:
+                    record_check(json_record(line, path, number), f"{path} line {number}")
 
-            index = line_index(path, check_line if check else None, f"text_field={field}")
+            # What was checked, for the sidecar: another check reads the file again.
+            key = (f"text_field={field}" if record_check is None else
+                   f"record_check={record_check.__module__}.{record_check.__qualname__}")
+            index = line_index(path, check_line if check else None, key)
             if not index.count:
                 raise DataError(f"{path} is empty (no JSON lines); give it documents")
             return index
@@ -170,7 +178,7 @@ class Documents:
         part, kind, path, items, local = self._locate(int(index))
         if kind == JSONL:
             line = self._line(part, path, items, local)
-            record = json.loads(line)  # checked to parse when it was indexed
+            record = json_record(line, path, local + 1)  # checked to parse when it was indexed
             if not isinstance(record, dict):
                 raise DataError(f"{self.where(index)} is not a JSON object")
             return record
