@@ -272,8 +272,8 @@ def test_preset_errors_have_no_traceback_from_the_command_line(tmp_path):
     assert "did you mean 'd_model'" in result.stderr
 
 
-@pytest.mark.parametrize("preset", ["tiny_llama", "tiny_mixtral"])
-def test_memory_lower_bounds_stay_below_what_the_run_holds(preset, devices):
+@pytest.mark.parametrize("preset, objective", [("tiny_llama", "lm"), ("tiny_mixtral", "lm"), ("tiny_llama", "dpo")])
+def test_memory_lower_bounds_stay_below_what_the_run_holds(preset, objective, devices):
     """The refusal above rests on lower bounds: each must stay under the real figure (the state's
     bytes from its abstract arrays, compile.py's activation estimate) and be of its size."""
     import jax
@@ -285,6 +285,7 @@ def test_memory_lower_bounds_stay_below_what_the_run_holds(preset, devices):
     from maxtext_rocm.numerics.precision import policy_from_config
 
     cfg = config_lib.load(preset)
+    cfg.train.objective = objective  # dpo: the state holds the frozen reference too (finetune/dpo.py)
     bounds = memory_fit.lower_bounds(cfg, len(devices))
     mesh = sharding.make_mesh(cfg.mesh, devices)
     model = build_model(cfg.model, policy_from_config(cfg.precision, devices[0]))

@@ -19,4 +19,6 @@ class TokenizedExample(NamedTuple):
 
 
 def as_example(item) -> TokenizedExample:
-    return item if isinstance(item, TokenizedExample) else TokenizedExample(np.asarray(item, np.int32))
+    if isinstance(item, tuple) and hasattr(item, "_fields"):  # a TokenizedExample, or a pair of them (preference)
+        return item
+    return TokenizedExample(np.asarray(item, np.int32))

@@ -28,7 +28,7 @@ from maxtext_rocm.data.synthetic import local_rows
 from maxtext_rocm.data.tokenizer import check_vocab, load_tokenizer
 
 
-def check_inputs(data_cfg, model_vocab_size: int) -> None:
+def check_inputs(data_cfg, model_vocab_size: int, seq_len: int | None = None) -> None:
     """The checks config validation runs before any device work: files exist, are not empty and
     read as their format says (every JSON line, every text byte), the text field is there, the
     tokenizer fits the model, and some document gives the model a token to predict."""
@@ -38,6 +38,11 @@ def check_inputs(data_cfg, model_vocab_size: int) -> None:
     for key in ("paths", "eval_paths"):
         if data_cfg.get(key):
             files = expand_paths(data_cfg[key], f"data.{key}")
+            if data_cfg.get("format", "text") != "text":  # chats, prompt/completion, preference: data/formats.py
+                from maxtext_rocm.data.formats import check_format_inputs
+
+                check_format_inputs(files, data_cfg, tokenizer, seq_len)
+                continue
             docs = Documents(files, data_cfg.text_field)
             _check_yields_tokens(tokenized_dataset(docs, tokenizer, data_cfg.add_bos, data_cfg.add_eos),
                                  files, f"data.{key}")
@@ -76,29 +81,38 @@ class FilesSource:
         self.split, self.files = split, expand_paths(spec, key)
         self.rows = local_rows(global_batch, process_index, process_count)
         self.local_batch = self.rows.stop - self.rows.start
-        docs = Documents(self.files, data_cfg.get("text_field", "text"))
         spec = data_cfg.get("tokenizer", "byte") or "byte"
         self.tokenizer = load_tokenizer(spec)
         check_vocab(self.tokenizer, vocab_size, spec)
+        self.format = data_cfg.get("format", "text")
+        if self.format == "text":
+            docs = Documents(self.files, data_cfg.get("text_field", "text"))
+            self.dataset = tokenized_dataset(docs, self.tokenizer, data_cfg.get("add_bos", True),
+                                             data_cfg.get("add_eos", True))
+            self._packer = RowPacker
+        else:  # chats, prompt/completion, preference pairs
+            from maxtext_rocm.data.formats import format_source
+
+            docs, self.dataset, self._packer = format_source(self.files, data_cfg, self.tokenizer, self.local_batch)
         if docs.meta.get("vocab_size", 0) > vocab_size:
             raise DataError(f"{self.files[0]} was tokenized with {docs.meta['vocab_size']} ids but "
                             f"model.vocab_size={vocab_size}; use model.vocab_size >= {docs.meta['vocab_size']}")
         self.num_docs, self.pretokenized = len(docs), docs.pretokenized
-        self.dataset = tokenized_dataset(docs, self.tokenizer, data_cfg.get("add_bos", True),
-                                         data_cfg.get("add_eos", True))
         self.packing = data_cfg.get("packing", True)
         self.prefetch = max(1, int(data_cfg.get("prefetch", 4)))
         # data.workers >= 2: processes tokenize ahead of the packer (data/workers.py), started with the
         # first batch; pre-tokenized files have nothing to tokenize, and the eval split's few batches
         # (its thread stops after each evaluation) are not worth processes standing by.
-        self.workers = 0 if docs.pretokenized or split == "eval" else int(data_cfg.get("workers", 0))
+        # The workers tokenize text documents only (the other data.formats' records: not yet).
+        text = self.format == "text"
+        self.workers = 0 if docs.pretokenized or split == "eval" or not text else int(data_cfg.get("workers", 0))
         self._pool, self._pool_args = None, dict(
-            files=self.files, versions=docs.versions, text_field=docs.text_field, tokenizer=spec,
-            bos=data_cfg.get("add_bos", True), eos=data_cfg.get("add_eos", True), workers=self.workers)
+            files=self.files, versions=docs.versions if text else None, text_field=data_cfg.get("text_field", "text"),
+            tokenizer=spec, bos=data_cfg.get("add_bos", True), eos=data_cfg.get("add_eos", True), workers=self.workers)
         self._stream_args = dict(
             dataset=self.dataset, seed=data_cfg.seed, process_index=process_index, process_count=process_count,
             shuffle=split == "train", epochs=data_cfg.get("epochs", 0) if split == "train" else 0,
-            blocks=docs.blocks())
+            blocks=docs.blocks() if text else None)
         self._packer_args = dict(seq_len=seq_len, packing=self.packing, name=(
             f"{key} ({', '.join(map(str, self.files[:3]))}{' ...' * (len(self.files) > 3)})"))
         self.shard, self.shards = process_index, process_count  # this process's group of rows, of how many
@@ -118,7 +132,7 @@ class FilesSource:
             from maxtext_rocm.data.workers import WorkerPool
 
             self._pool = WorkerPool(**self._pool_args)
-        packer = RowPacker(DocumentStream(**self._stream_args, pool=self._pool), **self._packer_args)
+        packer = self._packer(DocumentStream(**self._stream_args, pool=self._pool), **self._packer_args)
         packer.set_state(start)
         self._queue, self._stop = queue.Queue(self.prefetch), threading.Event()
         self._next = int(start["step"])
@@ -208,5 +222,9 @@ class FilesSource:
 
     def describe(self) -> str:
         kind = "pre-tokenized ArrayRecord" if self.pretokenized else f"{type(self.tokenizer).__name__}"
-        return (f"files: {self.num_docs:,} documents in {len(self.files)} file(s) ({kind}), "
-                f"{'packed' if self.packing else 'one document per row'}, {self.split} split")
+        layout = "packed" if self.packing else "one document per row"
+        if self.format != "text":
+            kind += f", data.format={self.format!r}"
+            layout = "a pair per two rows" if self.format == "preference" else layout
+        return (f"files: {self.num_docs:,} documents in {len(self.files)} file(s) ({kind}), {layout}, "
+                f"{self.split} split")
