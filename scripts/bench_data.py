@@ -1,11 +1,22 @@
 #!/usr/bin/env python
 """Step time with data.source='files' against 'synthetic' on one preset, as a ratio from one process;
-or, with --packing, the files pipeline alone: tokens/s and padding of each packing mode.
+or the files pipeline alone: with --packing, tokens/s and padding of each packing mode; with
+--loader, its tokens/s with data.workers and its peak RSS.
 
     python scripts/bench_data.py [configs/tiny_llama.py] [--steps 20] [--rounds 3] [--config.KEY=VALUE ...]
     python scripts/bench_data.py --packing all --corpus=/tmp/mixed.jsonl [--corpus-mb 40] [--batches 40]
+    python scripts/bench_data.py --write-corpus CORPUS.jsonl --megabytes 200 [--write-bpe TOKENIZER.json]
+    python scripts/bench_data.py --loader CORPUS.jsonl [--workers 2] [--tokenizer TOKENIZER.json]
 
-Without --packing: writes a JSON Lines corpus (Python stdlib source files, one document each) to a
+--write-corpus writes documents of 100 to 20,000 characters cut from the Python standard
+library's source (`.jsonl`, or `.parquet` in row groups of 2,000); --write-bpe trains a 32k BPE
+(Hugging Face `tokenizers`) on the same text. --loader builds the files source as the trainer does
+(8 x 8192 rows unless --rows/--seq-len say otherwise), reads --steps batches after the first and
+prints tokens/s (every position of a batch, padding included, and the trained ones), the seconds
+to open the corpus (the JSON Lines index pass on a first open), and the peak RSS of this process
+and of its largest worker.
+
+Without those flags: writes a JSON Lines corpus (Python stdlib source files, one document each) to a
 temporary directory, builds a Trainer on each source, and times blocks of `--steps` steps
 alternately (synthetic, files, synthetic, files, ...) so that machine drift hits both alike. The
 ratio is files / synthetic of the median block; 1.05 is the issue's limit.
@@ -48,6 +59,117 @@ def write_corpus(path: str, max_bytes: int = 4 << 20) -> int:
     return n
 
 
+def stdlib_text(max_bytes: int) -> str:
+    root, parts, used = sysconfig.get_paths()["stdlib"], [], 0
+    for dirpath, dirnames, filenames in sorted(os.walk(root)):
+        dirnames[:] = sorted(d for d in dirnames if d not in ("site-packages", "__pycache__"))
+        for name in sorted(f for f in filenames if f.endswith(".py")):
+            try:
+                parts.append(open(os.path.join(dirpath, name), encoding="utf-8").read())
+            except (OSError, UnicodeDecodeError):
+                continue
+            used += len(parts[-1])
+            if used >= max_bytes:
+                return "\n".join(parts)
+    return "\n".join(parts)
+
+
+def write_big_corpus(path: str, megabytes: float, bpe: str | None) -> int:
+    import numpy as np
+
+    base = stdlib_text(16 << 20)
+    rng = np.random.default_rng(0)
+    written, count = 0, 0
+    rows = []
+
+    def documents():
+        nonlocal written, count
+        while written < megabytes * 1e6:
+            n = int(rng.integers(100, 20_000))
+            start = int(rng.integers(0, len(base) - n))
+            count += 1
+            yield base[start:start + n]
+
+    if path.endswith(".parquet"):
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        with pq.ParquetWriter(path, pa.schema([("text", pa.string())])) as writer:
+            for doc in documents():
+                rows.append(doc)
+                written += len(doc.encode())
+                if len(rows) == 2000:
+                    writer.write_table(pa.table({"text": rows}), row_group_size=2000)
+                    rows = []
+            if rows:
+                writer.write_table(pa.table({"text": rows}), row_group_size=2000)
+    else:
+        with open(path, "w") as out:
+            for doc in documents():
+                line = json.dumps({"text": doc}) + "\n"
+                out.write(line)
+                written += len(line)
+    print(f"wrote {path}: {count:,} documents, {os.path.getsize(path) / 1e6:.0f} MB")
+    if bpe:
+        from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        trainer = trainers.BpeTrainer(vocab_size=32_000, special_tokens=["<pad>", "<s>", "</s>"],
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+        tok.train_from_iterator([base[i:i + 4096] for i in range(0, len(base), 4096)], trainer)
+        tok.save(bpe)
+        print(f"wrote {bpe}: {tok.get_vocab_size():,} ids")
+    return 0
+
+
+def cpu_seconds(pid: int) -> float:
+    """A worker's user + system CPU time so far (/proc/PID/stat fields 14 and 15)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def vm_hwm_mib(pid: int) -> float:
+    """A worker's peak RSS since its exec (getrusage's children figure counts the forked parent's image)."""
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) / 1024
+
+
+def time_loader(args) -> int:
+    import resource
+
+    from maxtext_rocm import config as config_lib
+    from maxtext_rocm.data import build_source
+
+    cfg = config_lib.defaults().data
+    cfg.update(source="files", paths=args.loader, workers=args.workers, tokenizer=args.tokenizer)
+    started = time.perf_counter()
+    source = build_source(cfg, vocab_size=1 << 20, global_batch=args.rows, seq_len=args.seq_len)
+    opened = time.perf_counter() - started
+    source.batch(0)  # starts the thread (and the workers)
+    workers = [p.pid for p in source._pool._procs] if source._pool else []
+    cpu_before = time.process_time(), sum(cpu_seconds(pid) for pid in workers)
+    started, trained = time.perf_counter(), 0.0
+    for step in range(1, args.steps + 1):
+        trained += float(source.batch(step)["weights"].sum())
+    seconds = time.perf_counter() - started
+    cpu = time.process_time() - cpu_before[0], sum(cpu_seconds(pid) for pid in workers) - cpu_before[1]
+    workers_peak = max([vm_hwm_mib(pid) for pid in workers] or [0])
+    source.close()
+    positions = args.steps * args.rows * args.seq_len
+    print(f"{source.describe()}; data.workers={args.workers}, {len(os.sched_getaffinity(0))} CPUs")
+    print(f"opened in {opened:.1f} s; {args.steps} batches of {args.rows} x {args.seq_len} in {seconds:.2f} s: "
+          f"{positions / seconds / 1e6:.3f}M tokens/s ({trained / seconds / 1e6:.3f}M trained)")
+    # CPU seconds, not only wall time: on a shared machine (a share per session) the wall time of N
+    # workers need not scale, but where the tokenizing CPU goes shows what N cores would give.
+    print(f"CPU seconds per 1M positions: {cpu[0] / positions * 1e6:.2f} this process (thread and packer), "
+          f"{cpu[1] / positions * 1e6:.2f} its workers")
+    print(f"peak RSS: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB this process, "
+          f"{workers_peak:.0f} MiB its largest worker")
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("config", nargs="?", default="configs/tiny_llama.py")
@@ -58,11 +180,22 @@ def main() -> int:
     parser.add_argument("--corpus", default="/tmp/bench_data_mixed.jsonl", help="JSON Lines; written if missing")
     parser.add_argument("--corpus-mb", type=float, default=40, help="size of a written corpus")
     parser.add_argument("--batches", type=int, default=40, help="timed batches per mode")
-    parser.add_argument("--batch", type=int, default=8, help="rows per batch (one process)")
-    parser.add_argument("--seq-len", type=int, default=8192)
+    parser.add_argument("--batch", type=int, default=8, help="rows per batch (one process; --packing)")
+    parser.add_argument("--seq-len", type=int, default=8192, help="row length (--packing, --loader)")
     parser.add_argument("--bpe-vocab", type=int, default=0,
                         help="tokenize with a byte-level BPE of this many ids trained on the corpus (0: bytes)")
+    parser.add_argument("--write-corpus", help="write a corpus here (.jsonl or .parquet) and exit")
+    parser.add_argument("--megabytes", type=float, default=200, help="its size (--write-corpus)")
+    parser.add_argument("--write-bpe", help="also train a BPE tokenizer.json here (--write-corpus)")
+    parser.add_argument("--loader", help="time the files source alone on this corpus")
+    parser.add_argument("--workers", type=int, default=0, help="data.workers (--loader)")
+    parser.add_argument("--tokenizer", default="byte", help="data.tokenizer (--loader)")
+    parser.add_argument("--rows", type=int, default=8, help="global batch rows (--loader)")
     args, overrides = parser.parse_known_args()
+    if args.write_corpus:
+        return write_big_corpus(args.write_corpus, args.megabytes, args.write_bpe)
+    if args.loader:
+        return time_loader(args)
     if args.packing:
         return measure_packing(args, overrides)
     with tempfile.TemporaryDirectory(prefix="bench_data_") as tmp:  # corpus and run directories

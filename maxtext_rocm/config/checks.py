@@ -165,6 +165,9 @@ def validate(cfg: ml_collections.ConfigDict, device_count: int | None = None,
         raise ConfigError(str(error)) from None
     _require(cfg.data.packing_window >= 1,
              f"data.packing_window must be >= 1 (documents best-fit together), got {cfg.data.packing_window}")
+    _require(isinstance(cfg.data.workers, int) and not isinstance(cfg.data.workers, bool) and cfg.data.workers >= 0,
+             f"data.workers={cfg.data.workers!r} is not valid; use a number of tokenizing processes >= 2, or 0 "
+             "for the background thread alone")
     _require(t.eval_every >= 0, f"train.eval_every must be >= 0 (0: no evaluation), got {t.eval_every}")
     _require(t.eval_steps >= 1, f"train.eval_steps must be >= 1, got {t.eval_steps}")
     if cfg.data.source == "files":

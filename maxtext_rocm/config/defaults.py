@@ -121,6 +121,10 @@ def defaults() -> ml_collections.ConfigDict:
         packing_window=512,  # best_fit: documents packed together; more: less padding, more memory
         epochs=0,  # passes over data.paths before the run stops with an error; 0: no limit
         prefetch=4,  # batches a background thread builds ahead of the step
+        # Processes that tokenize documents ahead of that thread, for each data-loading process (a
+        # tokenizer holds Python's lock: threads would not help); 0 or 1: the thread tokenizes.
+        # Same batches and resume position whatever the number (data/workers.py).
+        workers=0,
         # Resume over data files that changed since the checkpoint (appended, replaced, removed), or
         # with another number of data-loading processes mid-epoch: refused (one sentence) unless true.
         allow_changed=False,

@@ -16,14 +16,19 @@ class DataError(UserError):
     """An input file that cannot be used: missing, empty, of an unknown kind, or without the text field."""
 
 
-def json_text(line: bytes, field: str, path, number: int) -> str:
+def json_record(line: bytes, path, number: int):
+    """Line `number` of JSON Lines file `path`, parsed (a DataError naming both if it is not UTF-8 JSON)."""
     try:
-        record = json.loads(line)
+        return json.loads(line)
     except UnicodeDecodeError as error:
         raise DataError(f"{path} line {number} is not UTF-8 text (byte {error.start} of the line); "
                         "JSON Lines files must be UTF-8") from None
     except ValueError:
         raise DataError(f"{path} line {number} is not valid JSON") from None
+
+
+def json_text(line: bytes, field: str, path, number: int) -> str:
+    record = json_record(line, path, number)
     if not isinstance(record, dict) or field not in record:
         raise DataError(f"{path} line {number} has no field {field!r} (data.text_field); "
                         f"its fields are: {', '.join(record) if isinstance(record, dict) else 'none'}")
@@ -33,28 +38,15 @@ def json_text(line: bytes, field: str, path, number: int) -> str:
     return text
 
 
-# Files whose every line (JSON Lines) or every byte (text) was checked in this process, by version:
-# config validation, the train source and a restart within one process check a file once.
+# Text files whose every byte was checked in this process, by version: config validation, the train
+# source and a restart within one process check a file once. (JSON Lines lines are checked as their
+# offset index is built, data/lineindex.py, which keeps the result beside the file.)
 _CHECKED: set[tuple] = set()
 
 
 def _version(path: Path, *extra) -> tuple:
     stat = path.stat()
     return (str(path.resolve()), stat.st_size, stat.st_mtime_ns, *extra)
-
-
-def check_jsonl(numbered: list[tuple[int, bytes]], field: str, path: Path) -> None:
-    """Every line parses and holds a string `field`: checked before the run starts rather than at
-    the step that reaches a bad line. One pass of json.loads over the lines already in memory, a few
-    times the cost of reading them; pyarrow's JSON reader was no faster and lets invalid UTF-8
-    through (docs/figures.md#checking-json-lines-inputs-at-start-up). Corpora of many GB belong in
-    pre-tokenized ArrayRecord files (scripts/pretokenize.py), which are not scanned."""
-    key = _version(path, field)
-    if key in _CHECKED:
-        return
-    for number, line in numbered:
-        json_text(line, field, path, number)
-    _CHECKED.add(key)
 
 
 def check_text(path: Path) -> None:

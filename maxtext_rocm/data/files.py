@@ -105,14 +105,24 @@ class FilesSource:
         self.num_docs, self.pretokenized = len(docs), docs.pretokenized
         self.packing = packing_mode(data_cfg.get("packing", "concat"))
         self.prefetch = max(1, int(data_cfg.get("prefetch", 4)))
+        # data.workers >= 2: processes tokenize ahead of the packer (data/workers.py), started with the
+        # first batch; pre-tokenized files have nothing to tokenize, and the eval split's few batches
+        # (its thread stops after each evaluation) are not worth processes standing by.
+        # The workers tokenize text documents only (the other data.formats' records: not yet).
+        text = self.format == "text"
+        self.workers = 0 if docs.pretokenized or split == "eval" or not text else int(data_cfg.get("workers", 0))
+        self._pool, self._pool_args = None, dict(
+            files=self.files, versions=docs.versions if text else None, text_field=data_cfg.get("text_field", "text"),
+            tokenizer=spec, bos=data_cfg.get("add_bos", True), eos=data_cfg.get("add_eos", True), workers=self.workers)
         self._stream_args = dict(
             dataset=self.dataset, seed=data_cfg.seed, process_index=process_index, process_count=process_count,
-            shuffle=split == "train", epochs=data_cfg.get("epochs", 0) if split == "train" else 0)
+            shuffle=split == "train", epochs=data_cfg.get("epochs", 0) if split == "train" else 0,
+            blocks=docs.blocks() if text else None)
         self._packer_args = dict(seq_len=seq_len, packing=self.packing, window=data_cfg.get("packing_window", 512),
                                  name=f"{key} ({', '.join(map(str, self.files[:3]))}{' ...' * (len(self.files) > 3)})")
         self.shard, self.shards = process_index, process_count  # this process's group of rows, of how many
         self.allow_changed = bool(data_cfg.get("allow_changed", False))
-        # Taken as the files are read (JSON Lines and Parquet are read whole here), not at the first save.
+        # Taken as the files are opened (not at the first save): the version the offset index describes.
         self._fingerprint = resume.fingerprint(self.files) if split == "train" else None
         self._start = {"step": 0, "epoch": 0, "cursor": 0, "offset": 0}
         self._state = dict(self._start)
@@ -123,7 +133,11 @@ class FilesSource:
 
     def _launch(self, start: dict) -> None:
         self._stop_thread()
-        packer = self._packer(DocumentStream(**self._stream_args), **self._packer_args)
+        if self.workers > 1 and self._pool is None:
+            from maxtext_rocm.data.workers import WorkerPool
+
+            self._pool = WorkerPool(**self._pool_args)
+        packer = self._packer(DocumentStream(**self._stream_args, pool=self._pool), **self._packer_args)
         packer.set_state(start)
         self._queue, self._stop = queue.Queue(self.prefetch), threading.Event()
         self._next = int(start["step"])
@@ -155,6 +169,9 @@ class FilesSource:
 
     def close(self) -> None:
         self._stop_thread()
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
 
     # -- the interface the trainer uses ---------------------------------------------------------
 

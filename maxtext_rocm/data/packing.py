@@ -25,22 +25,33 @@ class DocumentStream:
     """
 
     def __init__(self, dataset, seed: int, process_index: int, process_count: int,
-                 shuffle: bool = True, epochs: int = 0):
+                 shuffle: bool = True, epochs: int = 0, pool=None, blocks=None):
         self.dataset, self.seed, self.shuffle, self.epochs = dataset, seed, shuffle, epochs
+        self.blocks = blocks  # Documents.blocks(): shuffle by blocks (Parquet row groups), or None
         self.process_index, self.process_count = process_index, process_count
         self.num_docs = len(dataset)
         if self.num_docs < process_count:
             raise DataError(f"the data has {self.num_docs} documents, fewer than the {process_count} "
                             "processes that share it; give more documents")
-        self._order_epoch, self._order, self._doc_key, self._doc = None, None, None, None
+        self._orders: dict[int, np.ndarray] = {}  # this epoch's and the next (read ahead across the end)
+        self._doc_key, self._doc = None, None
+        # data.workers: documents tokenized by worker processes, in this order (data/workers.py)
+        self._ahead = None
+        if pool is not None:
+            from maxtext_rocm.data.workers import ReadAhead
+
+            self._ahead = ReadAhead(self, pool)
 
     def order(self, epoch: int) -> np.ndarray:
         """Global document indices this process reads in `epoch`, in order."""
-        if self._order_epoch != epoch:
-            order = (np.random.default_rng([self.seed, epoch]).permutation(self.num_docs) if self.shuffle
-                     else np.arange(self.num_docs))
-            self._order_epoch, self._order = epoch, order[self.process_index::self.process_count]
-        return self._order
+        if epoch not in self._orders:
+            rng = np.random.default_rng([self.seed, epoch])
+            order = (np.arange(self.num_docs) if not self.shuffle else rng.permutation(self.num_docs)
+                     if self.blocks is None else block_order(rng, self.blocks))
+            while len(self._orders) >= 2:
+                self._orders.pop(min(self._orders))
+            self._orders[epoch] = order[self.process_index::self.process_count]
+        return self._orders[epoch]
 
     def per_epoch(self, epoch: int) -> int:
         return len(self.order(epoch))
@@ -52,7 +63,9 @@ class DocumentStream:
             if self.epochs and epoch >= self.epochs:
                 raise DataError(f"the data ran out after data.epochs={self.epochs} epochs; raise data.epochs "
                                 "(0: no limit) or lower train.steps")
-            self._doc_key, self._doc = key, as_example(self.dataset[int(self.order(epoch)[cursor])])
+            self._doc = (self._ahead.get(epoch, cursor) if self._ahead is not None else
+                         as_example(self.dataset[int(self.order(epoch)[cursor])]))
+            self._doc_key = key
         return self._doc
 
 
@@ -72,6 +85,16 @@ def packing_mode(value) -> str:
                     "'best_fit' keeps documents whole)",
             "false": " (what false did is now 'none')"}.get(str(value).lower(), "")
     raise DataError(f"data.packing={value!r} is not valid{hint}; choose {PACKING_HELP}")
+
+
+def block_order(rng: np.random.Generator, ends: np.ndarray, window: int = 2) -> np.ndarray:
+    """Every document once: the blocks (ending at `ends`) in a random order, `window` blocks at a
+    time, the documents of each window in a random order. A Parquet row group is decoded once per
+    window (data/parquet.py keeps the last two decoded) instead of once per document."""
+    ends = np.asarray(ends, np.int64)
+    window_of_block = rng.permutation(len(ends)) // window
+    block_of_doc = np.repeat(np.arange(len(ends)), np.diff(ends, prepend=0))
+    return np.lexsort((rng.random(int(ends[-1])), window_of_block[block_of_doc]))
 
 
 class RowPacker:

@@ -260,6 +260,8 @@ class Trainer:
         trainer (the process's end does all this too)."""
         if self.checkpointer:
             self.checkpointer.close()
+        if hasattr(getattr(self, "data", None), "close"):
+            self.data.close()  # its thread, and its data.workers processes
         self.writer.close()
         self._run_dir.release()
 
