@@ -17,7 +17,9 @@ PROJECTION_FUSIONS = ("auto", "on", "off")
 CONTEXT_PARALLEL_MODES = ("auto", "all_gather", "ring")  # attention under mesh sequence > 1 (parallel/context.py)
 PRECISION_VARIANTS = ("", "bf16", "fp32", "fp8")
 NONFINITE_ACTIONS = ("skip", "stop")
-PIPELINE_SCHEDULES = ("gpipe", "circular")  # circular: pipeline.repeats virtual stages per device
+# circular: pipeline.repeats virtual stages per device; 1f1b: gpipe's order, a hand-written backward
+# keeping one microbatch's layer residuals per stage (parallel/pipeline_1f1b.py)
+PIPELINE_SCHEDULES = ("gpipe", "circular", "1f1b")
 
 # The range of every number that is not a count (counts are checked one by one in
 # config/checks.py): (low, low included, high, high included), None for no bound. Every float in a
