@@ -5,7 +5,8 @@ Legend, in shapes and formulas: S stages (devices along `stage`), R repeats (chu
 device), K slots per chunk (layers, empty ones included), M microbatches, L layers; t is the
 loop's iteration and i = t - s the pass stage s works on in it (microbatch i mod M, repeat i // M).
 
-Two schedules share one loop (`_loop`) and differ where a `Schedule` says so:
+Two schedules share one loop (`_loop`) and differ where a `Schedule` says so (pipeline.schedule
+"1f1b" is GPipe's schedule with a hand-written backward: pipeline_1f1b.py):
 
 - `GPipe` (pipeline.schedule="gpipe"): device s runs layers [s L/S, (s+1) L/S). M + S - 1
   iterations; stage 0 takes microbatch t, every stage runs its layers on what it holds, and the
