@@ -89,9 +89,10 @@ def describe(pipeline_cfg, stages: int, n_layers: int | None = None) -> str:
     return text
 
 
-def layer_stack(pipeline_cfg, model_cfg, mesh: Mesh) -> Callable | None:
+def layer_stack(pipeline_cfg, model_cfg, mesh: Mesh, loop: Callable | None = None) -> Callable | None:
     """The Decoder's `layer_stack` strategy for `mesh` (models/llama.py), or None where the mesh
-    has one stage and the layers run in order on every device."""
+    has one stage and the layers run in order on every device. `loop`: another loop for `_loop`'s
+    contract (pipeline_1f1b.loop under pipeline.schedule="1f1b"); None: `_loop`."""
     stages = mesh.shape.get(STAGE_AXIS, 1)
     if stages <= 1:
         return None
@@ -100,10 +101,7 @@ def layer_stack(pipeline_cfg, model_cfg, mesh: Mesh) -> Callable | None:
                           f"pipeline.repeats={pipeline_cfg.repeats} virtual stages without a layer")
     layout = StackLayout(model_cfg.n_layers, stages, pipeline_cfg.repeats)
     schedule = (GPipe if layout.repeats == 1 else Circular)(layout, _resolved(pipeline_cfg), mesh)
-    if pipeline_cfg.schedule == "1f1b":  # GPipe's forward, a hand-written backward (imports this module)
-        from maxtext_rocm.parallel import pipeline_1f1b
-        return functools.partial(pipelined, schedule=schedule, loop=pipeline_1f1b.loop)
-    return functools.partial(pipelined, schedule=schedule)
+    return functools.partial(pipelined, schedule=schedule, loop=loop)
 
 
 def resolve_microbatches(cfg, mesh: Mesh) -> None:
