@@ -109,6 +109,7 @@ def test_1f1b_temporaries_stay_flat_in_the_microbatches_where_gpipes_grow(device
                 "model.n_layers": 8, "model.remat": "none", "pipeline.schedule": schedule,
                 "pipeline.microbatches": micro, "train.per_device_batch_size": micro // 2})
             temp[schedule, micro] = _temp_bytes(cfg, devices)
-    assert temp["gpipe", 8] > 2.5 * temp["gpipe", 2]
-    assert temp["1f1b", 8] < 1.6 * temp["1f1b", 2]
-    assert temp["1f1b", 8] < 0.5 * temp["gpipe", 8]
+    gpipe_growth, one_f_one_b_growth = (temp[s, 8] - temp[s, 2] for s in ("gpipe", "1f1b"))
+    assert temp["gpipe", 8] > 1.8 * temp["gpipe", 2], temp
+    assert one_f_one_b_growth < 0.25 * gpipe_growth, temp
+    assert temp["1f1b", 8] < 0.6 * temp["gpipe", 8], temp
