@@ -7,6 +7,7 @@ The names a notebook needs, re-exported:
     mr.Trainer(cfg).run()
     params = mr.load_params(cfg.output_dir)     # or mr.init_params(cfg, seed=0)
     mr.generate(cfg, params, [prompt_ids], max_new_tokens=32, temperature=0.8, top_k=40)
+    mr.chat(cfg, params, [{"role": "user", "content": "Hi"}])   # the reply, with the chat template
 """
 
 # `python -m maxtext_rocm.train`: a SIGTERM/SIGINT during the imports below (seconds of jax) and
@@ -20,7 +21,7 @@ from maxtext_rocm.config import ConfigError, UserError  # noqa: E402
 from maxtext_rocm.config import load as load_config  # noqa: E402
 from maxtext_rocm.models import build_model, count_active_params, count_params, forward  # noqa: E402
 from maxtext_rocm.api import init_params, load_params, loss, run_config  # noqa: E402
-from maxtext_rocm.generate import generate  # noqa: E402
+from maxtext_rocm.generate import chat, generate  # noqa: E402
 
 # `python -m maxtext_rocm.generate` runs a module this package has already imported (for the
 # function of the same name); runpy's warning about that says nothing a user can act on.
@@ -37,5 +38,5 @@ def __getattr__(name):
         return Trainer
     raise AttributeError(f"module 'maxtext_rocm' has no attribute {name!r}")
 
-__all__ = ["ConfigError", "Trainer", "UserError", "build_model", "count_active_params", "count_params",
+__all__ = ["ConfigError", "Trainer", "UserError", "build_model", "chat", "count_active_params", "count_params",
            "forward", "generate", "init_params", "load_config", "load_params", "loss", "run_config"]

@@ -2,12 +2,17 @@
 
     python -m maxtext_rocm.generate CHECKPOINT_DIR --prompt "..." [--max-new-tokens N]
         [--temperature T] [--top-k K] [--top-p P] [--seed S]
+    python -m maxtext_rocm.generate CHECKPOINT_DIR --chat "question" [--system "..."] [...]
+
+`--chat` (and `chat()` from Python) renders the conversation with the run's chat template
+(data/chat_template.py) and its generation prompt, and stops the reply at the template's
+end-of-turn token (Llama 3: `<|eot_id|>`) or the tokenizer's EOS.
 
 Prompts of different lengths are left-padded to one length. Padding gets position -1, which
 attention never attends to (models/attention.py), and each real token keeps the position it has
 alone, so every prompt of a batch continues as it would alone. The cache holds kv_heads (not
 heads) per layer, in the model's "cache" collection; the decode loop runs on the device
-(`lax.while_loop`) until every row has produced `eos_id` or `max_new_tokens` tokens.
+(`lax.while_loop`) until every row has produced one of the `eos_id`s or `max_new_tokens` tokens.
 """
 
 from __future__ import annotations
@@ -29,8 +34,8 @@ from maxtext_rocm.models.attention import CACHE
 from maxtext_rocm.models.moe import resolve_implementation
 from maxtext_rocm.numerics.precision import policy_from_config
 
-USAGE = ("python -m maxtext_rocm.generate CHECKPOINT_DIR --prompt TEXT [--max-new-tokens N] "
-         "[--temperature T] [--top-k K] [--top-p P] [--seed S]")
+USAGE = ("python -m maxtext_rocm.generate CHECKPOINT_DIR (--prompt TEXT | --chat TEXT [--system TEXT]) "
+         "[--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P] [--seed S]")
 
 
 def sample(logits, key, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0):
@@ -63,9 +68,10 @@ def _decoding_model_cfg(model_cfg) -> ml_collections.FrozenConfigDict:
 
 @functools.lru_cache(maxsize=16)
 def _decoder(model_cfg, policy, batch: int, prompt_len: int, max_new: int, temperature: float,
-             top_k: int, top_p: float, eos_id: int):
+             top_k: int, top_p: float, stop_ids: tuple[int, ...]):
     """The jitted prefill + decode loop for one shape and one sampling setting."""
     model = build_model(model_cfg, policy, decode=True)
+    stops = jnp.asarray(stop_ids or (-1,), jnp.int32)
     others = flax.core.DenyList("params")  # the cache, plus fp8 state / router losses (dropped)
 
     def step(params, cache, tokens, positions):
@@ -83,7 +89,7 @@ def _decoder(model_cfg, policy, batch: int, prompt_len: int, max_new: int, tempe
         def body(carry):  # the decode step: record the token, feed it, sample the next
             i, token, cache, out, done, key = carry
             out = out.at[:, i].set(token)
-            done = done | (token == eos_id)
+            done = done | jnp.isin(token, stops)
             logits, cache = step(params, cache, token[:, None], (next_position + i)[:, None])
             key, sub = jax.random.split(key)
             return i + 1, sample(logits, sub, temperature, top_k, top_p), cache, out, done, key
@@ -113,10 +119,11 @@ def _left_pad(prompts) -> tuple[np.ndarray, np.ndarray]:
 
 
 def generate(cfg, params, prompt_tokens, max_new_tokens: int = 64, temperature: float = 0.0,
-             top_k: int = 0, top_p: float = 1.0, seed: int = 0, eos_id: int | None = None):
+             top_k: int = 0, top_p: float = 1.0, seed: int = 0, eos_id=None):
     """Continues each prompt of `prompt_tokens` (a list of token-id sequences, any lengths) by up
     to `max_new_tokens` tokens: greedy at temperature 0, else sampled (top_k, top_p), the same
-    for the same seed. A row stops after `eos_id` (kept in its output). Returns one int32 array
+    for the same seed. A row stops after `eos_id` (an id or several, e.g. a chat's end-of-turn and
+    EOS; kept in its output). Returns one int32 array
     of new tokens per prompt; a single prompt (one sequence of ints) gives one array."""
     single = len(prompt_tokens) > 0 and np.ndim(prompt_tokens[0]) == 0
     prompts = [np.asarray(p, np.int32).reshape(-1) for p in ([prompt_tokens] if single else prompt_tokens)]
@@ -133,16 +140,37 @@ def generate(cfg, params, prompt_tokens, max_new_tokens: int = 64, temperature: 
     params = nn.meta.unbox(params)
     if set(params) == {"params"}:
         params = params["params"]
+    stop_ids = tuple(int(i) for i in np.atleast_1d(np.asarray([] if eos_id is None else eos_id, np.int64)))
     tokens, positions = _left_pad(prompts)
     run = _decoder(_decoding_model_cfg(cfg.model), policy_from_config(cfg.precision), len(prompts),
                    tokens.shape[1], int(max_new_tokens), float(temperature), int(min(top_k, vocab)),
-                   float(top_p), -1 if eos_id is None else int(eos_id))
+                   float(top_p), stop_ids)
     out, steps = jax.device_get(run(params, tokens, positions, jax.random.key(seed)))
     results = []
     for row in out[:, :steps]:
-        stop = np.flatnonzero(row == eos_id) if eos_id is not None else []
+        stop = np.flatnonzero(np.isin(row, stop_ids)) if stop_ids else []
         results.append(row[:stop[0] + 1] if len(stop) else row)
     return results[0] if single else results
+
+
+def chat(cfg, params, messages, max_new_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
+         top_p: float = 1.0, seed: int = 0) -> str:
+    """The assistant's reply to `messages` ([{"role", "content"}, ...], or one user question as a
+    string): rendered with the run's chat template (data.chat_template, else the tokenizer's own)
+    and its generation prompt, generated until the template's end-of-turn token or EOS, decoded."""
+    from maxtext_rocm.data.chat_template import encode_rendered, end_of_turn, load_chat_template
+    from maxtext_rocm.data.records import check_messages
+    from maxtext_rocm.data.tokenizer import load_tokenizer
+
+    if isinstance(messages, str):
+        messages = [{"role": "user", "content": messages}]
+    check_messages(messages, "the chat", need_assistant=False)
+    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    template = load_chat_template(cfg.data, tokenizer)
+    prompt = encode_rendered(tokenizer, template.render(messages, add_generation_prompt=True))
+    stop = end_of_turn(template, tokenizer).stop_ids
+    reply = generate(cfg, params, prompt, max_new_tokens, temperature, top_k, top_p, seed, eos_id=stop)
+    return tokenizer.decode(reply[:-1] if len(reply) and reply[-1] in stop else reply)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -152,7 +180,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m maxtext_rocm.generate", usage=USAGE,
                                      description="Continue a prompt with a trained model.")
     parser.add_argument("checkpoint", help="a run directory, one of its checkpoints/<step>, or an export")
-    parser.add_argument("--prompt", required=True)
+    given = parser.add_mutually_exclusive_group(required=True)
+    given.add_argument("--prompt", help="text to continue")
+    given.add_argument("--chat", help="a user's message, answered with the run's chat template")
+    parser.add_argument("--system", help="with --chat: a system message before it")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
     parser.add_argument("--top-k", type=int, default=0, help="0 (default): no limit")
@@ -168,6 +199,12 @@ def main(argv: list[str] | None = None) -> int:
             tokenizer = load_tokenizer(cfg.data.tokenizer)
         except (OSError, ValueError) as error:
             raise UserError(f"cannot load the run's tokenizer data.tokenizer={cfg.data.tokenizer!r} ({error})") from None
+        if args.chat is not None:
+            messages = ([{"role": "system", "content": args.system}] if args.system else [])
+            params = load_params(args.checkpoint, cfg)
+            print(chat(cfg, params, messages + [{"role": "user", "content": args.chat}], args.max_new_tokens,
+                       args.temperature, args.top_k, args.top_p, args.seed))
+            return 0
         data = cfg.data
         run_added_bos = data.get("source") == "files" and data.get("add_bos", False)
         prompt = tokenizer.encode(args.prompt, bos=(args.bos or run_added_bos) and tokenizer.bos_id is not None)

@@ -8,7 +8,9 @@ layers, 4 heads (4 kv heads), head_dim 64, mlp 1024 (MoE: 8 experts, top 2, mlp 
 8 x 256 tokens, fp32, scanned, remat full. Beside the report's figure, an INDEPENDENT count of
 the same program from XLA's own dump (`--xla_dump_to=DIR --xla_dump_hlo_as_text`, the
 *after_optimizations* file), by a deliberately separate line-based parser below, so that a
-mistake in maxtext_rocm/planner/comm.py shows as a disagreement.
+mistake in maxtext_rocm/planner/comm.py shows as a disagreement. Where comm.py evaluates a sliced
+all-reduce's offsets per device (hlo_slices.py), this count asks only that each slice's start
+depend on the partition id and constants alone.
 """
 
 from __future__ import annotations
@@ -41,6 +43,13 @@ LAYOUTS = {
     "fsdp=8": DENSE + mesh(fsdp=8),
     "fsdp=4 x tensor=2": DENSE + mesh(fsdp=4, tensor=2),
     "fsdp=4 x sequence=2": DENSE + mesh(fsdp=4, sequence=2),
+    "data=2 x fsdp=4": DENSE + mesh(data=2, fsdp=4),
+    "data=8": DENSE + mesh(data=8),
+    "fsdp=2 x tensor=4": DENSE + mesh(fsdp=2, tensor=4),
+    "data=2 x fsdp=2 x tensor=2": DENSE + mesh(data=2, fsdp=2, tensor=2),
+    "fsdp=2 x sequence=2 x tensor=2": DENSE + mesh(fsdp=2, sequence=2, tensor=2),
+    "sequence=8, ring": DENSE + mesh(sequence=8) + ["--config.model.context_parallel=ring"],
+    "sequence=8, all-gather": DENSE + mesh(sequence=8) + ["--config.model.context_parallel=all_gather"],
     # GPipe, 2 microbatches: the stage boundary's permutes, and the loop's bubble iterations
     "stage=2 x fsdp=4": DENSE + mesh(stage=2, fsdp=4),
     "MoE expert=8, dropless": MOE + mesh(expert=8) + ["--config.model.moe_impl=dropless"],
@@ -118,16 +127,59 @@ def dump_total(text: str) -> dict:
         return [(o, [x.strip().lstrip("%") for x in o[3].split(",")].index(value))
                 for o in comps[comp] if value in [x.strip().lstrip("%") for x in o[3].split(",")]]
 
+    def operand_names(o):
+        return [x.strip().lstrip("%") for x in o[3].split(",")]
+
+    def of_the_device(comp, value, callers=(), depth=0):
+        """'device' if `value` is computed from partition-id (or replica-id) and constants alone,
+        'constant' if from constants alone, None otherwise (a loop counter, a parameter, data)."""
+        o = next((x for x in comps[comp] if x[0] == value), None)
+        if o is None or depth > 64:
+            return None
+        if o[2] in ("partition-id", "replica-id"):
+            return "device"
+        if o[2] == "constant":
+            return "constant"
+        if o[2] == "parameter":
+            if not callers:
+                return None
+            (outer, fusion), *rest = callers
+            caller = next(x for x in comps[outer] if x[0] == fusion)
+            return of_the_device(outer, operand_names(caller)[int(o[3])], tuple(rest), depth + 1)
+        if o[2] == "fusion":
+            callee = re.search(r"calls=%(\S+?)[,\s]", o[4] + " ").group(1)
+            return of_the_device(callee, roots[callee], ((comp, o[0]), *callers), depth + 1)
+        if o[2] == "get-tuple-element":
+            index = int(re.search(r"index=(\d+)", o[4]).group(1))
+            source = next(x for x in comps[comp] if x[0] == operand_names(o)[0])
+            if source[2] == "tuple":
+                return of_the_device(comp, operand_names(source)[index], callers, depth + 1)
+            loops = [(c, x) for c in comps for x in comps[c] if x[2] == "while" and f"body=%{comp}" in (x[4] or "")]
+            root = next(x for x in comps[comp] if x[0] == roots[comp])
+            kept = next((x for x in comps[comp] if x[0] == operand_names(root)[index]), None) if root[2] == "tuple" else None
+            if source[2] != "parameter" or len(loops) != 1 or kept is None or kept[2] != "get-tuple-element" \
+                    or operand_names(kept)[0] != source[0] or not re.search(rf"index={index}\b", kept[4]):
+                return None  # not a value the loop passes through unchanged
+            outer, loop = loops[0]
+            init = next(x for x in comps[outer] if x[0] == operand_names(loop)[0])
+            return of_the_device(outer, operand_names(init)[index], (), depth + 1) if init[2] == "tuple" else None
+        kinds = {of_the_device(comp, name, callers, depth + 1) for name in operand_names(o) if name}
+        return None if None in kinds or not kinds else "device" if "device" in kinds else "constant"
+
     def only_sliced(comp, value, part, depth=0, callers=()):
-        """Every use of `value` (elements) ends in a slice to `part` elements; a fusion's root
-        continues at the fusion's users in its caller."""
+        """Every use of `value` (elements) ends in a dynamic-slice to `part` elements whose start
+        depends on the device (each device its own piece); a fusion's root continues at the
+        fusion's users in its caller."""
         found = uses(comp, value)
         if not found and callers and roots.get(comp) == value:
             (outer, fusion), *rest = callers
             return only_sliced(outer, fusion, part, depth + 1, tuple(rest))
         for o, k in found:
-            if o[2] in ("dynamic-slice", "slice") and k == 0 and _elements(o[1]) == part:
-                continue
+            if o[2] == "dynamic-slice" and k == 0 and _elements(o[1]) == part:
+                starts = {of_the_device(comp, name, callers) for name in operand_names(o)[1:]}
+                if "device" in starts and None not in starts:
+                    continue
+                return False
             if o[2] in ("bitcast", "copy", "reshape", "transpose", "convert") and only_sliced(
                     comp, o[0], part, depth + 1, callers):
                 continue

@@ -31,7 +31,7 @@ def main() -> int:
     args = parser.parse_args()
 
     from maxtext_rocm.config import UserError
-    from maxtext_rocm.data.files import META_SUFFIX, Documents, expand_paths, tokenized_dataset
+    from maxtext_rocm.data.documents import META_SUFFIX, Documents, expand_paths, tokenized_dataset
     from maxtext_rocm.data.tokenizer import load_tokenizer
 
     if not args.out.endswith((".arrayrecord", ".array_record")):

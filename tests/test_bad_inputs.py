@@ -160,10 +160,12 @@ def test_documents_that_yield_no_tokens_name_the_file(tmp_path, capsys):
 def test_the_packer_never_spins_on_documents_without_tokens():
     """A process whose share holds only token-less documents (the others' shares did not) stops
     with a sentence instead of looping for ever."""
-    from maxtext_rocm.data.files import DataError, RowPacker
+    from maxtext_rocm.data.checks import DataError
+    from maxtext_rocm.data.packing import DocumentStream, RowPacker
 
     dataset = [np.zeros(1, np.int32) for _ in range(6)]  # one token each: nothing to predict
-    packer = RowPacker(dataset, seq_len=16, seed=0, process_index=0, process_count=2, name="data.paths (x.jsonl)")
+    packer = RowPacker(DocumentStream(dataset, seed=0, process_index=0, process_count=2), seq_len=16,
+                       name="data.paths (x.jsonl)")
     raised = []
 
     def take():
@@ -270,8 +272,8 @@ def test_preset_errors_have_no_traceback_from_the_command_line(tmp_path):
     assert "did you mean 'd_model'" in result.stderr
 
 
-@pytest.mark.parametrize("preset", ["tiny_llama", "tiny_mixtral"])
-def test_memory_lower_bounds_stay_below_what_the_run_holds(preset, devices):
+@pytest.mark.parametrize("preset, objective", [("tiny_llama", "lm"), ("tiny_mixtral", "lm"), ("tiny_llama", "dpo")])
+def test_memory_lower_bounds_stay_below_what_the_run_holds(preset, objective, devices):
     """The refusal above rests on lower bounds: each must stay under the real figure (the state's
     bytes from its abstract arrays, compile.py's activation estimate) and be of its size."""
     import jax
@@ -283,6 +285,7 @@ def test_memory_lower_bounds_stay_below_what_the_run_holds(preset, devices):
     from maxtext_rocm.numerics.precision import policy_from_config
 
     cfg = config_lib.load(preset)
+    cfg.train.objective = objective  # dpo: the state holds the frozen reference too (finetune/dpo.py)
     bounds = memory_fit.lower_bounds(cfg, len(devices))
     mesh = sharding.make_mesh(cfg.mesh, devices)
     model = build_model(cfg.model, policy_from_config(cfg.precision, devices[0]))

@@ -116,9 +116,17 @@ SLICE_FUSION = """
 """
 
 
+def own_offset(table: str = "0,2,4,6,0,2,4,6", name: str = "off") -> str:
+    """A row offset per device, as XLA's SPMD partitioner writes it: a table indexed by partition-id."""
+    return f"""  %pid.{name} = u32[] partition-id()
+  %table.{name} = s32[8]{{0}} constant({{{table}}})
+  %row.{name} = s32[1]{{0}} dynamic-slice(%table.{name}, %pid.{name}), dynamic_slice_sizes={{1}}
+  %{name} = s32[] bitcast(%row.{name})"""
+
+
 def test_all_reduce_sliced_to_one_nth_is_a_reduce_scatter():
     entry = """  %p = f32[8,16]{1,0} parameter(0)
-  %off = s32[] constant(2)
+""" + own_offset() + """
   %ar = f32[8,16]{1,0} all-reduce(%p), channel_id=1, replica_groups={{0,1,2,3},{4,5,6,7}}, use_global_device_ids=true, to_apply=%add
   %b = f32[8,16]{1,0} bitcast(%ar)
   %piece = f32[2,16]{1,0} fusion(%b, %off), kind=kLoop, calls=%slice_it
@@ -152,7 +160,7 @@ BF16_BRACKET = """
 def test_float_normalized_all_reduce_sliced_later_is_a_reduce_scatter():
     entry = """  %p = f32[8,16]{1,0} parameter(0)
   %other = f32[4,16]{1,0} parameter(1)
-  %off = s32[] constant(2)
+""" + own_offset() + """
   %ar = f32[8,16]{1,0} all-reduce(%p), channel_id=1, replica_groups={{0,1,2,3},{4,5,6,7}}, use_global_device_ids=true, to_apply=%add
   %narrow = bf16[8,16]{1,0} fusion(%ar), kind=kLoop, calls=%to_bf16
   ROOT %piece = f32[2,16]{1,0} fusion(%other, %narrow, %off), kind=kLoop, calls=%slice_bf16"""
@@ -170,7 +178,7 @@ def test_tuple_collectives_count_each_element():
   %ar = (f32[8,16]{1,0}, f32[4]{0}) all-reduce(%p, %q), channel_id=1, replica_groups={{0,4},{1,5},{2,6},{3,7}}, use_global_device_ids=true, to_apply=%add
   %e0 = f32[8,16]{1,0} get-tuple-element(%ar), index=0
   %e1 = f32[4]{0} get-tuple-element(%ar), index=1
-  %off = s32[] constant(4)
+""" + own_offset("0,0,0,0,4,4,4,4") + """
   %z = s32[] constant(0)
   %half = f32[4,16]{1,0} dynamic-slice(%e0, %off, %z), dynamic_slice_sizes={4,16}
   %a2a = (bf16[2,16]{1,0}, bf16[2,16]{1,0}, bf16[2,16]{1,0}, bf16[2,16]{1,0}) all-to-all(%x0, %x1, %x2, %x3), channel_id=2, replica_groups=[2,4]<=[8]
@@ -369,3 +377,4 @@ def test_minimum_terms_of_the_other_axes():
     bf16_params = {t["term"]: t for t in comm_minimum.minimum(m, train, "bf16", sizes, param_bytes=2)["terms"]}
     assert bf16_params["layer weights"]["gpu_bytes"] == pytest.approx(2 * (1 * 2 + 2) * 1 / 2 * layer)
     assert bf16_params["layer weights"]["cpu_bytes"] == terms["layer weights"]["cpu_bytes"]
+

@@ -30,7 +30,7 @@ HEADS, KV_HEADS, HEAD_DIM = 4, 2, 16
 
 def packed_segments(rows: int, seq_len: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """(segment ids, per-document positions) of rows packed with documents of random lengths,
-    the last one padding (segment 0), as data/files.py packs them."""
+    the last one padding (segment 0), as data/packing.py packs them."""
     rng = np.random.default_rng(seed)
     segments = np.zeros((rows, seq_len), np.int32)
     positions = np.zeros((rows, seq_len), np.int32)

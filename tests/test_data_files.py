@@ -10,7 +10,9 @@ import pytest
 
 from maxtext_rocm import config as config_lib
 from maxtext_rocm.data import build_source
-from maxtext_rocm.data.files import Documents, FilesSource, RowPacker, expand_paths, tokenized_dataset
+from maxtext_rocm.data.documents import Documents, expand_paths, tokenized_dataset
+from maxtext_rocm.data.files import FilesSource
+from maxtext_rocm.data.packing import DocumentStream, RowPacker
 from maxtext_rocm.data.tokenizer import ByteTokenizer
 from conftest import small_config
 from helpers import assert_close
@@ -148,8 +150,9 @@ def test_two_processes_read_every_document_once_per_epoch(tmp_path):
     for epoch in range(2):
         seen = []
         for p in range(2):
-            packer = RowPacker(dataset, seq_len=16, seed=3, process_index=p, process_count=2)
-            order = packer.local_order(epoch)
+            stream = DocumentStream(dataset, seed=3, process_index=p, process_count=2)
+            packer = RowPacker(stream, seq_len=16)
+            order = stream.order(epoch)
             seen.append([TOK.decode(dataset[int(i)]) for i in order])
             # The packer reads exactly that share: the targets of one epoch spell it out.
             rows = []
@@ -163,7 +166,7 @@ def test_two_processes_read_every_document_once_per_epoch(tmp_path):
         assert sorted(seen[0] + seen[1]) == [f"unique-{i:03d}" for i in range(n)]
         assert abs(len(seen[0]) - len(seen[1])) <= 1
     # Epochs are reshuffled; global batches split evenly between the processes.
-    assert RowPacker(dataset, 16, 3, 0, 2).local_order(0).tolist() != RowPacker(dataset, 16, 3, 0, 2).local_order(1).tolist()
+    assert DocumentStream(dataset, 3, 0, 2).order(0).tolist() != DocumentStream(dataset, 3, 0, 2).order(1).tolist()
     parts = [source(tmp_path / "e.jsonl", process_index=p, process_count=2).batch(0) for p in range(2)]
     assert parts[0]["inputs"].shape == (2, 32)
 

@@ -167,6 +167,8 @@ def run_main_with_recorder(monkeypatch, module: str, args: list[str], tmp_path: 
         monkeypatch.setattr(compile_lib, "analyse", lambda cfg, *a, **_: done.append(cfg) or fitting)
         monkeypatch.setattr(compile_lib, "search", lambda *a, **_: {})
         monkeypatch.setattr(compile_lib, "format_report", lambda report: "")
+        empty_plan = compile_lib.plan_lib.Plan(config="", target="", enumerated=0, fitting=0, ranked=[])
+        monkeypatch.setattr(compile_lib.plan_lib, "make_plan", lambda cfg, *a, **_: done.append(cfg) or empty_plan)
         main = compile_lib.main
     elif module == "convert":
         import maxtext_rocm.convert as convert

@@ -190,3 +190,16 @@ def test_plot_metrics_writes_a_png(tmp_path, capsys):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
     assert plot.main([str(tmp_path / "nope"), "--out", str(png)]) == 2
     assert "metrics.jsonl does not exist" in capsys.readouterr().err
+
+
+def test_generation_stops_at_any_of_several_ids(llama):
+    """A chat stops at its end-of-turn token or EOS: eos_id takes several ids, each row stops at the
+    first of them it produces (kept), and an id it never produces changes nothing."""
+    cfg, params = llama
+    free = mr.generate(cfg, params, PROMPTS, max_new_tokens=NEW)
+    stop = int(free[0][2])
+    unused = next(i for i in range(cfg.model.vocab_size) if all(i not in row for row in free))
+    stopped = mr.generate(cfg, params, PROMPTS, max_new_tokens=NEW, eos_id=[unused, stop])
+    for row, got in zip(free, stopped):
+        hits = np.flatnonzero(row == stop)
+        np.testing.assert_array_equal(got, row[:hits[0] + 1] if len(hits) else row)

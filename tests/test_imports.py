@@ -85,6 +85,7 @@ LAYERS = [
     ["numerics"],
     ["models"],  # pure: logical axes only, no mesh
     ["parallel"],  # the mesh-aware algorithms, built around model pieces
+    ["finetune"],  # LoRA and the DPO objective, built on the models and the mesh-aware loss
     ["checkpoint", "reporting", "runtime"],
     ["trainer"],
     ["api", "planner", "convert"],

@@ -240,10 +240,16 @@ class Checkpointer:
         if mismatch:  # not damage: another model's checkpoint, which no older step would fix
             raise CheckpointError(f"checkpoint {path} does not fit this model: {mismatch}; "
                                   "use a new output_dir or set checkpoint.resume=never")
+        # A checkpoint written before the state gained an (empty here) field, such as the DPO
+        # reference: restored without it, the field keeps its empty value.
+        absent = _empty_fields_absent_on_disk(abstract_state, on_disk.tree)
+        target = ({k: v for k, v in vars(abstract_state).items() if k not in absent} if absent else abstract_state)
         try:
             restored = manager.restore(step, args=ocp.args.Composite(**{
-                STATE: ocp.args.StandardRestore(abstract_state), DATA: ocp.args.JsonRestore(),
+                STATE: ocp.args.StandardRestore(target), DATA: ocp.args.JsonRestore(),
                 META: ocp.args.JsonRestore()}))
+            if absent:
+                restored = {**restored, STATE: abstract_state.replace(**restored[STATE])}
             ok = True
         except Exception as error:  # noqa: BLE001
             ok, why = False, f"cannot be read ({cause(error)})"
@@ -313,3 +319,11 @@ def committed_steps(directory: Path) -> list[int]:
 def _reader(directory) -> ocp.CheckpointManager:
     options = ocp.CheckpointManagerOptions(read_only=True, create=False)
     return ocp.CheckpointManager(directory, options=options, item_handlers=_handlers())
+
+
+def _empty_fields_absent_on_disk(abstract_state, on_disk_tree) -> set:
+    """The fields of a dataclass state that hold an empty dict here and are missing from a
+    checkpoint's tree (one saved before they existed)."""
+    if not hasattr(on_disk_tree, "keys") or not hasattr(abstract_state, "replace"):
+        return set()
+    return {k for k, v in vars(abstract_state).items() if v == {} and k not in on_disk_tree.keys()}

@@ -14,9 +14,10 @@ from typing import Any, Iterable, Mapping
 import ml_collections
 
 from maxtext_rocm.config.choices import (
-    ATTENTION_IMPLEMENTATIONS, CONTEXT_PARALLEL_MODES, DATA_SOURCES, FP8_FORMATS, FP8_SCALINGS, MESH_AXES,
-    MODEL_FAMILIES, MOE_IMPLEMENTATIONS, NONFINITE_ACTIONS, NUMBER_RANGES, PIPELINE_SCHEDULES, PRECISION_POLICIES,
-    PROJECTION_FUSIONS, REMAT_POLICIES, SCHEDULES)
+    ATTENTION_IMPLEMENTATIONS, CHAT_TEMPLATES, CONTEXT_PARALLEL_MODES, DATA_FORMATS, DATA_SOURCES, FP8_FORMATS,
+    FP8_SCALINGS, MESH_AXES, MODEL_FAMILIES, MOE_IMPLEMENTATIONS, NONFINITE_ACTIONS, NUMBER_RANGES, OBJECTIVES,
+    PIPELINE_SCHEDULES,
+    PRECISION_POLICIES, PROJECTION_FUSIONS, REMAT_POLICIES, SCHEDULES)
 from maxtext_rocm.errors import ConfigError
 from maxtext_rocm.config.mesh_sizes import axis_sizes, mesh_shape  # noqa: F401  (part of this module's interface)
 
@@ -118,6 +119,9 @@ def validate(cfg: ml_collections.ConfigDict, device_count: int | None = None,
     t = cfg.train
     _positive(cfg, "train.steps", "train.seq_len", "train.grad_accum")
     _one_of("train.on_nonfinite", t.on_nonfinite, NONFINITE_ACTIONS)
+    _one_of("train.objective", t.objective, OBJECTIVES)
+    if t.objective == "dpo":
+        _validate_dpo(cfg)
     _require(t.max_skipped_steps >= 1,
              f"train.max_skipped_steps must be >= 1 (bad steps in a row before the run stops), got {t.max_skipped_steps}")
     _require(isinstance(t.compilation_cache, str) and t.compilation_cache.strip() != "",
@@ -134,6 +138,20 @@ def validate(cfg: ml_collections.ConfigDict, device_count: int | None = None,
              f"checkpoint.load_params_from={c.load_params_from!r} is not a directory")
 
     _one_of("data.source", cfg.data.source, DATA_SOURCES)
+    _one_of("data.format", cfg.data.format, DATA_FORMATS)
+    _require(cfg.data.format == "text" or cfg.data.source == "files",
+             f"data.format={cfg.data.format!r} reads your own JSON Lines records; set data.source='files' and "
+             "data.paths, or use data.format='text'")
+    _require(cfg.data.format != "preference" or cfg.train.objective == "dpo",
+             "data.format='preference' lays out chosen/rejected pairs for train.objective='dpo'; set that, or "
+             "train on responses alone with data.format='prompt_completion' or 'chat'")
+    _require(cfg.train.objective != "dpo" or cfg.data.source != "files" or cfg.data.format == "preference",
+             f"train.objective='dpo' trains on pairs, but data.format={cfg.data.format!r} gives none; set "
+             "data.format='preference' (JSON Lines of prompt, chosen and rejected)")
+    template = cfg.data.chat_template
+    _require(isinstance(template, str) and (template in ("", *CHAT_TEMPLATES) or Path(template).expanduser().is_file()),
+             f"data.chat_template={template!r} is neither a file nor a built-in template; use a Jinja file, "
+             f"{', '.join(map(repr, CHAT_TEMPLATES))}, or '' for the tokenizer's own")
     _require(isinstance(cfg.data.epochs, int) and cfg.data.epochs >= 0,
              f"data.epochs={cfg.data.epochs!r} is not valid; use a number of passes >= 1, or 0 for no limit")
     _require(cfg.data.prefetch >= 1, f"data.prefetch must be >= 1 (batches built ahead), got {cfg.data.prefetch}")
@@ -147,7 +165,7 @@ def validate(cfg: ml_collections.ConfigDict, device_count: int | None = None,
                  "(held-out files); or set train.eval_every=0")
         from maxtext_rocm.data.files import check_inputs
 
-        check_inputs(cfg.data, m.vocab_size)  # files exist, are not empty, have the text field
+        check_inputs(cfg.data, m.vocab_size, t.seq_len)  # files exist, are not empty, have the text field
     if cfg.data.source == "embedded":
         from maxtext_rocm.data.tokenizer import ByteTokenizer
 
@@ -192,6 +210,25 @@ def validate(cfg: ml_collections.ConfigDict, device_count: int | None = None,
 
     if device_count is not None:
         mesh_shape(cfg.mesh, device_count, process_count)  # the axes fill the devices
+
+
+def _validate_dpo(cfg) -> None:
+    """train.objective="dpo" beside the key it cannot honour (the batch's pairs are checked
+    against the mesh by trainer/preflight.py)."""
+    _require(cfg.train.z_loss_weight == 0,
+             f"train.z_loss_weight={cfg.train.z_loss_weight} applies to the language-model loss only; set it to 0 "
+             "with train.objective='dpo'")
+
+
+def dpo_batch_problem(global_batch: int, grad_accum: int, process_groups: int) -> str | None:
+    """Why a DPO batch cannot hold whole preference pairs (rows 2i, 2i+1) in every micro-batch and
+    on every data-loading process, or None."""
+    if global_batch % (2 * grad_accum * process_groups) == 0:
+        return None
+    return (f"train.objective='dpo' needs whole preference pairs in every train.grad_accum={grad_accum} micro-batch "
+            f"and on each of the {process_groups} data-loading processes, but the global batch is {global_batch} "
+            f"sequences; make it a multiple of {2 * grad_accum * process_groups} (train.per_device_batch_size x "
+            "devices)")
 
 
 def _validate_moe(m, seq_len: int) -> None:

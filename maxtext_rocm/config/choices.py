@@ -11,12 +11,15 @@ FP8_FORMATS = ("auto", "ocp", "fnuz")
 FP8_SCALINGS = ("delayed", "current")
 SCHEDULES = ("cosine", "constant")
 DATA_SOURCES = ("synthetic", "embedded", "files")
+DATA_FORMATS = ("text", "chat", "prompt_completion", "preference")  # what a record of data.paths holds
+CHAT_TEMPLATES = ("llama3",)  # built into data/chat_template.py; data.chat_template may also be a file
 MODEL_FAMILIES = ("llama", "mixtral")
 MOE_IMPLEMENTATIONS = ("auto", "dropless", "capacity", "dense")
 PROJECTION_FUSIONS = ("auto", "on", "off")
 CONTEXT_PARALLEL_MODES = ("auto", "all_gather", "ring")  # attention under mesh sequence > 1 (parallel/context.py)
 PRECISION_VARIANTS = ("", "bf16", "fp32", "fp8")
 NONFINITE_ACTIONS = ("skip", "stop")
+OBJECTIVES = ("lm", "dpo")  # train.objective: next-token cross-entropy, or preference pairs (finetune/dpo.py)
 # circular: pipeline.repeats virtual stages per device; 1f1b: gpipe's order, a hand-written backward
 # keeping one microbatch's layer residuals per stage (parallel/pipeline_1f1b.py)
 PIPELINE_SCHEDULES = ("gpipe", "circular", "1f1b")
@@ -44,6 +47,8 @@ NUMBER_RANGES = {
     "train.hang_timeout_s": (0, True, None, False),
     "train.startup_timeout_s": (0, True, None, False),
     "log.peak_tflops": (0, True, None, False),
+    "dpo.beta": (0, False, None, False),
+    "dpo.label_smoothing": (0, True, 0.5, False),  # at 0.5 the loss no longer prefers either response
     # Seeds: numpy's generators refuse negative ones, jax.random.key anything past int64.
     "train.seed": (0, True, 2**63, False),
     "data.seed": (0, True, 2**63, False),

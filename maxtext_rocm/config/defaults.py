@@ -1,5 +1,5 @@
 """Every default of a run, in one nested ConfigDict: a group per part of the trainer (`model`, `mesh`,
-`precision`, `optimizer`, `data`, `checkpoint`, `train`, `log`, `distributed`, `pipeline`), each key
+`precision`, `optimizer`, `data`, `checkpoint`, `train`, `dpo`, `log`, `distributed`, `pipeline`), each key
 with a comment saying what it does. Presets (configs/NAME.py) start from `defaults()`."""
 
 from __future__ import annotations
@@ -106,6 +106,14 @@ def defaults() -> ml_collections.ConfigDict:
         # .jsonl / .parquet / .txt / .arrayrecord (pre-tokenized by scripts/pretokenize.py).
         paths="", eval_paths="",
         text_field="text",  # the JSON Lines field / Parquet column holding the text
+        # What each JSON line holds (data/formats.py, docs/finetuning.md): "text" (data.text_field),
+        # "chat" ({"messages": [{"role", "content"}, ...]}), "prompt_completion" ({"prompt",
+        # "completion"}) or "preference" ({"prompt", "chosen", "rejected"}: rows in pairs, for DPO).
+        format="text",
+        # The Jinja template chats are rendered with: "" the tokenizer's own (chat_template.jinja or
+        # tokenizer_config.json's chat_template beside data.tokenizer), a file, or built-in "llama3".
+        chat_template="",
+        train_on_prompt=False,  # chat/prompt_completion: train every token, not only the assistant's
         add_bos=True, add_eos=True,  # around each document, where the tokenizer has them
         packing=True,  # several documents per row (segment ids); off: one per row, truncated/padded
         epochs=0,  # passes over data.paths before the run stops with an error; 0: no limit
@@ -141,6 +149,16 @@ def defaults() -> ml_collections.ConfigDict:
         # The watchdog's limit from launch to the end of the first step (restore and compilation
         # included, which take far longer than a step); 0: 10 x hang_timeout_s.
         startup_timeout_s=0.0,
+        # What the step minimises: "lm" (next-token cross-entropy on the tokens with weight) or
+        # "dpo" (preference pairs against a frozen reference; maxtext_rocm/finetune/dpo.py,
+        # docs/dpo.md), which reads the `dpo` group.
+        objective="lm",
+    )
+    # Direct Preference Optimization (train.objective="dpo"; TRL's sigmoid loss).
+    cfg.dpo = dict(
+        beta=0.1,  # how far the policy may move from the reference: rewards are beta x log-ratios
+        # Conservative DPO: the share of pairs assumed mislabelled (TRL's label_smoothing); 0: plain DPO.
+        label_smoothing=0.0,
     )
     cfg.checkpoint = dict(
         enabled=True,

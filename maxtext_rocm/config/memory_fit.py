@@ -7,7 +7,8 @@ run that passes it fits a target node exactly is `python -m maxtext_rocm.compile
 (an AOT compile with XLA's own buffer assignment), which the sentence points to.
 
 - state: parameters, Adam's two moments, all fp32 (12 bytes per parameter), counting the matmul
-  weights and the embedding table (every expert included; norm scales left out);
+  weights and the embedding table (every expert included; norm scales left out); under
+  train.objective="dpo" plus the frozen reference, those weights in the compute dtype;
 - activations: the block input of every layer for the backward pass, which every remat policy
   keeps (`full` keeps only that), in the compute dtype, for one micro-batch;
 - batches (host memory): the int32/fp32 [rows, seq_len] arrays of a batch (`data.batch_spec`),
@@ -70,7 +71,7 @@ def lower_bounds(cfg, n_devices: int, n_processes: int = 1) -> dict[str, int]:
     micro_tokens = global_rows // max(t.grad_accum, 1) * t.seq_len
     in_flight = cfg.data.prefetch + 1 if cfg.data.source == "files" else 1  # only files prefetch
     return {
-        "state": 12 * stored_params(m),
+        "state": (12 + (compute_bytes if t.objective == "dpo" else 0)) * stored_params(m),
         "activations": m.n_layers * micro_tokens * m.d_model * compute_bytes,
         "batches": len(batch_spec(cfg.data)) * 4 * (global_rows // n_processes) * t.seq_len * in_flight,
     }

@@ -34,6 +34,7 @@ from maxtext_rocm import config as config_lib
 from maxtext_rocm.convert import files as files_lib
 from maxtext_rocm.convert.hf_config import ConvertError, hf_config, model_updates
 from maxtext_rocm.convert.mapping import IGNORED, aliases, leaf, plan
+from maxtext_rocm.convert.preset import finetune_keys, preset_source, tokenizer_files, validate_without_data
 
 __all__ = ["ConvertError", "from_hf", "hf_to_export", "checkpoint_to_hf", "to_hf"]
 
@@ -58,18 +59,22 @@ def read_hf_config(hf_dir) -> dict[str, Any]:
 
 
 def config_from_hf(hf: Mapping[str, Any], where: str, name: str = "converted",
-                   overrides: Mapping[str, Any] | Iterable[str] | None = None):
-    """The full run config for a Hugging Face config.json: defaults, its model keys, then overrides."""
+                   overrides: Mapping[str, Any] | Iterable[str] | None = None, hf_dir: Path | None = None):
+    """The full run config for a Hugging Face config.json: defaults, its model keys, the keys for
+    fine-tuning from `hf_dir` (its tokenizer, its context length, your files: convert/preset.py),
+    then overrides. Validated as a run is, except that data.paths may wait for the training command."""
     cfg = config_lib.defaults()
     cfg.name = name
     for key, value in model_updates(hf, where).items():
         config_lib.set_key(cfg, f"model.{key}", value)
+    for key, value in (finetune_keys(hf_dir, hf) if hf_dir is not None else {}).items():
+        config_lib.set_key(cfg, key, value)
     if isinstance(overrides, Mapping):
         for key, value in overrides.items():
             config_lib.set_key(cfg, key, value)
     elif overrides is not None:
         config_lib.apply_cli_overrides(cfg, list(overrides))
-    config_lib.validate(cfg)
+    validate_without_data(cfg)
     return cfg
 
 
@@ -84,7 +89,7 @@ def _empty_params(cfg) -> dict:
     return jax.tree_util.tree_map(lambda x: np.empty(x.shape, x.dtype), shapes)
 
 
-def from_hf(hf_dir, overrides: Mapping[str, Any] | Iterable[str] | None = None):
+def from_hf(hf_dir, overrides: Mapping[str, Any] | Iterable[str] | None = None, name: str | None = None):
     """(config, params) of a Hugging Face LlamaForCausalLM / MixtralForCausalLM folder.
 
     `overrides` ({"model.scan_layers": False, "precision.policy": "fp32"} or command-line strings)
@@ -94,7 +99,8 @@ def from_hf(hf_dir, overrides: Mapping[str, Any] | Iterable[str] | None = None):
     hf = read_hf_config(hf_dir)
     weight_files = files_lib.weight_files(hf_dir)  # pickles are refused before anything else
     where = str(hf_dir / "config.json")
-    cfg = config_from_hf(hf, where, re.sub(r"[^A-Za-z0-9_.-]", "_", hf_dir.resolve().name) or "converted", overrides)
+    name = re.sub(r"[^A-Za-z0-9_.-]", "_", name or hf_dir.resolve().name) or "converted"
+    cfg = config_from_hf(hf, where, name, overrides, hf_dir)
     params = _empty_params(cfg)
     m = cfg.model
     slots = {slot.hf_name: slot for slot in plan(m)}
@@ -145,34 +151,6 @@ def from_hf(hf_dir, overrides: Mapping[str, Any] | Iterable[str] | None = None):
     return cfg, params
 
 
-def _preset_source(cfg, hf_dir: Path) -> str:
-    """A preset file that rebuilds `cfg` from the defaults and starts from the export beside it."""
-    base, ours = config_lib.defaults().to_dict(), cfg.to_dict()
-    lines = [f'"""{cfg.model.family.capitalize()} converted from the Hugging Face folder {hf_dir}.',
-             "",
-             "Written by `python -m maxtext_rocm.convert from-hf`; the parameters are the export in this",
-             'folder, which checkpoint.load_params_from points at."""',
-             "",
-             "from pathlib import Path",
-             "",
-             "from maxtext_rocm.config import apply_variant, defaults",
-             "",
-             "",
-             'def get_config(variant: str = ""):',
-             "    cfg = defaults()",
-             f"    cfg.name = {cfg.name!r}"]
-    for group, values in ours.items():
-        if not isinstance(values, dict) or group == "checkpoint":
-            continue
-        changed = {k: v for k, v in values.items() if base[group].get(k) != v}
-        if changed:
-            body = ", ".join(f"{k}={v!r}" for k, v in changed.items())
-            lines.append(f"    cfg.{group}.update({body})")
-    lines += ["    cfg.checkpoint.load_params_from = str(Path(__file__).resolve().parent)",
-              "    return apply_variant(cfg, variant)", ""]
-    return "\n".join(lines)
-
-
 def _staging(out_dir: Path) -> Path:
     """A fresh temporary folder beside out_dir (same filesystem, so the final rename is atomic)."""
     if out_dir.exists():
@@ -192,13 +170,13 @@ def hf_to_export(hf_dir, out_dir, overrides=None) -> Path:
     hf_dir, out_dir = Path(hf_dir), Path(out_dir).absolute()
     if out_dir.exists():  # checked before the (long) read too
         raise ConvertError(f"{out_dir} already exists; choose a new directory for the output")
-    cfg, params = from_hf(hf_dir, overrides)
+    cfg, params = from_hf(hf_dir, overrides, name=out_dir.name)  # its runs go to runs/<OUT_DIR's name>
     tmp = _staging(out_dir)
     try:
         write_params(tmp, params)  # params/ + checksums.json, verified by every reader
         record = {"config": cfg.to_dict(), "hf_config": read_hf_config(hf_dir), "converted_from": str(hf_dir.resolve())}
         (tmp / "config.json").write_text(json.dumps(record, indent=2) + "\n")
-        (tmp / "preset.py").write_text(_preset_source(cfg, hf_dir.resolve()))
+        (tmp / "preset.py").write_text(preset_source(cfg, hf_dir.resolve()))
         tmp.rename(out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -212,7 +190,8 @@ def hf_to_export(hf_dir, out_dir, overrides=None) -> Path:
 
 def to_hf(cfg, params, out_dir, *, dtype: str = "float32", max_shard_size: str | int = DEFAULT_SHARD_SIZE,
           hf_base: Mapping[str, Any] | None = None) -> Path:
-    """Writes `params` of `cfg` as a Hugging Face folder: safetensors shards (+ index) and config.json.
+    """Writes `params` of `cfg` as a Hugging Face folder: safetensors shards (+ index), config.json
+    and the tokenizer files beside cfg.data.tokenizer (convert/preset.py), so AutoTokenizer loads it.
 
     `hf_base` is the original config.json of an imported model, whose other keys (token ids,
     max_position_embeddings, ...) are kept.
@@ -253,6 +232,8 @@ def to_hf(cfg, params, out_dir, *, dtype: str = "float32", max_shard_size: str |
             (tmp / files_lib.INDEX).write_text(json.dumps(index, indent=2) + "\n")
         config = hf_config(cfg.model, hf_base, dtype, max_position=cfg.train.seq_len)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        for path in tokenizer_files(cfg.data.get("tokenizer", "") if "data" in cfg else ""):
+            shutil.copyfile(path, tmp / path.name)
         tmp.rename(out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

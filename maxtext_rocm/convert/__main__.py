@@ -38,7 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if command == "from-hf":
             written = hf_to_export(source, out, overrides=rest)
-            print(f"wrote {written} (train from it: python -m maxtext_rocm.train {written}/preset.py)")
+            print(f"wrote {written} (fine-tune from it: python -m maxtext_rocm.train {written}/preset.py "
+                  "--config.data.paths=YOUR_DATA.jsonl; docs/finetuning.md)")
         else:
             written = checkpoint_to_hf(source, out, **_options(rest, ("--dtype", "--max-shard-size")))
             print(f"wrote {written}")

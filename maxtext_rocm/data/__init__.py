@@ -1,5 +1,5 @@
 """Data sources: each gives batch(step) -> {"inputs", "targets", "weights"} for this process's rows
-(files add "positions" and "segment_ids"; see data/files.py)."""
+(files add "positions" and "segment_ids"; see data/files.py and data/packing.py)."""
 from __future__ import annotations
 
 import numpy as np

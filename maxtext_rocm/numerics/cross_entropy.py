@@ -155,3 +155,25 @@ def head_loss(hidden: Array, weight: Array, targets: Array, weights: Array, *, v
                                 jnp.asarray(vocab_start, jnp.int32), float(z_loss_weight), int(chunk),
                                 int(vocab_axis), tuple(tensor_axes))
     return objective, {"ce": jax.lax.stop_gradient(ce), "z_loss": jax.lax.stop_gradient(z)}
+
+
+def row_sums(hidden: Array, weight: Array, targets: Array, weights: Array, *, vocab_axis: int, chunk: int,
+             vocab_start: Array | int = 0, tensor_axes: tuple[str, ...] = ()) -> Array:
+    """[batch] fp32: each row's sum of weights x cross-entropy, the chunked forward pass alone (no
+    gradient; parallel/loss.py's sequence_logprobs differentiates it through head_loss). The
+    per-sequence log-probabilities of a preference objective (finetune/dpo.py) are its negation.
+    Arguments as head_loss's; under shard_map the rows are this device's and each sum covers this
+    device's positions of its rows."""
+    if hidden.shape[1] % chunk:
+        raise ValueError(f"chunk {chunk} does not divide the sequence length {hidden.shape[1]}")
+    w = weight.astype(hidden.dtype)
+    vocab_start = jnp.asarray(vocab_start, jnp.int32)
+
+    def body(carry, xs):
+        h, t, wt = xs
+        _, log_z, target_logit = _chunk_statistics(h, w, t, vocab_axis, vocab_start, tensor_axes)
+        return carry + jnp.sum((log_z - target_logit) * wt, axis=1), None
+
+    zero = varying.varying_like(jnp.zeros(hidden.shape[:1], jnp.float32), hidden)
+    sums, _ = jax.lax.scan(body, zero, _chunked(hidden, targets, weights.astype(jnp.float32), chunk))
+    return jax.lax.stop_gradient(sums)

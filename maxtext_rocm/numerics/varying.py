@@ -27,6 +27,15 @@ def varying_like(init: Array, *operands: Array) -> Array:
     return jax.lax.pcast(init, tuple(sorted(axes)), to="varying") if axes else init
 
 
+def varying_over(x: Array, axes) -> Array:
+    """`x` typed as varying over `axes` (those it does not vary over already). The transpose of
+    that cast sums the cotangent over them: where `x` is then gathered, the sum happens after the
+    gather's reduce-scatter, on the shard, rather than on the gathered whole where `x` meets data
+    that varies."""
+    missing = set(axes) - varying_axes(x)
+    return jax.lax.pcast(x, tuple(sorted(missing)), to="varying") if missing else x
+
+
 def summed_like(cotangent: Array, primal: Array) -> Array:
     """A custom VJP's cotangent typed like its primal input: summed over the axes it varies over
     and the primal does not. An input that is the same on every device of an axis (an expert

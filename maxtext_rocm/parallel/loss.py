@@ -8,7 +8,8 @@ reduce-scatter does. Here, under `shard_map` over the whole mesh:
 
 - the head is all-gathered over its FSDP axes once (its `embed` axis; the vocabulary stays split
   over `tensor`), in the compute dtype, and its gradient leaves by the transpose of that gather,
-  one reduce-scatter (plus the all-reduce over `data`, which does not shard parameters);
+  one reduce-scatter, then (on that 1/F shard) one all-reduce over `data`, which does not shard
+  parameters;
 - the running d(head) sum stays on the device through all the chunks;
 - under `tensor` the log-partition and the target logit are reduced over the vocabulary slices
   ([tokens] values), and the hidden states' gradient is summed over them once, after the chunks;
@@ -25,7 +26,7 @@ import math
 import jax
 from jax.sharding import PartitionSpec
 
-from maxtext_rocm.numerics import cross_entropy
+from maxtext_rocm.numerics import cross_entropy, varying
 from maxtext_rocm.parallel import sharding
 
 Array = jax.Array
@@ -58,6 +59,12 @@ def head_loss(hidden: Array, weight: Array, targets: Array, weights: Array, *, v
         # The head crosses the links in the compute dtype (bf16 under bf16 and fp8), as the layers'
         # weights do under GSPMD: cast before the gather, not after (cross_entropy casts it anyway).
         weight = weight.astype(hidden.dtype)
+        # The head is the same on every device of a token axis that does not split it (`data`):
+        # typed as varying there before the gather, its gradient is summed over those axes after
+        # the gather's transpose (the reduce-scatter), on 1/F of the head. Left invariant, shard_map
+        # would sum it where the gathered head meets the tokens: the whole head all-reduced over
+        # `data` (1.25x the minimum for data=2 x fsdp=4, tests/test_comm.py).
+        weight = varying.varying_over(weight, token_axes)
         if embed:  # the transpose of this gather is the head gradient's one reduce-scatter
             weight = jax.lax.all_gather(weight, embed, axis=d_axis, tiled=True)
         vocab_start = jax.lax.axis_index(vocab) * weight.shape[vocab_axis] if vocab else 0
@@ -69,3 +76,60 @@ def head_loss(hidden: Array, weight: Array, targets: Array, weights: Array, *, v
 
     return jax.shard_map(local, mesh=mesh, in_specs=(PartitionSpec(batch, length, None), head, tokens, tokens),
                          out_specs=PartitionSpec())(hidden, weight, targets, weights)
+
+
+def row_sums(hidden: Array, weight: Array, targets: Array, weights: Array, *, vocab_axis: int,
+             chunk: int) -> Array:
+    """cross_entropy.row_sums on a mesh: [batch] sums of weights x cross-entropy, each row on the
+    device that holds it (summed over `sequence` and reduced over the vocabulary's slices), sharded
+    over the batch axes like the rows. No gradient: see sequence_logprobs."""
+    mesh = _ambient_mesh()
+    if mesh is None:
+        return cross_entropy.row_sums(hidden, weight, targets, weights, vocab_axis=vocab_axis, chunk=chunk)
+    axes = functools.partial(sharding.present_axes, mesh)
+    batch, length, embed, vocab = axes("activation_batch"), axes("activation_length"), axes("embed"), axes("vocab")
+    tokens = PartitionSpec(batch, length)
+    head = PartitionSpec(embed, vocab) if vocab_axis == 1 else PartitionSpec(vocab, embed)
+
+    def local(hidden, weight, targets, weights):
+        weight = weight.astype(hidden.dtype)
+        if embed:
+            weight = jax.lax.all_gather(weight, embed, axis=1 - vocab_axis, tiled=True)
+        vocab_start = jax.lax.axis_index(vocab) * weight.shape[vocab_axis] if vocab else 0
+        sums = cross_entropy.row_sums(hidden, weight, targets, weights, vocab_axis=vocab_axis,
+                                      chunk=cross_entropy.chunk_length(hidden.shape[1], chunk),
+                                      vocab_start=vocab_start, tensor_axes=vocab)
+        return jax.lax.psum(sums, length) if length else sums  # a row's positions over `sequence`
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(PartitionSpec(batch, length, None), head, tokens, tokens),
+                         out_specs=PartitionSpec(batch))(hidden, weight, targets, weights)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def sequence_logprobs(hidden: Array, weight: Array, targets: Array, weights: Array, vocab_axis: int,
+                      chunk: int) -> Array:
+    """[batch] fp32: each row's sum of weights x log p(target) through the fused LM head, with a
+    gradient. The chunked head computes its gradient in its forward pass for one cotangent per
+    token; a per-row objective (DPO) only knows its cotangents [batch] once every row's value is
+    in. So the forward pass runs the head without gradients (row_sums) and the backward pass runs
+    head_loss with each row's weights times its cotangent: the objective sum_b g_b logp_b, whose
+    gradient is the chain rule's. Cost: one more head forward than the LM loss (8 instead of 6
+    FLOPs per head parameter and token), no [tokens, vocab] buffer."""
+    return -row_sums(hidden, weight, targets, weights, vocab_axis=vocab_axis, chunk=chunk)
+
+
+def _sequence_logprobs_forward(hidden, weight, targets, weights, vocab_axis, chunk):
+    return sequence_logprobs(hidden, weight, targets, weights, vocab_axis, chunk), (hidden, weight, targets, weights)
+
+
+def _sequence_logprobs_backward(vocab_axis, chunk, residuals, g):
+    hidden, weight, targets, weights = residuals
+    # d/dtheta sum_b g_b logp_b = d/dtheta sum_b sum_t (-g_b w_bt) ce_bt: head_loss's objective.
+    scaled = weights.astype(jax.numpy.float32) * -g[:, None]
+    d_hidden, d_weight = jax.grad(
+        lambda h, w: head_loss(h, w, targets, scaled, vocab_axis=vocab_axis, chunk=chunk)[0],
+        argnums=(0, 1))(hidden, weight)
+    return d_hidden, d_weight, None, None
+
+
+sequence_logprobs.defvjp(_sequence_logprobs_forward, _sequence_logprobs_backward)

@@ -24,8 +24,11 @@ branches):
   bound (the report says so);
 - of a conditional, the branch that moves the most (an upper bound for the step);
 - XLA:CPU has no reduce-scatter pass: an all-reduce (or tuple element of one) whose every use is a
-  dynamic-slice or slice to 1/N of it (through bitcasts, copies and fusion parameters) is counted as
-  the reduce-scatter a GPU compiler makes of it; `recounted_as_reduce_scatter` says how many;
+  dynamic-slice to 1/N of it (through bitcasts, copies and fusion parameters) that takes each
+  device's own piece (its start a function of the partition id, one piece per device, N different
+  pieces in a group: hlo_slices.py) is counted as the reduce-scatter a GPU compiler makes of it;
+  `recounted_as_reduce_scatter` says how many. One whose result is used whole, through N slices
+  of 1/N (a loop counter's offset, static slices), stays an all-reduce;
 - each group is mapped back to the mesh axes its devices differ along (partition p is the device
   at `mesh.devices.flat[p]`, or the executable's own device order); an axis part that spans
   processes (the DCN part, the major factor of an axis whose mesh.dcn size > 1) makes the
@@ -54,15 +57,13 @@ from collections import Counter, defaultdict
 import numpy as np
 
 from maxtext_rocm.planner import comm_minimum
-from maxtext_rocm.planner.hlo_text import (Computation, Instruction, array_dims, parse_module, replica_groups, shape_arrays,
-                                  shape_elements, source_target_pairs, tuple_element)
+from maxtext_rocm.planner.hlo_slices import SliceCheck
+from maxtext_rocm.planner.hlo_text import (Computation, Instruction, array_dims, parse_module, replica_groups,
+                                           shape_arrays, shape_elements, source_target_pairs)
 
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute",
                "ragged-all-to-all")
 _TRIP_COUNT = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
-# Ops that pass a value's elements through, for the all-reduce -> reduce-scatter check; convert
-# because XLA:CPU's float normalization brackets a bf16 all-reduce with converts to f32 and back.
-_PASS_THROUGH = ("bitcast", "copy", "reshape", "transpose", "convert")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,6 +159,7 @@ class _Walker:
         self.partitions = partitions or len(layout.coordinates)
         self.unknown_loops: list[dict] = []
         self.unknown_flops_loops: list[dict] = []  # dots counted once: dot_flops is then a lower bound
+        self.slices = SliceCheck(self.computations)
 
     def walk(self, name: str, executions: int, unknown: bool) -> tuple[list[Collective], float]:
         """The collectives of computation `name` and what it calls, and their dot/convolution
@@ -222,8 +224,8 @@ class _Walker:
         out = []
         for index, (dt, size) in enumerate(arrays):
             element_kind, recounted = kind, False
-            part = shape_elements(inst.shape if len(arrays) == 1 else tuple_element(inst.shape, index)) / n
-            if kind == "all-reduce" and n > 1 and self._only_sliced(comp, inst, index if len(arrays) > 1 else None, part):
+            if kind == "all-reduce" and n > 1 and self.slices.one_piece_per_device(
+                    comp, inst, index if len(arrays) > 1 else None, groups):
                 element_kind, recounted = "reduce-scatter", True
             factor = {"all-gather": (n - 1) / n, "all-reduce": 2 * (n - 1) / n,
                       "reduce-scatter": (n - 1) / n, "all-to-all": (n - 1) / n}[element_kind]
@@ -232,40 +234,6 @@ class _Walker:
             out.append(Collective(element_kind, started.opcode, inst.name, comp.name, axes, dcn, n, dt,
                                   size * factor, executions, recounted=recounted, in_unknown_loop=unknown))
         return out
-
-    def _only_sliced(self, comp: Computation, inst: Instruction, index: int | None, part: float) -> bool:
-        """Whether every use of the all-reduce's result (tuple element `index`) is a slice to `part` elements."""
-        values = [inst.name]
-        if index is not None:  # a combined all-reduce: its uses are get-tuple-elements, one per element
-            users = [u for u, _ in comp.users[inst.name]]
-            if any(u.opcode != "get-tuple-element" for u in users):
-                return False
-            values = [u.name for u in users if re.search(rf"\bindex={index}\b", u.attributes)]
-        return bool(values) and all(self._sliced(comp, v, part, depth=0) for v in values)
-
-    def _sliced(self, comp: Computation, value: str, part: float, depth: int, callers=()) -> bool:
-        """Whether every use of `value` ends in a slice to `part` elements. `callers` are the
-        (computation, fusion) a fused computation's root returns to."""
-        users = comp.users.get(value, [])
-        if not users and value == comp.root and callers:  # a fusion's result: follow its users outside
-            (outer, fusion), *rest = callers
-            return self._sliced(outer, fusion.name, part, depth + 1, tuple(rest))
-        if not users or depth > 12:
-            return False
-        for user, position in users:
-            if user.opcode in ("dynamic-slice", "slice"):
-                if position != 0 or shape_elements(user.shape) != part:
-                    return False
-            elif user.opcode in _PASS_THROUGH:
-                if not self._sliced(comp, user.name, part, depth + 1, callers):
-                    return False
-            elif user.opcode == "fusion":
-                callee = self.computations[dict(user.callees())["calls"]]
-                if not self._sliced(callee, callee.parameters[position], part, depth + 1, ((comp, user), *callers)):
-                    return False
-            else:
-                return False
-        return True
 
 
 def account(text: str, layout: MeshLayout) -> dict:

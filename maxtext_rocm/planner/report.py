@@ -60,6 +60,7 @@ under each remat policy by the estimate, then confirms the recommendation with a
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
@@ -74,10 +75,30 @@ from maxtext_rocm.planner.formatting import format_report
 from maxtext_rocm.planner.gpu_nodes import (TARGETS, cluster_mesh, flash_attention_for,  # noqa: F401
                                             force_host_devices, parse_target, target_nodes)
 from maxtext_rocm.planner import comm as comm_lib
+from maxtext_rocm.planner import plan as plan_lib
+
+PLAN_COMPILES = 4  # --plan's default --max-compiles: the few best by the estimate
+# What --plan chooses itself, so a flag that sets it contradicts the question.
+PLAN_CHOOSES = ("--config.mesh.", "--config.pipeline.microbatches", "--config.model.remat")
 
 USAGE = ("usage: python -m maxtext_rocm.compile CONFIG.py[:VARIANT] --target=KIND:N|KIND:NODESxGPUS "
-         f"[--search] [--comm] [--max-compiles=K] [--usable=0.92] [--json OUT] [--config.KEY=VALUE ...]; "
+         f"[--search] [--comm] [--plan] [--max-compiles=K] [--usable=0.92] [--json OUT] [--config.KEY=VALUE ...]; "
          f"KIND is one of {', '.join(TARGETS)}")
+
+
+def plan_refusal(options: dict, overrides: list[str]) -> str | None:
+    """The one sentence refusing a flag that --plan cannot take, or None."""
+    if options["search"] or options["comm"]:
+        flag = "--search" if options["search"] else "--comm"
+        return (f"--plan compiles its best layouts with their communication and fit already; drop {flag}, "
+                "or drop --plan to check one layout")
+    chosen = [o.split("=", 1)[0] for o in overrides if o.startswith(PLAN_CHOOSES)]
+    if chosen:
+        return (f"--plan chooses the mesh, the microbatches and the remat policy itself; drop {chosen[0]}, "
+                "or drop --plan to check that layout")
+    if options["max-compiles"] is not None and (not options["max-compiles"].isdigit()):
+        return f"--max-compiles={options['max-compiles']!r} is not valid; use a whole number of compiles, 0 or more"
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -86,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE, file=sys.stderr)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     spec, rest = argv[0], argv[1:]
-    options = {"target": None, "search": False, "comm": False, "max-compiles": "2", "usable": "0.92", "json": None}
+    options = {"target": None, "search": False, "comm": False, "plan": False, "max-compiles": None, "usable": "0.92",
+               "json": None}
     overrides, i = [], 0
     while i < len(rest):
         arg = rest[i]
@@ -96,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
             if "=" not in arg and i + 1 < len(rest):
                 overrides.append(rest[i + 1])
                 i += 1
-        elif name in ("search", "comm") and "=" not in arg:
+        elif name in ("search", "comm", "plan") and "=" not in arg:
             options[name] = True
         elif name in options:
             if "=" in arg:
@@ -110,14 +132,28 @@ def main(argv: list[str] | None = None) -> int:
         i += 1
     try:
         kind, n = parse_target(options["target"] or "")
-        usable, max_compiles = float(options["usable"]), int(options["max-compiles"])
+        usable = float(options["usable"])
+        max_compiles = int(options["max-compiles"] or (PLAN_COMPILES if options["plan"] else 2))
     except ValueError as error:
         print(f"error: {error}" if options["target"] else f"error: --target is required\n{USAGE}", file=sys.stderr)
         return 2
-    force_host_devices(n, dump_hlo=options["comm"])  # before jax starts a backend: nothing above starts one
+    if options["plan"]:
+        refusal = plan_refusal(options, overrides)
+        if refusal:
+            print(f"error: {refusal}", file=sys.stderr)
+            return 2
+    force_host_devices(n, dump_hlo=options["comm"] or options["plan"])  # before jax starts a backend: nothing above starts one
     try:
         cfg = config_lib.load(spec, overrides)
         nodes = target_nodes(options["target"])
+        if options["plan"]:
+            found = plan_lib.make_plan(cfg, spec, kind, nodes, n // nodes, usable, max_compiles, overrides,
+                                       analyse=analyse, log=print)
+            print(plan_lib.format_plan(found), flush=True)
+            if options["json"]:
+                with open(options["json"], "w") as f:
+                    json.dump(dataclasses.asdict(found), f, indent=2)
+            return 0
         asked_microbatches = cfg.pipeline.microbatches  # analyse resolves auto for the configured batch
         report = analyse(cfg, kind, n, usable, comm=options["comm"], nodes=nodes)
         if options["search"] or not report.fits:

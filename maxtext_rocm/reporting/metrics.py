@@ -244,6 +244,8 @@ def format_line(step: int, total_steps: int, metrics: Mapping[str, Any]) -> str:
     step_time, tokens, tflops = get("step_time_s"), get("tokens_per_s_per_device"), get("tflops_per_s_per_device")
     if loss is not None:
         parts.append(f"loss {loss:.4f}")
+    if metrics.get("dpo_accuracy") is not None:  # a DPO run's (reporting/run_report.py)
+        parts.append(f"acc {get('dpo_accuracy'):.3f} margin {get('dpo_reward_margin'):.4f}")
     if lr is not None:
         parts.append(f"lr {lr:.2e}")
     if gnorm is not None:

@@ -11,6 +11,18 @@ from maxtext_rocm.parallel import sharding
 from maxtext_rocm.parallel import pipeline
 
 
+# What a DPO step logs beside its loss (pair means; finetune/dpo.py).
+DPO_METRICS = ("dpo_reward_margin", "dpo_accuracy", "dpo_chosen_reward", "dpo_rejected_reward")
+
+
+def objective_description(cfg) -> str:
+    """What the run minimises, for its first line."""
+    if cfg.train.objective != "dpo":
+        return "objective lm"
+    smoothing = f", label_smoothing {cfg.dpo.label_smoothing:g}" if cfg.dpo.label_smoothing else ""
+    return f"objective dpo (beta {cfg.dpo.beta:g}{smoothing}; reference: frozen copy of the starting parameters)"
+
+
 def logged_row(cfg, step_metrics: dict, step_time: float | None, global_batch: int, n_devices: int,
                flops_per_token: float, peak_tflops: float | None) -> dict:
     """The logged row for the step just taken, from its fetched metrics and its time per step."""
@@ -27,6 +39,8 @@ def logged_row(cfg, step_metrics: dict, step_time: float | None, global_batch: i
     }
     if cfg.train.z_loss_weight:
         row["z_loss"] = float(step_metrics["z_loss"])
+    if cfg.train.objective == "dpo":  # "loss" is the DPO loss; its rewards (finetune/dpo.py's metrics)
+        row.update({key: float(step_metrics[key]) for key in DPO_METRICS})
     if cfg.model.n_experts > 1:  # router losses, unweighted (a dense model has none)
         row["moe_aux_loss"] = float(step_metrics["moe_aux_loss"])
         row["moe_z_loss"] = float(step_metrics["moe_z_loss"])
@@ -55,7 +69,7 @@ def describe(trainer) -> str:
     return "\n".join([
         f"run {cfg.name}: {count_params(cfg) / 1e6:,.1f}M parameters{moe}, {cfg.model.n_layers} layers, "
         f"policy {trainer.policy.name}{fp8_description(trainer.policy, cfg.precision.fp8_scaling)}, "
-        f"remat {cfg.model.remat}, attention {cfg.model.attention}; "
+        f"remat {cfg.model.remat}, attention {cfg.model.attention}, {objective_description(cfg)}; "
         f"{pipeline.describe(cfg.pipeline, trainer.mesh.shape['stage'], cfg.model.n_layers)}",
         f"devices: {trainer.n_devices} x {jax.devices()[0].device_kind} ({jax.default_backend()}), "
         f"mesh {sharding.describe(trainer.mesh)}",

@@ -88,7 +88,8 @@ def stored_state(cfg, model, mesh) -> StateLayout:
 
     # The optimizer state's layout depends on whether it clips, not on the numbers (trainer/optimizer.py).
     tx = optim.build_optimizer(optim.hyperparameters(cfg.optimizer, cfg.train.steps), optim.clips(cfg.optimizer))
-    create = functools.partial(create_state, model=model, tx=tx, batch_shape=(1, min(cfg.train.seq_len, 8)))
+    create = functools.partial(create_state, model=model, tx=tx, batch_shape=(1, min(cfg.train.seq_len, 8)),
+                               reference=cfg.train.objective == "dpo")
     key = jax.random.key(cfg.train.seed)
     # Flax traces the model's init once, here; `init` replays the recorded program (re-tracing the
     # model cost 0.3-0.5 s of launch at the reference comparison's size).
@@ -121,7 +122,8 @@ def jit_train_step(cfg, model, mesh, state_sharding, batch_sharding):
     `optimizer_hyperparameters`."""
     return jax.jit(
         functools.partial(train_step, model=model, clip=optim.clips(cfg.optimizer),
-                          train_cfg=ml_collections.FrozenConfigDict(cfg.train)),
+                          train_cfg=ml_collections.FrozenConfigDict(cfg.train),
+                          dpo_cfg=ml_collections.FrozenConfigDict(cfg.dpo)),
         in_shardings=(state_sharding, batch_sharding, sharding.replicated(mesh)),
         out_shardings=(state_sharding, sharding.replicated(mesh)),
         donate_argnums=0,
@@ -228,6 +230,10 @@ def fresh_state(checkpoint_cfg, init_lowered, key, abstract, log, storage_order=
             params = storage_order.params_to_storage(restore_params(checkpoint_cfg.load_params_from,
                                                                     storage_order.canonical_abstract.params))
         state = state.replace(params=params)
+        if state.reference:  # the DPO reference is the starting point: these parameters
+            from maxtext_rocm.finetune import dpo
+
+            state = state.replace(reference=dpo.refreshed_reference(state.reference, params))
         log(f"parameters from {checkpoint_cfg.load_params_from}; fresh optimizer at step 0")
     return state, 0, None
 
@@ -260,10 +266,13 @@ def place_batch(host: dict, layout, batch_sharding, dtypes: dict, global_batch: 
             for k, v in layout.apply(host).items()}
 
 
-def jit_eval_step(model, mesh, state_sharding, batch_sharding):
-    """The jitted eval step: (params, batch, fp8 state) -> token-mean loss and token count."""
+def jit_eval_step(model, mesh, state_sharding, batch_sharding, dpo_cfg=None):
+    """The jitted eval step: (params, batch, fp8 state, DPO reference) -> token-mean loss and token
+    count, or under DPO (a non-empty reference) the batch's DPO sums (step.eval_step)."""
     from maxtext_rocm.trainer.step import eval_step
 
-    return jax.jit(lambda params, batch, fp8_state: eval_step(params, batch, model=model, fp8_state=fp8_state),
-                   in_shardings=(state_sharding.params, batch_sharding, state_sharding.fp8),
+    frozen_dpo = ml_collections.FrozenConfigDict(dpo_cfg) if dpo_cfg is not None else None
+    return jax.jit(lambda params, batch, fp8_state, reference: eval_step(
+                       params, batch, model=model, fp8_state=fp8_state, reference=reference, dpo_cfg=frozen_dpo),
+                   in_shardings=(state_sharding.params, batch_sharding, state_sharding.fp8, state_sharding.reference),
                    out_shardings=sharding.replicated(mesh))

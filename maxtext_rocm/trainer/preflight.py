@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import math
 
-from maxtext_rocm.config.checks import _require, axis_sizes, global_batch_size, pipeline_microbatches, validate
+from maxtext_rocm.config.checks import (_require, axis_sizes, dpo_batch_problem, global_batch_size,
+                                        pipeline_microbatches, validate)
 from maxtext_rocm.config.mesh_sizes import mesh_shape
 
 
@@ -26,10 +27,10 @@ def check_run(cfg, device_count: int | None = None, process_count: int = 1) -> N
         _require(reason is None, f"model.attention='pallas' needs model.head_dim to be {reason}, got "
                  f"{m.head_dim}; use model.attention='blockwise' or 'xla' for this head size")
     if device_count is not None:
-        _validate_against_mesh(cfg, mesh_shape(cfg.mesh, device_count, process_count), device_count)
+        _validate_against_mesh(cfg, mesh_shape(cfg.mesh, device_count, process_count), device_count, process_count)
 
 
-def _validate_against_mesh(cfg, shape, device_count: int) -> None:
+def _validate_against_mesh(cfg, shape, device_count: int, process_count: int = 1) -> None:
     from maxtext_rocm.parallel.sharding import check_param_divisibility, mesh_axes_of  # imports jax
 
     sizes = axis_sizes(shape)
@@ -40,6 +41,9 @@ def _validate_against_mesh(cfg, shape, device_count: int) -> None:
     _require(batch % t.grad_accum == 0,
              f"the global batch of {batch} sequences (train.per_device_batch_size={t.per_device_batch_size} "
              f"x {device_count} devices) does not split into train.grad_accum={t.grad_accum} micro-batches")
+    if t.objective == "dpo":  # processes that differ only in pipeline stage load the same rows
+        problem = dpo_batch_problem(batch, t.grad_accum, max(1, process_count // cfg.mesh.dcn.stage))
+        _require(problem is None, problem or "")
     micro = batch // t.grad_accum
     _require(micro % batch_shards == 0,
              f"each micro-batch of {micro} sequences does not divide over the {batch_shards} batch shards "

@@ -5,11 +5,13 @@ fused head loss asks for the ambient mesh itself, maxtext_rocm/parallel/loss.py)
 
 The loss is summed over tokens and divided by the token count of the whole global batch once,
 after gradient accumulation, so `grad_accum=4` computes exactly the gradient of one 4x batch.
+Under train.objective="dpo" (maxtext_rocm/finetune/dpo.py) the unit is the preference pair
+instead of the token: summed over pairs, divided by the global pair count once (`Objective`).
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +19,7 @@ import optax
 from flax import linen as nn
 from flax import struct
 
+from maxtext_rocm.finetune import dpo
 from maxtext_rocm.numerics import cross_entropy, fp8
 from maxtext_rocm.numerics.fp8 import FP8_COLLECTION
 from maxtext_rocm.models import moe
@@ -40,16 +43,21 @@ class TrainState(struct.PyTreeNode):
     # Delayed-scaling fp8 state (maxtext_rocm/numerics/fp8.py); empty for other policies. Not a
     # parameter: the step overwrites it, the optimizer never sees it.
     fp8: Any = struct.field(default_factory=dict)
+    # The DPO reference policy's frozen parameters (finetune/dpo.py's make_reference); empty for
+    # other objectives. Not a parameter: no gradient, no optimizer state; checkpoints keep it.
+    reference: Any = struct.field(default_factory=dict)
 
 
 def create_state(rng: Array, model: nn.Module, tx: optax.GradientTransformation,
-                 batch_shape: tuple[int, int]) -> TrainState:
-    """Fresh parameters and optimizer state (still boxed with their logical axes)."""
+                 batch_shape: tuple[int, int], reference: bool = False) -> TrainState:
+    """Fresh parameters and optimizer state (still boxed with their logical axes); `reference`:
+    with the DPO reference, a frozen copy of the parameters in the compute dtype."""
     variables = model.init(rng, jnp.zeros(batch_shape, jnp.int32))
     params = variables["params"]
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
                       nonfinite_steps=jnp.zeros((), jnp.int32), skipped_in_a_row=jnp.zeros((), jnp.int32),
-                      fp8=variables.get(FP8_COLLECTION, {}))
+                      fp8=variables.get(FP8_COLLECTION, {}),
+                      reference=dpo.make_reference(params, model.policy.compute_dtype) if reference else {})
 
 
 def token_losses(logits: Array, targets: Array) -> tuple[Array, Array]:
@@ -90,12 +98,42 @@ def summed_loss(params, model: nn.Module, batch: Batch, z_loss_weight: float, fp
     return objective + moe.weighted_router_loss(router, model.cfg), sums
 
 
-def split_micro_batches(batch: Batch, n: int) -> Batch:
-    """[B, ...] -> [n, B/n, ...] taking every n-th row, so each micro-batch keeps every
-    device's share of the batch (a plain reshape would put micro-batch i on 1/n of them)."""
+def split_micro_batches(batch: Batch, n: int, rows_together: int = 1) -> Batch:
+    """[B, ...] -> [n, B/n, ...] taking every n-th group of `rows_together` rows (a preference
+    pair: 2), so each micro-batch keeps every device's share of the batch (a plain reshape would
+    put micro-batch i on 1/n of them) and no group is cut."""
     def split(x):
-        return jnp.swapaxes(x.reshape(x.shape[0] // n, n, *x.shape[1:]), 0, 1)
+        g = rows_together
+        groups = x.reshape(x.shape[0] // (n * g), n, g, *x.shape[1:])
+        return jnp.swapaxes(groups, 0, 1).reshape(n, x.shape[0] // n, *x.shape[1:])
     return jax.tree_util.tree_map(split, batch)
+
+
+class Objective(NamedTuple):
+    """What the step minimises, as a sum over the batch that the step divides once by a count."""
+    summed_loss: Callable  # (params, batch, fp8_state) -> (summed objective, sums for the metrics)
+    sum_keys: tuple  # the sums' keys (zeros start the accumulation)
+    count_key: str  # the sum the mean divides by: "tokens" (LM) or "pairs" (DPO)
+    rows_together: int  # rows that no micro-batch split may separate
+    metrics: Callable  # sums -> the step's loss metrics, "loss" among them
+
+
+def lm_objective(model: nn.Module, z_loss_weight: float) -> Objective:
+    return Objective(lambda p, b, f: summed_loss(p, model, b, z_loss_weight, f),
+                     ("ce", "z_loss", "tokens", *moe.ROUTER_LOSS_WEIGHTS), "tokens", 1, loss_metrics)
+
+
+def dpo_objective(model: nn.Module, reference, dpo_cfg) -> Objective:
+    fused = fused_head_loss(model.cfg, model.policy.fp8_lm_head)
+    return Objective(lambda p, b, f: dpo.summed_loss(p, reference, model, b, dpo_cfg, fused=fused, fp8_state=f),
+                     dpo.SUM_KEYS, "pairs", 2, dpo.metrics)
+
+
+def step_objective(state: TrainState, model: nn.Module, train_cfg, dpo_cfg=None) -> Objective:
+    """train.objective's Objective for this state."""
+    if train_cfg.get("objective", "lm") == "dpo":
+        return dpo_objective(model, dpo.reference_params(state), dpo_cfg)
+    return lm_objective(model, train_cfg.z_loss_weight)
 
 
 class SummedGradients(NamedTuple):
@@ -107,25 +145,26 @@ class SummedGradients(NamedTuple):
 
 
 def summed_gradients(params, model: nn.Module, batch: Batch, grad_accum: int, z_loss_weight: float,
-                     fp8_state=None) -> SummedGradients:
-    """The summed gradients, accumulating micro-batches."""
+                     fp8_state=None, objective: Objective | None = None) -> SummedGradients:
+    """The summed gradients, accumulating micro-batches; `objective`: the LM loss unless given."""
     fp8_state = fp8_state or {}
-    grad_fn = jax.value_and_grad(summed_loss, argnums=(0, 4), has_aux=True)
+    objective = objective or lm_objective(model, z_loss_weight)
+    grad_fn = jax.value_and_grad(objective.summed_loss, argnums=(0, 2), has_aux=True)
     if grad_accum == 1:
-        (_, sums), (grads, fp8_update) = grad_fn(params, model, batch, z_loss_weight, fp8_state)
+        (_, sums), (grads, fp8_update) = grad_fn(params, batch, fp8_state)
         return SummedGradients(grads, fp8_update, sums)
 
     def accumulate(carry, micro):
         grads_acc, fp8_acc, sums_acc = carry
-        (_, sums), (grads, fp8_update) = grad_fn(params, model, micro, z_loss_weight, fp8_state)
+        (_, sums), (grads, fp8_update) = grad_fn(params, micro, fp8_state)
         return (jax.tree_util.tree_map(jnp.add, grads_acc, grads), fp8.combine_updates(fp8_acc, fp8_update),
                 jax.tree_util.tree_map(jnp.add, sums_acc, sums)), None
 
     zeros = jax.tree_util.tree_map(jnp.zeros_like, params)
     fp8_start = fp8.merge_identity(fp8_state)
-    zero_sums = {k: jnp.zeros((), jnp.float32) for k in ("ce", "z_loss", "tokens", *moe.ROUTER_LOSS_WEIGHTS)}
+    zero_sums = {k: jnp.zeros((), jnp.float32) for k in objective.sum_keys}
     (grads, fp8_update, sums), _ = jax.lax.scan(
-        accumulate, (zeros, fp8_start, zero_sums), split_micro_batches(batch, grad_accum))
+        accumulate, (zeros, fp8_start, zero_sums), split_micro_batches(batch, grad_accum, objective.rows_together))
     return SummedGradients(grads, fp8_update, sums)
 
 
@@ -153,11 +192,12 @@ class Gradients(NamedTuple):
 
 
 def gradients(params, model: nn.Module, batch: Batch, grad_accum: int, z_loss_weight: float,
-              fp8_state=None) -> Gradients:
-    """The token-mean gradients over the whole batch, accumulating micro-batches."""
-    summed = summed_gradients(params, model, batch, grad_accum, z_loss_weight, fp8_state)
-    return Gradients(scaled(summed.grads, 1.0 / token_count(summed.sums)), summed.fp8_update,
-                     loss_metrics(summed.sums))
+              fp8_state=None, objective: Objective | None = None) -> Gradients:
+    """The token-mean (pair-mean for DPO) gradients over the whole batch, accumulating micro-batches."""
+    objective = objective or lm_objective(model, z_loss_weight)
+    summed = summed_gradients(params, model, batch, grad_accum, z_loss_weight, fp8_state, objective)
+    count = jnp.maximum(summed.sums[objective.count_key], 1.0)
+    return Gradients(scaled(summed.grads, 1.0 / count), summed.fp8_update, objective.metrics(summed.sums))
 
 
 class StepDecision(NamedTuple):
@@ -193,18 +233,19 @@ def decide_step(finite: Array, *, halting: bool, nonfinite_steps: Array, skipped
 
 
 def train_step(state: TrainState, batch: Batch, hyperparameters: dict[str, Array], *, model: nn.Module,
-               clip: bool, train_cfg):
+               clip: bool, train_cfg, dpo_cfg=None):
     """One optimizer step. `hyperparameters` (optim.hyperparameters) are arrays, not constants of
     the compiled program, so runs that differ only in them share it; `clip`: whether the optimizer
-    clips (its state's layout depends on it)."""
+    clips (its state's layout depends on it); `dpo_cfg`: the dpo group, read under train.objective="dpo"."""
     tx = build_optimizer(hyperparameters, clip)
+    objective = step_objective(state, model, train_cfg, dpo_cfg)
     summed = summed_gradients(state.params, model, batch, train_cfg.grad_accum, train_cfg.z_loss_weight,
-                              state.fp8)
-    metrics = loss_metrics(summed.sums)
+                              state.fp8, objective)
+    metrics = objective.metrics(summed.sums)
     # The token mean is taken inside the update branch below, where its multiply fuses into the
     # optimizer's kernels; before the branch it would be one more pass over every gradient (and
     # one more kernel per parameter for XLA to compile). The norm of the mean is the mean's norm.
-    inv_tokens = 1.0 / token_count(summed.sums)
+    inv_tokens = 1.0 / jnp.maximum(summed.sums[objective.count_key], 1.0)
     grad_norm = optax.tree.norm(summed.grads) * inv_tokens
 
     decision = decide_step(jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm),
@@ -233,6 +274,12 @@ def train_step(state: TrainState, batch: Batch, hyperparameters: dict[str, Array
     return new_state, metrics
 
 
-def eval_step(params, batch: Batch, *, model: nn.Module, fp8_state=None):
+def eval_step(params, batch: Batch, *, model: nn.Module, fp8_state=None, reference=None, dpo_cfg=None):
+    """The LM loss's token mean and token count; under DPO (a `reference` and `dpo_cfg` given)
+    the batch's DPO sums instead (finetune/dpo.py's SUM_KEYS), which evaluations add up."""
+    if reference:
+        fused = fused_head_loss(model.cfg, model.policy.fp8_lm_head)
+        _, sums = dpo.summed_loss(params, reference, model, batch, dpo_cfg, fused=fused, fp8_state=fp8_state)
+        return {key: sums[key] for key in dpo.EVAL_SUM_KEYS}
     _, sums = summed_loss(params, model, batch, 0.0, fp8_state)
     return {"loss": sums["ce"] / jnp.maximum(sums["tokens"], 1.0), "tokens": sums["tokens"]}

@@ -116,19 +116,28 @@ class Trainer:
         with clock.left_out():
             evaluated = self.evaluate()
             self.writer.write(self.step_count, evaluated)
-            self.log(f"step {self.step_count}: eval loss {evaluated['eval_loss']:.4f}, "
-                     f"perplexity {evaluated['eval_perplexity']:.2f}")
+            detail = (f"perplexity {evaluated['eval_perplexity']:.2f}" if "eval_perplexity" in evaluated else
+                      f"accuracy {evaluated['eval_dpo_accuracy']:.3f}, margin {evaluated['eval_dpo_reward_margin']:.4f}")
+            self.log(f"step {self.step_count}: eval loss {evaluated['eval_loss']:.4f}, {detail}")
 
     def evaluate(self) -> dict:
         """Token-mean loss and perplexity over train.eval_steps batches of the eval split (the same
-        batches every time, so evaluations compare)."""
-        ce, tokens = 0.0, 0.0
+        batches every time, so evaluations compare); under DPO the pair-mean loss, accuracy and margin."""
+        ce, tokens, sums = 0.0, 0.0, None
         with self.sharding_rules():
             for i in range(self.cfg.train.eval_steps):
-                out = self._eval_step(self.state.params, self._to_device(self.eval_data.batch(i)), self.state.fp8)
+                out = self._eval_step(self.state.params, self._to_device(self.eval_data.batch(i)), self.state.fp8,
+                                      self.state.reference)
+                if "loss" not in out:  # DPO: sums over pairs (step.eval_step)
+                    sums = out if sums is None else jax.tree_util.tree_map(lambda a, b: a + b, sums, out)
+                    continue
                 ce, tokens = ce + out["loss"] * out["tokens"], tokens + out["tokens"]
         if hasattr(self.eval_data, "close"):
             self.eval_data.close()  # no prefetching in the background while training
+        if sums is not None:
+            from maxtext_rocm.finetune import dpo
+
+            return dpo.eval_metrics({k: float(v) for k, v in jax.device_get(sums).items()})
         ce, tokens = (float(x) for x in jax.device_get((ce, tokens)))
         loss = ce / max(tokens, 1.0)
         return {"eval_loss": loss, "eval_perplexity": float(np.exp(min(loss, 80.0))), "eval_tokens": tokens}
@@ -229,7 +238,7 @@ class Trainer:
         # A pipeline's own layer order (parallel/pipeline_layout.py) <-> the model's, or None.
         self.storage_order = launched.storage_order
         self.data, self.eval_data = data_sources(cfg, self.global_batch, launched.data_state, self.mesh)
-        self._eval_step = (jit_eval_step(self.model, self.mesh, self.state_sharding, self.batch_sharding)
+        self._eval_step = (jit_eval_step(self.model, self.mesh, self.state_sharding, self.batch_sharding, cfg.dpo)
                            if self.eval_data is not None else None)
         self.stopped_by_signal = None
         self.profiler = Profiler(cfg.log.profile_steps, cfg.output_dir, enabled=self.is_logger)

@@ -1,0 +1,185 @@
+"""Records of `data.format` chat / prompt_completion / preference -> token ids with a trained mask.
+
+A chat is rendered whole with its template (data/chat_template.py) and tokenized whole, as
+transformers' `apply_chat_template(..., tokenize=True)` does. Which characters an assistant wrote
+is found by rendering prefixes: the conversation up to an assistant turn with the generation
+prompt (`<|start_header_id|>assistant<|end_header_id|>\\n\\n`) ends where its reply starts, and the
+conversation through that turn ends where it stops (after the end-of-turn token, trailing
+whitespace excluded). Both must be prefixes of the whole rendering, which holds for templates
+that render each turn independently of the later ones. Character spans become token spans by
+tokenizing the text before each boundary: where those ids are a prefix of the whole text's ids,
+the boundary falls between tokens; otherwise the token that straddles it counts as inside the span,
+as transformers' `return_assistant_tokens_mask` counts every token that overlaps a span.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from maxtext_rocm.data.chat_template import ChatTemplate, TemplateError, encode_rendered
+from maxtext_rocm.data.checks import DataError
+from maxtext_rocm.data.example import TokenizedExample
+
+
+class PreferencePair(NamedTuple):
+    """One preference record: prompt + chosen and prompt + rejected, each trained on its response only."""
+
+    chosen: TokenizedExample
+    rejected: TokenizedExample
+
+
+def assistant_spans(template: ChatTemplate, messages: list[dict], text: str, only_last: bool, where: str):
+    """Character spans [start, end) of `text` (the whole rendering) that the assistant turns wrote."""
+    spans = []
+    turns = [k for k, m in enumerate(messages) if m["role"] == "assistant"]
+    for k in turns[-1:] if only_last else turns:
+        before = template.render(messages[:k], add_generation_prompt=True)
+        through = template.render(messages[:k + 1])
+        if not (text.startswith(before) and text.startswith(through) and len(before) <= len(through)):
+            if k == 0:  # e.g. Llama 3's template writes BOS with the first message, not before none
+                raise TemplateError(f"{where}: the conversation starts with an assistant turn, which the chat "
+                                    f"template ({template.where}) renders differently alone; start it with a system "
+                                    "or user message, or set data.train_on_prompt=true")
+            raise TemplateError(f"{where}: the chat template ({template.where}) renders an earlier part of this "
+                                "conversation differently once later turns follow, so the assistant's words cannot "
+                                "be located; use another data.chat_template or data.train_on_prompt=true")
+        spans.append((len(before), max(len(before), len(through.rstrip()))))
+    return spans
+
+
+def _token_boundary(tokenizer, text: str, ids: list[int], char: int, end: bool) -> int:
+    """The token index where character `char` of `text` falls (see the module's doc)."""
+    if char >= len(text):
+        return len(ids)
+    prefix = encode_rendered(tokenizer, text[:char])
+    same = next((i for i, (a, b) in enumerate(zip(prefix, ids)) if a != b), min(len(prefix), len(ids)))
+    if same == len(prefix):
+        return same
+    return same + 1 if end else same  # ids[same] straddles the boundary: it overlaps the span
+
+
+def chat_example(template: ChatTemplate, tokenizer, messages: list[dict], train_on_prompt: bool = False,
+                 only_last: bool = False, where: str = "a conversation") -> TokenizedExample:
+    """Token ids of the rendered conversation; `trained` on every assistant turn's tokens (only
+    the last with `only_last`), or on every token with `train_on_prompt`."""
+    text = template.render(messages)
+    ids = encode_rendered(tokenizer, text)
+    if train_on_prompt:
+        return TokenizedExample(np.asarray(ids, np.int32), None)
+    trained = np.zeros(len(ids), bool)
+    for start, stop in assistant_spans(template, messages, text, only_last, where):
+        first = _token_boundary(tokenizer, text, ids, start, end=False)
+        trained[first:_token_boundary(tokenizer, text, ids, stop, end=True)] = True
+    return TokenizedExample(np.asarray(ids, np.int32), trained)
+
+
+def _plain(tokenizer, prompt: str, response: str, bos: bool, eos: bool, train_on_prompt: bool) -> TokenizedExample:
+    """A plain-text prompt and response: [BOS] prompt response [EOS], trained on response + EOS."""
+    head = tokenizer.encode(prompt, bos=bos and tokenizer.bos_id is not None)
+    tail = tokenizer.encode(response, eos=eos and tokenizer.eos_id is not None)
+    trained = np.concatenate([np.full(len(head), train_on_prompt), np.ones(len(tail), bool)])
+    return TokenizedExample(np.concatenate([head, tail]).astype(np.int32), None if train_on_prompt else trained)
+
+
+class Tokenize:
+    """record -> TokenizedExample (chat, prompt_completion) or PreferencePair (preference)."""
+
+    def __init__(self, fmt: str, tokenizer, template: ChatTemplate | None, train_on_prompt: bool = False,
+                 bos: bool = True, eos: bool = True):
+        self.fmt, self.tokenizer, self.template = fmt, tokenizer, template
+        self.train_on_prompt, self.bos, self.eos = train_on_prompt, bos, eos
+
+    def _response(self, prompt, response: str, where: str, train_on_prompt: bool) -> TokenizedExample:
+        if isinstance(prompt, str):
+            return _plain(self.tokenizer, prompt, response, self.bos, self.eos, train_on_prompt)
+        messages = prompt + [{"role": "assistant", "content": response}]
+        return chat_example(self.template, self.tokenizer, messages, train_on_prompt, only_last=True, where=where)
+
+    def __call__(self, item):
+        record, where = item
+        try:
+            if self.fmt == "chat":
+                return chat_example(self.template, self.tokenizer, record["messages"], self.train_on_prompt,
+                                    where=where)
+            if self.fmt == "prompt_completion":
+                return self._response(record["prompt"], record["completion"], where, self.train_on_prompt)
+            return PreferencePair(self._response(record["prompt"], record["chosen"], where, False),
+                                  self._response(record["prompt"], record["rejected"], where, False))
+        except TemplateError as error:
+            message = str(error)
+            raise DataError(message if message.startswith(where) else f"{where}: {message}") from None
+
+
+def check_trained_within(example: TokenizedExample, seq_len: int, where: str) -> None:
+    """Without packing a row holds the first seq_len + 1 tokens: refuse an example whose every
+    trained token lies past them (it would train nothing and cost a row)."""
+    trained = example.trained
+    if trained is None or len(example.tokens) <= seq_len + 1 or trained[1:seq_len + 1].any():
+        return
+    raise DataError(f"{where} has {len(example.tokens)} tokens, more than train.seq_len={seq_len} holds, and all "
+                    f"{int(trained.sum())} of its trained (assistant) tokens lie past them and would be cut; raise "
+                    "train.seq_len, shorten it, or set data.packing=true")
+
+
+def format_dataset(files, data_cfg, tokenizer):
+    """(records, grain.MapDataset of examples) for data.format chat / prompt_completion / preference."""
+    import grain
+
+    from maxtext_rocm.data.chat_template import load_chat_template
+    from maxtext_rocm.data.records import Records
+
+    fmt = data_cfg.get("format", "text")
+    records = Records(files, fmt)
+    template = load_chat_template(data_cfg, tokenizer) if records.has_messages else None
+    tokenize = Tokenize(fmt, tokenizer, template, bool(data_cfg.get("train_on_prompt", False)),
+                        data_cfg.get("add_bos", True), data_cfg.get("add_eos", True))
+    return records, grain.MapDataset.source(records).map(tokenize)
+
+
+def role_pattern(record: dict) -> tuple:
+    """The sequence of roles a record renders (a plain-text prompt: none)."""
+    messages = record.get("messages", record.get("prompt"))
+    return tuple(m["role"] for m in messages) if isinstance(messages, list) else ()
+
+
+class FormatSource(NamedTuple):
+    """What FilesSource reads for a data.format other than text."""
+
+    records: object  # data/records.py's Records: len(), where(i)
+    dataset: object  # grain.MapDataset of TokenizedExample or PreferencePair
+    packer: type  # RowPacker, or PairPacker for preference
+
+
+def format_source(files, data_cfg, tokenizer, local_rows: int) -> FormatSource:
+    from maxtext_rocm.data.packing import RowPacker
+    from maxtext_rocm.data.preference import PairPacker
+
+    records, dataset = format_dataset(files, data_cfg, tokenizer)
+    if data_cfg.get("format") != "preference":
+        return FormatSource(records, dataset, RowPacker)
+    if local_rows % 2:
+        raise DataError(f"data.format='preference' puts each pair in two rows, but this process has {local_rows} "
+                        "rows of the global batch; make train.per_device_batch_size x local devices even")
+    return FormatSource(records, dataset, PairPacker)
+
+
+def check_format_inputs(files, data_cfg, tokenizer, seq_len: int | None) -> None:
+    """Before any device work: every record's shape (Records); the template renders and masks the
+    first record of each sequence of roles (a template refuses a role or an order of turns, e.g.
+    "roles must alternate", by the roles, so one of each is rendered, not every record); and
+    without packing (chat, prompt_completion) no example loses every trained token to the row's
+    end, which tokenizes every record once."""
+    records, dataset = format_dataset(files, data_cfg, tokenizer)
+    unpacked = data_cfg.get("packing", True) in (False, "none")  # a bool today; a mode name once packing has modes
+    exhaustive = data_cfg.get("format") != "preference" and unpacked and seq_len
+    seen = set()
+    for index in range(len(records)):
+        if not exhaustive:
+            pattern = role_pattern(records[index][0])
+            if pattern in seen:
+                continue
+            seen.add(pattern)
+        example = dataset[index]
+        if exhaustive:
+            check_trained_within(example, seq_len, records.where(index))

@@ -1,0 +1,1 @@
+"""Fine-tuning: LoRA adapters and the DPO objective."""

@@ -1,0 +1,138 @@
+"""`python -m maxtext_rocm.compile ... --plan` (maxtext_rocm/planner/plan.py): the layouts it
+enumerates, its state estimate against the exact one, pruning and ranking, its refusals, and one
+plan of a tiny model on a fake 2 x 4 target that compiles its best layout."""
+
+import json
+import types
+
+import pytest
+
+from conftest import small_config
+from maxtext_rocm.planner import plan
+from maxtext_rocm.planner import report as compile_cli
+
+TINY = ["--config.model.vocab_size=128", "--config.model.d_model=64", "--config.model.n_layers=2",
+        "--config.model.n_heads=4", "--config.model.n_kv_heads=2", "--config.model.head_dim=16",
+        "--config.model.mlp_dim=128", "--config.data.source=synthetic", "--config.train.seq_len=32"]
+
+
+def test_layouts_fill_the_target_and_divide_the_model():
+    cfg = small_config()
+    layouts = plan.enumerate_layouts(cfg.model, cfg.train, nodes=2, gpus=4)
+    meshes = {(x.ici, x.dcn) for x in layouts}
+    assert len(layouts) == len(meshes) * len(plan.REMAT_ORDER)
+    for ici, dcn in meshes:
+        ici, dcn = dict(ici), dict(dcn)
+        assert _prod(ici.values()) == 4 and _prod(dcn.values()) == 2
+        assert cfg.model.n_kv_heads % ici.get("tensor", 1) == 0
+        assert "expert" not in ici  # a dense model
+        assert not ("stage" in ici and "stage" in dcn)
+    # the layouts a person would try are among them
+    assert (((("fsdp", 4),), (("fsdp", 2),))) in meshes
+    assert (((("fsdp", 2), ("tensor", 2)), (("stage", 2),))) in meshes
+    moe = small_config(**{"model.n_experts": 4, "model.experts_per_token": 2})
+    assert any("expert" in dict(x.ici) for x in plan.enumerate_layouts(moe.model, moe.train, nodes=1, gpus=8))
+
+
+def _prod(values):
+    out = 1
+    for v in values:
+        out *= v
+    return out
+
+
+def test_pipelines_get_microbatches_that_split_a_batch_shard():
+    cfg = small_config(**{"train.per_device_batch_size": 2})
+    staged = plan.Layout(ici=(("fsdp", 4),), dcn=(("stage", 2),), microbatches=0, remat="full")
+    # 2 x 8 sequences over 4 fsdp shards: 4 per shard, so 2 or 4 microbatches (at least the 2 stages)
+    assert [x.microbatches for x in plan.with_microbatches(staged, cfg, 8)] == [2, 4]
+    flat = plan.Layout(ici=(("fsdp", 8),), dcn=(), microbatches=0, remat="full")
+    assert plan.with_microbatches(flat, cfg, 8) == [flat]
+    assert plan.bubble(cfg, plan.with_microbatches(staged, cfg, 8)[0]) == pytest.approx(1 / 3)  # (S-1)/(M+S-1)
+
+
+@pytest.mark.parametrize("layout", [
+    plan.Layout(ici=(("fsdp", 4),), dcn=(("fsdp", 2),), microbatches=0, remat="full"),
+    plan.Layout(ici=(("fsdp", 2), ("tensor", 2)), dcn=(("data", 2),), microbatches=0, remat="full"),
+    plan.Layout(ici=(("fsdp", 4),), dcn=(("stage", 2),), microbatches=2, remat="full"),
+])
+def test_state_estimate_matches_the_sharded_state(layout, devices):
+    """The estimate counts parameters from the model's dimensions; analyse() reads the abstract
+    state's shardings. They agree but for the norm scales the estimate leaves out."""
+    from maxtext_rocm.planner.analysis import analyse
+
+    cfg = plan.apply(small_config(**{"train.per_device_batch_size": 2}), layout)
+    exact = analyse(cfg, "mi300x", 8, compile_it=False, nodes=2).memory
+    exact_state = exact.params_bytes + exact.opt_state_bytes + exact.gradients_bytes
+    estimated = plan.state_bytes(cfg.model, plan._sizes(layout), cfg.train.grad_accum)
+    assert estimated <= exact_state
+    assert estimated == pytest.approx(exact_state, rel=0.03)
+
+
+def _candidate(ici, remat, fits=True, compute=1.0, comm=1.0, compiled=False):
+    layout = plan.Layout(ici=ici, dcn=(), microbatches=0, remat=remat)
+    return plan.Candidate(layout=layout, memory_bytes=1.0, usable_bytes=2.0, fits=fits, compute_s=compute,
+                          comm_s=comm, bubble=0.0, compiled=compiled)
+
+
+def test_prune_keeps_each_mesh_at_its_least_recompute_and_ranks_by_step_time():
+    fsdp, tensor = (("fsdp", 8),), (("fsdp", 4), ("tensor", 2))
+    candidates = [
+        _candidate(fsdp, "full", compute=1.3, comm=0.2),
+        _candidate(fsdp, "minimal", compute=1.1, comm=0.2),
+        _candidate(fsdp, "none", fits=False, compute=1.0, comm=0.2),  # faster, but does not fit
+        _candidate(tensor, "full", compute=1.0, comm=0.05),
+        _candidate((("data", 8),), "full", fits=False),
+    ]
+    ranked = plan.prune(candidates)
+    assert [(c.layout.ici, c.layout.remat) for c in ranked] == [(tensor, "full"), (fsdp, "minimal")]
+    # A compiled layout outranks an estimated one, and one that turned out not to fit drops to the end.
+    ranked[1].compiled = True
+    ranked.append(_candidate((("data", 8),), "full", fits=False, compute=0.1, comm=0.0, compiled=True))
+    assert [c.layout.ici for c in sorted(ranked, key=plan.rank_key)] == [fsdp, tensor, (("data", 8),)]
+
+
+def test_plan_compiles_at_most_max_compiles_and_reranks_on_what_it_measured():
+    cfg = small_config(**{"train.per_device_batch_size": 2})
+    calls = []
+
+    def fake_analyse(trial, kind, n, usable, comm, nodes):  # the first compiled layout turns out not to fit
+        calls.append(trial)
+        memory = types.SimpleNamespace(analytic_total_bytes=1.0, checkpoint_save_peak_bytes=None)
+        comm_report = {"ratio": 1.0, "bytes_by_link": {"ICI": 0.0, "DCN": 0.0}, "minimum": {"terms": []}}
+        return types.SimpleNamespace(memory=memory, fits=len(calls) > 1, comm=comm_report)
+
+    found = plan.make_plan(cfg, "tiny_llama", "mi300x", 2, 4, 0.92, 2, [], analyse=fake_analyse,
+                           log=lambda *a, **k: None)
+    assert len(calls) == 2 and found.fitting == len(found.ranked)
+    compiled = [c for c in found.ranked if c.compiled]
+    assert found.ranked[0].compiled and found.ranked[0].fits  # the second one compiled, and fits
+    assert compiled[-1] is found.ranked[-1] and not compiled[-1].fits
+    assert found.ranked[0].command.startswith("python -m maxtext_rocm.train tiny_llama --config.mesh.ici.fsdp=")
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--comm"], "drop --comm"),
+    (["--search"], "drop --search"),
+    (["--config.mesh.ici.fsdp=2"], "drop --config.mesh.ici.fsdp"),
+    (["--config.model.remat=full"], "drop --config.model.remat"),
+    (["--max-compiles=-1"], "--max-compiles"),
+])
+def test_flags_plan_cannot_take_are_refused(flags, says, capsys):
+    assert compile_cli.main(["tiny_llama", "--target=mi300x:2x4", "--plan", *flags]) == 2
+    error = capsys.readouterr().err.strip()
+    assert error.startswith("error: ") and says in error and error.count("\n") == 0
+
+
+def test_plan_of_a_tiny_model_on_a_fake_cluster(tmp_path, devices, capsys):
+    out = tmp_path / "plan.json"
+    assert compile_cli.main(["tiny_llama", "--target=mi300x:2x4", "--plan", "--max-compiles=1", f"--json={out}",
+                             *TINY]) == 0
+    printed = capsys.readouterr().out
+    assert "[1/1]" in printed and printed.count("\n1. ") == 1
+    ranked = json.loads(out.read_text())["ranked"]
+    assert ranked[0]["compiled"] and ranked[0]["fits"] and ranked[0]["comm_ratio"] >= 1 - 1e-9
+    assert [r["compiled"] for r in ranked].count(True) == 1
+    steps = [r["compute_s"] + r["comm_s"] for r in ranked[1:]]
+    assert steps == sorted(steps)  # the estimated rest, best first
+    assert all(r["command"].startswith("python -m maxtext_rocm.train tiny_llama ") for r in ranked)
