@@ -5,7 +5,8 @@ Legend, in shapes and formulas: S stages (devices along `stage`), R repeats (chu
 device), K slots per chunk (layers, empty ones included), M microbatches, L layers; t is the
 loop's iteration and i = t - s the pass stage s works on in it (microbatch i mod M, repeat i // M).
 
-Two schedules share one loop (`_loop`) and differ where a `Schedule` says so:
+Two schedules share one loop (`_loop`) and differ where a `Schedule` says so (pipeline.schedule
+"1f1b" is GPipe's schedule with a hand-written backward: pipeline_1f1b.py):
 
 - `GPipe` (pipeline.schedule="gpipe"): device s runs layers [s L/S, (s+1) L/S). M + S - 1
   iterations; stage 0 takes microbatch t, every stage runs its layers on what it holds, and the
@@ -66,7 +67,7 @@ TOKEN_AXES = ("activation_stage", "activation_batch", "activation_length")  # po
 def bubble_fraction(schedule: str, stages: int, microbatches: int, repeats: int = 1) -> float:
     """The share of a step each stage idles. GPipe: (S-1)/(M+S-1). Circular, R virtual stages per
     device: (S-1)/(R M + S-1), each pass over the devices being 1/R as long."""
-    if schedule == "gpipe":
+    if schedule != "circular":  # gpipe, 1f1b
         return (stages - 1) / (microbatches + stages - 1)
     return (stages - 1) / (repeats * microbatches + stages - 1)
 
@@ -78,7 +79,7 @@ def describe(pipeline_cfg, stages: int, n_layers: int | None = None) -> str:
         return "pipeline off"
     microbatches, repeats = _resolved(pipeline_cfg), pipeline_cfg.repeats
     bubble = bubble_fraction(pipeline_cfg.schedule, stages, microbatches, repeats)
-    formula = "(S-1)/(M+S-1)" if pipeline_cfg.schedule == "gpipe" else "(S-1)/(R M+S-1)"
+    formula = "(S-1)/(M+S-1)" if pipeline_cfg.schedule != "circular" else "(S-1)/(R M+S-1)"
     shape = f"{stages} stages" + (f" x {repeats} repeats" if repeats > 1 else "")
     text = (f"pipeline {pipeline_cfg.schedule}: {shape}, {microbatches} microbatches, "
             f"bubble {bubble:.1%} = {formula}")
@@ -88,9 +89,10 @@ def describe(pipeline_cfg, stages: int, n_layers: int | None = None) -> str:
     return text
 
 
-def layer_stack(pipeline_cfg, model_cfg, mesh: Mesh) -> Callable | None:
+def layer_stack(pipeline_cfg, model_cfg, mesh: Mesh, loop: Callable | None = None) -> Callable | None:
     """The Decoder's `layer_stack` strategy for `mesh` (models/llama.py), or None where the mesh
-    has one stage and the layers run in order on every device."""
+    has one stage and the layers run in order on every device. `loop`: another loop for `_loop`'s
+    contract (pipeline_1f1b.loop under pipeline.schedule="1f1b"); None: `_loop`."""
     stages = mesh.shape.get(STAGE_AXIS, 1)
     if stages <= 1:
         return None
@@ -99,7 +101,7 @@ def layer_stack(pipeline_cfg, model_cfg, mesh: Mesh) -> Callable | None:
                           f"pipeline.repeats={pipeline_cfg.repeats} virtual stages without a layer")
     layout = StackLayout(model_cfg.n_layers, stages, pipeline_cfg.repeats)
     schedule = (GPipe if layout.repeats == 1 else Circular)(layout, _resolved(pipeline_cfg), mesh)
-    return functools.partial(pipelined, schedule=schedule)
+    return functools.partial(pipelined, schedule=schedule, loop=loop)
 
 
 def resolve_microbatches(cfg, mesh: Mesh) -> None:
@@ -225,10 +227,11 @@ class Circular(Schedule):
 
 
 def pipelined(layers: nn.Module, make_layers: Callable, x: Array, positions: Array, segment_ids: Array | None, *,
-              schedule: Schedule):
+              schedule: Schedule, loop: Callable | None = None):
     """The Decoder's `layer_stack` strategy: the bound scanned layers `layers` (whose variables are
     the stored [S R K, ...] arrays) run over the stages by `schedule`; `make_layers(length,
     parent=None)` makes an unbound scan of `length` layers to run each stage's chunk with.
+    `loop`: _loop's contract with another backward (pipeline_1f1b.loop); None: _loop.
     Returns (y, {AUX_LOSSES: what the real layers sowed on real microbatches})."""
     variables = dict(layers.variables)
     extra = set(variables) - {"params", FP8_COLLECTION}
@@ -247,17 +250,17 @@ def pipelined(layers: nn.Module, make_layers: Callable, x: Array, positions: Arr
     real = jnp.asarray(layout.real)
     padded = bool(layout.empty)
     chunk_layers = make_layers(1 if padded else slots, parent=None)
-    all_stages = jax.vmap(functools.partial(_run_stage, chunk_layers, padded, schedule.pick_chunk),
-                          spmd_axis_name=STAGE_AXIS)
-    y, sown = _loop(schedule, all_stages, params, fp8_per_iteration, real, x, positions, segment_ids)
+    run_stage = functools.partial(_run_stage, chunk_layers, padded, schedule.pick_chunk)
+    y, sown = (loop or _loop)(schedule, run_stage, params, fp8_per_iteration, real, x, positions, segment_ids)
     return y, {AUX_LOSSES: jax.tree_util.tree_map(functools.partial(_real_work, layout, microbatches), sown)}
 
 
-def _loop(schedule: Schedule, all_stages: Callable, params, fp8_per_iteration, real: Array,
+def _loop(schedule: Schedule, run_stage: Callable, params, fp8_per_iteration, real: Array,
           x: Array, positions: Array, segment_ids: Array | None):
     """The loop every schedule runs: `schedule.n_iterations` iterations, in each of which every
-    stage takes its input (`schedule.stage_inputs`) and runs its chunk (`all_stages`, vmapped over
+    stage takes its input (`schedule.stage_inputs`) and runs its chunk (`run_stage`, vmapped over
     the stages). Returns (y [B, seq, d], what the layers sowed [iterations, S, K, ...])."""
+    all_stages = jax.vmap(run_stage, spmd_axis_name=STAGE_AXIS)
     stages, microbatches = schedule.stages, schedule.microbatches
     passes = schedule.repeats * microbatches  # each microbatch once per repeat
     inputs, pos_in, seg_in = (None if a is None else split_microbatches(a, microbatches)

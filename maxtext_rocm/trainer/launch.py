@@ -58,11 +58,13 @@ def model_for_mesh(cfg, policy, mesh, platform: str | None = None, model_cfg=Non
     never sees the mesh itself. `model_cfg`: the model group to build from, when it differs from
     `cfg.model` (the planner's CPU stand-ins for GPU kernels); the strategies read `cfg.model`."""
     from maxtext_rocm.models import build_model
-    from maxtext_rocm.parallel import context, experts, pipeline
+    from maxtext_rocm.parallel import context, experts, pipeline, pipeline_1f1b
 
+    # 1f1b is GPipe's schedule with its own backward loop, which imports pipeline.py's pieces.
+    loop = pipeline_1f1b.loop if cfg.pipeline.schedule == "1f1b" else None
     return build_model(model_cfg or cfg.model, policy,
                        expert_exchange=experts.expert_exchange(cfg.model, mesh, platform),
-                       layer_stack=pipeline.layer_stack(cfg.pipeline, cfg.model, mesh),
+                       layer_stack=pipeline.layer_stack(cfg.pipeline, cfg.model, mesh, loop=loop),
                        context_attention=context.context_attention(cfg.model, mesh))
 
 
