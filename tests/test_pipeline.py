@@ -227,7 +227,7 @@ def test_storage_order_puts_each_devices_chunks_in_its_block(layers, stages, rep
     ({"pipeline.microbatches": 3}, r"pipeline.microbatches=3 does not divide the step's 8 sequences"),
     ({"pipeline.microbatches": 8}, r"pipeline.microbatches=8 does not divide .* over the 4 batch shards"),
     ({"pipeline.schedule": "zero_bubble"}, r"pipeline.schedule='zero_bubble' is not valid; choose one of 'gpipe'"),
-    ({"pipeline.schedule": "1f1b", "pipeline.repeats": 2}, r"pipeline.repeats=2 needs a circular schedule, which pipeline.schedule='1f1b' is not"),
+    ({"pipeline.schedule": "gpipe_recompute", "pipeline.repeats": 2}, r"pipeline.repeats=2 needs a circular schedule, which pipeline.schedule='gpipe_recompute' is not"),
     ({"pipeline.repeats": 2}, r"pipeline.repeats=2 needs a circular schedule, which pipeline.schedule='gpipe' is not"),
     ({"model.scan_layers": False}, r"set model.scan_layers=True"),
 ])

@@ -20,9 +20,9 @@ CONTEXT_PARALLEL_MODES = ("auto", "all_gather", "ring")  # attention under mesh 
 PRECISION_VARIANTS = ("", "bf16", "fp32", "fp8")
 NONFINITE_ACTIONS = ("skip", "stop")
 OBJECTIVES = ("lm", "dpo")  # train.objective: next-token cross-entropy, or preference pairs (finetune/dpo.py)
-# circular: pipeline.repeats virtual stages per device; 1f1b: gpipe's order, a hand-written backward
-# keeping one microbatch's layer residuals per stage (parallel/pipeline_1f1b.py)
-PIPELINE_SCHEDULES = ("gpipe", "circular", "1f1b")
+# circular: pipeline.repeats virtual stages per device; gpipe_recompute: gpipe's order, a hand-written backward
+# keeping one microbatch's layer residuals per stage (parallel/pipeline_recompute.py)
+PIPELINE_SCHEDULES = ("gpipe", "circular", "gpipe_recompute")
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")  # the dense layers LoRA can adapt
 
 # The range of every number that is not a count (counts are checked one by one in

@@ -75,7 +75,7 @@ def defaults() -> ml_collections.ConfigDict:
         # and each microbatch's saved activations, at smaller matmuls.
         microbatches=0,
         # "gpipe": all microbatches forward, then all backward (autodiff of the loop); "circular":
-        # each microbatch goes round the stages `repeats` times, bubble (S-1)/(R M+S-1); "1f1b":
+        # each microbatch goes round the stages `repeats` times, bubble (S-1)/(R M+S-1); "gpipe_recompute":
         # gpipe's bubble, a hand-written backward that recomputes each stage per microbatch, so a
         # stage keeps one microbatch's layer residuals, not M (one more forward per step).
         schedule="gpipe",

@@ -6,7 +6,7 @@ device), K slots per chunk (layers, empty ones included), M microbatches, L laye
 loop's iteration and i = t - s the pass stage s works on in it (microbatch i mod M, repeat i // M).
 
 Two schedules share one loop (`_loop`) and differ where a `Schedule` says so (pipeline.schedule
-"1f1b" is GPipe's schedule with a hand-written backward: pipeline_1f1b.py):
+"gpipe_recompute" is GPipe's schedule with a hand-written backward: pipeline_recompute.py):
 
 - `GPipe` (pipeline.schedule="gpipe"): device s runs layers [s L/S, (s+1) L/S). M + S - 1
   iterations; stage 0 takes microbatch t, every stage runs its layers on what it holds, and the
@@ -67,7 +67,7 @@ TOKEN_AXES = ("activation_stage", "activation_batch", "activation_length")  # po
 def bubble_fraction(schedule: str, stages: int, microbatches: int, repeats: int = 1) -> float:
     """The share of a step each stage idles. GPipe: (S-1)/(M+S-1). Circular, R virtual stages per
     device: (S-1)/(R M + S-1), each pass over the devices being 1/R as long."""
-    if schedule != "circular":  # gpipe, 1f1b
+    if schedule != "circular":  # gpipe, gpipe_recompute
         return (stages - 1) / (microbatches + stages - 1)
     return (stages - 1) / (repeats * microbatches + stages - 1)
 
@@ -92,7 +92,7 @@ def describe(pipeline_cfg, stages: int, n_layers: int | None = None) -> str:
 def layer_stack(pipeline_cfg, model_cfg, mesh: Mesh, loop: Callable | None = None) -> Callable | None:
     """The Decoder's `layer_stack` strategy for `mesh` (models/llama.py), or None where the mesh
     has one stage and the layers run in order on every device. `loop`: another loop for `_loop`'s
-    contract (pipeline_1f1b.loop under pipeline.schedule="1f1b"); None: `_loop`."""
+    contract (pipeline_recompute.loop under pipeline.schedule="gpipe_recompute"); None: `_loop`."""
     stages = mesh.shape.get(STAGE_AXIS, 1)
     if stages <= 1:
         return None
@@ -231,7 +231,7 @@ def pipelined(layers: nn.Module, make_layers: Callable, x: Array, positions: Arr
     """The Decoder's `layer_stack` strategy: the bound scanned layers `layers` (whose variables are
     the stored [S R K, ...] arrays) run over the stages by `schedule`; `make_layers(length,
     parent=None)` makes an unbound scan of `length` layers to run each stage's chunk with.
-    `loop`: _loop's contract with another backward (pipeline_1f1b.loop); None: _loop.
+    `loop`: _loop's contract with another backward (pipeline_recompute.loop); None: _loop.
     Returns (y, {AUX_LOSSES: what the real layers sowed on real microbatches})."""
     variables = dict(layers.variables)
     extra = set(variables) - {"params", FP8_COLLECTION}

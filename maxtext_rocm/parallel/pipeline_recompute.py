@@ -1,4 +1,4 @@
-"""pipeline.schedule="1f1b": the pipeline's backward written by hand, one microbatch's stage at a
+"""pipeline.schedule="gpipe_recompute": the pipeline's backward written by hand, one microbatch's stage at a
 time, so that a stage's saved activations are one stage input per microbatch plus the layer
 residuals of the one microbatch it is differentiating, not every microbatch's (legend: pipeline.py).
 

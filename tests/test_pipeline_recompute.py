@@ -1,4 +1,4 @@
-"""pipeline.schedule="1f1b" (maxtext_rocm/parallel/pipeline_1f1b.py) on 8 fake devices: its
+"""pipeline.schedule="gpipe_recompute" (maxtext_rocm/parallel/pipeline_recompute.py) on 8 fake devices: its
 hand-written backward gives one device's loss and gradients, composes like GPipe (tensor,
 experts, accumulation, remat, fp8 delayed state, padded stacks), and keeps one microbatch's layer
 residuals per stage where GPipe's autodiff keeps every iteration's (the compiled programs' memory)."""
@@ -12,14 +12,14 @@ from maxtext_rocm.train import Trainer
 from helpers import assert_close, initial_run, loss_and_grads
 from test_pipeline import SINGLE, llama, mixtral, on_mesh, one_device  # noqa: F401 - a fixture
 
-ONE_F_ONE_B = {"pipeline.schedule": "1f1b"}
+ONE_F_ONE_B = {"pipeline.schedule": "gpipe_recompute"}
 
 
 @pytest.mark.parametrize("mesh", [
     {"stage": 4, "fsdp": 2},
     pytest.param({"stage": 2, "fsdp": 2, "tensor": 2}, marks=pytest.mark.slow),
 ])
-def test_1f1b_matches_one_device(mesh, one_device, devices, tmp_path):  # noqa: F811
+def test_gpipe_recompute_matches_one_device(mesh, one_device, devices, tmp_path):  # noqa: F811
     """M = 2 x S microbatches by default (8 sequences over the batch shards)."""
     cfg = on_mesh(llama, mesh, tmp_path, **ONE_F_ONE_B)
     loss, grads, _ = loss_and_grads(cfg, devices)
@@ -36,7 +36,7 @@ def test_1f1b_matches_one_device(mesh, one_device, devices, tmp_path):  # noqa: 
     ({"stage": 2, "fsdp": 4}, {"model.remat": "save_dots"}),
     ({"stage": 4, "fsdp": 2}, {"model.remat": "none", "pipeline.microbatches": 2}),  # fewer than the stages
 ])
-def test_1f1b_composes_with_accumulation_and_remat(mesh, overrides, one_device, devices, tmp_path):  # noqa: F811
+def test_gpipe_recompute_composes_with_accumulation_and_remat(mesh, overrides, one_device, devices, tmp_path):  # noqa: F811
     loss, grads, _ = loss_and_grads(on_mesh(llama, mesh, tmp_path, **ONE_F_ONE_B, **overrides), devices)
     ref_loss, ref_grads, _ = one_device
     assert_close(loss, ref_loss)
@@ -45,7 +45,7 @@ def test_1f1b_composes_with_accumulation_and_remat(mesh, overrides, one_device, 
 
 @pytest.mark.slow  # about a minute on 2 cores
 @pytest.mark.parametrize("overrides", [{}, {"model.moe_impl": "dropless"}])
-def test_1f1b_mixtral_with_expert_parallelism_matches_one_device(overrides, devices, tmp_path):
+def test_gpipe_recompute_mixtral_with_expert_parallelism_matches_one_device(overrides, devices, tmp_path):
     """stage=2 x expert=2 x fsdp=2; the router losses' cotangents reach each microbatch's backward.
     The reference accumulates 2 micro-batches, as the pipeline's router losses are per microbatch."""
     ref = mixtral(**SINGLE, **{"train.per_device_batch_size": 8, "train.grad_accum": 2,
@@ -59,7 +59,7 @@ def test_1f1b_mixtral_with_expert_parallelism_matches_one_device(overrides, devi
 
 
 @pytest.mark.slow  # a second model compiled for the reference
-def test_1f1b_on_a_stack_that_does_not_divide_matches_one_device(devices, tmp_path):
+def test_gpipe_recompute_on_a_stack_that_does_not_divide_matches_one_device(devices, tmp_path):
     three = {"model.n_layers": 3}
     ref_loss, ref_grads, _ = loss_and_grads(
         llama(**SINGLE, **three, **{"train.per_device_batch_size": 8, "output_dir": str(tmp_path / "one")}), devices[:1])
@@ -72,12 +72,12 @@ def test_1f1b_on_a_stack_that_does_not_divide_matches_one_device(devices, tmp_pa
 
 
 @pytest.mark.slow  # fp8 steps compiled twice
-def test_1f1b_fp8_delayed_scaling_trains_like_gpipe(devices, tmp_path):
+def test_gpipe_recompute_fp8_delayed_scaling_trains_like_gpipe(devices, tmp_path):
     """The fp8 state's updates come back per iteration from the hand-written backward and merge
     over the real microbatches as under GPipe: three steps give GPipe's losses, state and weights."""
     fp8 = {"precision.policy": "fp8", "precision.fp8_scaling": "delayed"}
     runs = [Trainer(on_mesh(llama, {"stage": 2, "fsdp": 4}, tmp_path / name, **fp8, **extra), devices=devices,
-                    log=lambda *_: None) for name, extra in (("gpipe", {}), ("1f1b", ONE_F_ONE_B))]
+                    log=lambda *_: None) for name, extra in (("gpipe", {}), ("gpipe_recompute", ONE_F_ONE_B))]
     for _ in range(3):
         gpipe, one_f_one_b = (float(r.step()["loss"]) for r in runs)
         assert_close(one_f_one_b, gpipe)
@@ -98,18 +98,18 @@ def _temp_bytes(cfg, devices) -> int:
 
 
 @pytest.mark.slow  # four compilations
-def test_1f1b_temporaries_stay_flat_in_the_microbatches_where_gpipes_grow(devices, tmp_path):
+def test_gpipe_recompute_temporaries_stay_flat_in_the_microbatches_where_gpipes_grow(devices, tmp_path):
     """stage=2 x fsdp=4, 8 layers, remat none, one sequence per batch shard per microbatch: from 2 to
     8 microbatches GPipe's saved activations grow with M (every iteration's residuals), 1F1B's
     stay one microbatch's residuals per stage plus a stage input per microbatch."""
     temp = {}
-    for schedule in ("gpipe", "1f1b"):
+    for schedule in ("gpipe", "gpipe_recompute"):
         for micro in (2, 8):
             cfg = on_mesh(llama, {"stage": 2, "fsdp": 4}, tmp_path / f"{schedule}{micro}", **{
                 "model.n_layers": 8, "model.remat": "none", "pipeline.schedule": schedule,
                 "pipeline.microbatches": micro, "train.per_device_batch_size": micro // 2})
             temp[schedule, micro] = _temp_bytes(cfg, devices)
-    gpipe_growth, one_f_one_b_growth = (temp[s, 8] - temp[s, 2] for s in ("gpipe", "1f1b"))
+    gpipe_growth, one_f_one_b_growth = (temp[s, 8] - temp[s, 2] for s in ("gpipe", "gpipe_recompute"))
     assert temp["gpipe", 8] > 1.8 * temp["gpipe", 2], temp
     assert one_f_one_b_growth < 0.25 * gpipe_growth, temp
-    assert temp["1f1b", 8] < 0.6 * temp["gpipe", 8], temp
+    assert temp["gpipe_recompute", 8] < 0.6 * temp["gpipe", 8], temp
