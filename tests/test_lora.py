@@ -81,7 +81,8 @@ def naive_merge(frozen, adapters, scale):
 
 
 # CI budget: bf16 (between the two) runs with -m slow.
-@pytest.mark.parametrize("policy", ["fp32", pytest.param("bf16", marks=pytest.mark.slow), "fp8"])
+@pytest.mark.parametrize("policy", ["fp32", pytest.param("bf16", marks=pytest.mark.slow),
+                                    pytest.param("fp8", marks=pytest.mark.slow)])
 def test_step_zero_loss_equals_the_base_models(policy, tmp_path, devices):
     """B = 0: the first loss is the base model's on the same parameters, to the bit; applied
     without its adapters the LoRA model is the base (DPO's reference policy). Under remat."""
@@ -134,6 +135,7 @@ def test_adapter_gradients_equal_the_merged_weight_reference(tmp_path, devices):
     assert all(float(jnp.abs(g).max()) > 0 for g in jax.tree_util.tree_leaves(got[1]))
 
 
+@pytest.mark.slow  # ~20 s idle; the default run checks the adapters' numerics without dropout
 def test_dropout_acts_only_when_the_step_passes_a_key(tmp_path, devices):
     """lora.dropout drops inputs of the low-rank path in the train step (a key from train.seed and
     the step) and nowhere else: without a key the loss is the dropout-free one."""

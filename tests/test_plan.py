@@ -124,6 +124,7 @@ def test_flags_plan_cannot_take_are_refused(flags, says, capsys):
     assert error.startswith("error: ") and says in error and error.count("\n") == 0
 
 
+@pytest.mark.slow  # one real compile (~40 s); make_plan's logic is tested above with a stub compile
 def test_plan_of_a_tiny_model_on_a_fake_cluster(tmp_path, devices, capsys):
     out = tmp_path / "plan.json"
     assert compile_cli.main(["tiny_llama", "--target=mi300x:2x4", "--plan", "--max-compiles=1", f"--json={out}",
