@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from maxtext_rocm.data.chat_template import ROLES
-from maxtext_rocm.data.checks import DataError, _version
+from maxtext_rocm.data.checks import DataError, _version, json_record
 from maxtext_rocm.data.documents import JSONL, file_format
 
 FORMATS = ("text", "chat", "prompt_completion", "preference")
@@ -61,16 +61,6 @@ def check_record(record, fmt: str, where: str) -> None:
             raise DataError(f"{where}: {key!r} is {type(record[key]).__name__}, not a string")
 
 
-def _parse(line: bytes, where: str):
-    try:
-        return json.loads(line)
-    except UnicodeDecodeError as error:
-        raise DataError(f"{where} is not UTF-8 text (byte {error.start} of the line); "
-                        "JSON Lines files must be UTF-8") from None
-    except ValueError:
-        raise DataError(f"{where} is not valid JSON") from None
-
-
 class Records:
     """Random access to the checked records of JSON Lines files: `records[i]` -> (record, where)."""
 
@@ -89,7 +79,7 @@ class Records:
             if key not in _CHECKED:
                 chats = False
                 for number, line in numbered:
-                    record = _parse(line, f"{path} line {number}")
+                    record = json_record(line, path, number)
                     check_record(record, fmt, f"{path} line {number}")
                     chats = chats or isinstance(record.get("prompt"), list)
                 _CHECKED[key] = chats

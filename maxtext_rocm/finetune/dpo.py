@@ -34,7 +34,6 @@ from maxtext_rocm.finetune import lora
 from maxtext_rocm.models import moe
 from maxtext_rocm.models.llama import lm_head_weight
 from maxtext_rocm.numerics import cross_entropy
-from maxtext_rocm.numerics.fp8 import FP8_COLLECTION
 from maxtext_rocm.parallel import loss
 
 Array = jax.Array
@@ -78,12 +77,8 @@ def sequence_logprobs(params, model, batch: dict, *, fused: bool, fp8_state=None
     whether the loss applies the LM head itself, in chunks (trainer/step.py's fused_head_loss),
     which works on every mesh (parallel/loss.py); else from the model's full logits. Under LoRA
     `params` are the adapters and `frozen` the base (finetune/lora.py)."""
-    variables = lora.model_variables(params, frozen)
-    if fp8_state:
-        variables[FP8_COLLECTION] = fp8_state
-    out, aux = model.apply(variables, batch["inputs"], batch.get("positions"), batch.get("segment_ids"),
-                           return_hidden=fused, mutable=[moe.AUX_LOSSES],
-                           rngs=None if dropout_key is None else {"dropout": dropout_key})
+    out, aux = lora.apply_model(model, params, batch, frozen=frozen, fp8_state=fp8_state, dropout_key=dropout_key,
+                                return_hidden=fused)
     weights = batch["weights"].astype(jnp.float32)
     if fused:
         head_weight, vocab_axis = lm_head_weight(frozen or params, model.cfg)

@@ -24,7 +24,9 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
+from maxtext_rocm.models import moe
 from maxtext_rocm.models.layers import ADAPTERS, Dense
+from maxtext_rocm.numerics.fp8 import FP8_COLLECTION
 from maxtext_rocm.numerics.precision import Policy
 
 Array = jax.Array
@@ -103,6 +105,19 @@ def to_compute_dtype(base, dtype):
     """The frozen base in the compute dtype (boxes kept): it is read, never updated, so fp32
     master copies buy nothing, and the layers cast to this dtype anyway."""
     return jax.tree_util.tree_map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, base)
+
+
+def apply_model(model, params, batch: dict, *, frozen=None, fp8_state=None, dropout_key=None,
+                return_hidden: bool = False):
+    """model.apply on a batch with the variables of a plain or a LoRA run (`frozen`: the base, then
+    `params` are the adapters), its fp8 state and the adapters' dropout key; (output, aux
+    collections with the MoE router losses)."""
+    variables = model_variables(params, frozen)
+    if fp8_state:
+        variables[FP8_COLLECTION] = fp8_state
+    return model.apply(variables, batch["inputs"], batch.get("positions"), batch.get("segment_ids"),
+                       return_hidden=return_hidden, mutable=[moe.AUX_LOSSES],
+                       rngs=None if dropout_key is None else {"dropout": dropout_key})
 
 
 def model_variables(params, frozen) -> dict:

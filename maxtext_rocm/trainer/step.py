@@ -102,13 +102,9 @@ def summed_loss(params, model: nn.Module, batch: Batch, z_loss_weight: float, fp
                 dropout_key=None):
     """The objective summed (not averaged) over tokens, and the sums the metrics need. Under LoRA
     `params` are the adapters and `frozen` the base; `dropout_key` turns the adapters' dropout on."""
-    variables = lora.model_variables(params, frozen)
-    if fp8_state:
-        variables[FP8_COLLECTION] = fp8_state
     fused = fused_head_loss(model.cfg, model.policy.fp8_lm_head)
-    out, aux = model.apply(variables, batch["inputs"], batch.get("positions"), batch.get("segment_ids"),
-                           return_hidden=fused, mutable=[moe.AUX_LOSSES],
-                           rngs=None if dropout_key is None else {"dropout": dropout_key})
+    out, aux = lora.apply_model(model, params, batch, frozen=frozen, fp8_state=fp8_state, dropout_key=dropout_key,
+                                return_hidden=fused)
     weights = batch["weights"].astype(jnp.float32)
     if fused:
         head_weight, vocab_axis = lm_head_weight(frozen or params, model.cfg)
