@@ -167,6 +167,24 @@ def test_resume_at_any_step_equals_the_uninterrupted_stream(tmp_path, monkeypatc
     assert epochs >= {0, 1} and max(offsets) > 0
 
 
+def test_best_fit_resumes_mid_window_only_with_the_window_it_was_saved_with(tmp_path, monkeypatch):
+    """A best_fit position counts rows of a window, which another data.packing_window plans
+    differently: resuming with another size mid-window is one sentence (or, allowed, the window's start)."""
+    corpus = write_jsonl(tmp_path / "c.jsonl", make_docs(30, lo=5, hi=20))
+    first = source(corpus, packing="best_fit", packing_window=6)
+    batches(first, range(1))
+    saved = saved_by([first], 1, monkeypatch)
+    assert saved["packing_window"] == 6 and saved["positions"][0]["offset"] > 0  # mid-window
+    with pytest.raises(DataError, match=r"saved with data.packing='best_fit' \(data.packing_window=6\) in the middle"):
+        source(corpus, packing="best_fit", packing_window=8).restore(saved)
+    allowed = source(corpus, packing="best_fit", packing_window=8, allow_changed=True)
+    allowed.restore(saved)
+    assert allowed.state()["offset"] == 0
+    same = source(corpus, packing="best_fit", packing_window=6)
+    same.restore(saved)
+    assert_same(batches(same, [1]), batches(source(corpus, packing="best_fit", packing_window=6), range(2))[1:])
+
+
 def test_a_checkpoint_of_another_mode_resumes_at_a_document_start_only(tmp_path, monkeypatch):
     corpus = write_jsonl(tmp_path / "c.jsonl", make_docs(30, lo=20, hi=40))  # longer than rows of 32
     first = source(corpus)

@@ -118,7 +118,8 @@ class FilesSource:
             dataset=self.dataset, seed=data_cfg.seed, process_index=process_index, process_count=process_count,
             shuffle=split == "train", epochs=data_cfg.get("epochs", 0) if split == "train" else 0,
             blocks=docs.blocks() if text else None)
-        self._packer_args = dict(seq_len=seq_len, packing=self.packing, window=data_cfg.get("packing_window", 512),
+        self.packing_window = int(data_cfg.get("packing_window", 512))
+        self._packer_args = dict(seq_len=seq_len, packing=self.packing, window=self.packing_window,
                                  name=f"{key} ({', '.join(map(str, self.files[:3]))}{' ...' * (len(self.files) > 3)})")
         self.shard, self.shards = process_index, process_count  # this process's group of rows, of how many
         self.allow_changed = bool(data_cfg.get("allow_changed", False))
@@ -218,7 +219,8 @@ class FilesSource:
             resume.check_files(state["files"], self.fingerprint(), step, self.allow_changed)
         position = resume.own_position(state, self.shard, self.shards, self.allow_changed)
         if position is not None:
-            position = resume.check_packing(state, position, self.packing, step, self.allow_changed)
+            position = resume.check_packing(state, position, self.packing, step, self.allow_changed,
+                                            self.packing_window)
             position = resume.check_position(position, self.num_docs, self.shard, self.shards, step,
                                              self.allow_changed)
             self._start = {"step": step, **{k: int(position[k]) for k in resume.POSITION_KEYS}}

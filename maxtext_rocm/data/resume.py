@@ -125,21 +125,29 @@ def check_position(position: dict, documents: int, shard: int, shards: int, step
                     "to go on from the next epoch")
 
 
-def check_packing(saved: dict, position: dict, packing: str, step: int, allow_changed: bool) -> dict:
-    """`position` if it means the same under this run's data.packing as under the checkpoint's; else a
-    DataError, or under data.allow_changed the start of its document (or window). A position at a
-    document's start means the same in every mode; mid-document, concat (and the whole-document
-    packer of checkpoints without a "packing" key) count tokens, best_fit counts rows of a window."""
-    was = saved.get("packing", "concat")
+def packing_label(packing: str, window: int | None) -> str:
+    """data.packing as a position depends on it: best_fit's rows of a window change with its size."""
+    return f"{packing!r} (data.packing_window={window})" if packing == "best_fit" and window else repr(packing)
+
+
+def check_packing(saved: dict, position: dict, packing: str, step: int, allow_changed: bool,
+                  window: int | None = None) -> dict:
+    """`position` if it means the same under this run's data.packing (and best_fit's window) as under
+    the checkpoint's; else a DataError, or under data.allow_changed the start of its document (or
+    window). A position at a document's start means the same in every mode; mid-document, concat
+    (and the whole-document packer of checkpoints without a "packing" key) count tokens, best_fit
+    counts rows of a window, which another window size plans differently."""
+    was = packing_label(saved.get("packing", "concat"), saved.get("packing_window", window))
+    packing = packing_label(packing, window)
     if was == packing or int(position["offset"]) == 0:
         return position
     if allow_changed:
-        warn(f"checkpoint step {step} was saved with data.packing={was!r} and this run has {packing!r}; "
+        warn(f"checkpoint step {step} was saved with data.packing={was} and this run has {packing}; "
              "data.allow_changed=true: the data continues from the start of the saved document (or window)")
         return {**position, "offset": 0}
-    raise DataError(f"checkpoint step {step} was saved with data.packing={was!r} in the middle of a document "
-                    f"(or window), and this run has data.packing={packing!r}, which cannot continue from there; "
-                    f"resume with data.packing={was!r}, or {ALLOW} to go on from the start of that document "
+    raise DataError(f"checkpoint step {step} was saved with data.packing={was} in the middle of a document "
+                    f"(or window), and this run has data.packing={packing}, which cannot continue from there; "
+                    f"resume with data.packing={was}, or {ALLOW} to go on from the start of that document "
                     "(its start repeats)")
 
 
@@ -177,7 +185,8 @@ def saved_state(source, step: int) -> dict:
     if sorted(positions) != list(range(shards)):
         raise ValueError(f"data positions of shards {sorted(positions)} were gathered, not of all {shards}")
     return {"step": step, "shards": shards, "positions": [positions[i] for i in range(shards)],
-            "files": source.fingerprint(), "packing": getattr(source, "packing", "concat")}
+            "files": source.fingerprint(), "packing": getattr(source, "packing", "concat"),
+            **({"packing_window": source.packing_window} if getattr(source, "packing", "") == "best_fit" else {})}
 
 
 def warn(message: str) -> None:
