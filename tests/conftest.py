@@ -67,6 +67,18 @@ SLOW_IN_CI = {
     "tests/test_compile_pipeline.py::test_compiled_dot_flops_equal_the_analytic_count[2-4]",
     "tests/test_generate.py::test_cached_decode_matches_full_forward[mixtral]",
     "tests/test_pipeline.py::test_context_parallelism_inside_the_stages_matches_one_device[all_gather]",
+    # From CI's own run at 6f2cae8 (30m40s in all, 22m26s for this suite), 27-79 s each on an idle
+    # 2-core machine: test_packing and test_data_scale resume in-process with 1 and 2 processes,
+    # pipeline mesh0 and the empty-slot test stay, the chunked [True] case stays.
+    "tests/test_multihost_data.py::test_two_processes_resumed_mid_run_train_like_the_uninterrupted_run",
+    "tests/test_pipeline.py::test_checkpoint_from_four_stages_resumes_on_one",
+    "tests/test_pipeline.py::test_pipeline_trains_three_steps_like_one_device",
+    "tests/test_pipeline.py::test_pipeline_matches_one_device[mesh1]",
+    "tests/test_pipeline.py::test_pipeline_matches_one_device[mesh2]",
+    "tests/test_cross_entropy.py::test_train_step_gradients_equal_unchunked[False]",
+    "tests/test_convert.py::test_run_from_import_starts_at_transformers_loss[mixtral]",
+    "tests/test_fp8.py::test_delayed_state_is_updated_by_the_step_not_the_optimizer",
+    "tests/test_checkpoint.py::test_half_written_checkpoint_is_never_picked",
 }
 
 
