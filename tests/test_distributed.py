@@ -243,6 +243,11 @@ MIXTRAL = "configs/tiny_mixtral.py:fp32"
     pytest.param(TINY, ["--config.mesh.dcn.stage=2", "--config.mesh.ici.fsdp=4"],
                  ["--config.mesh.ici.stage=2", "--config.mesh.ici.fsdp=4"], id="dcn_stage2_ici_fsdp4",
                  marks=pytest.mark.slow),
+    # The same with the hand-written pipeline backward (parallel/pipeline_recompute.py): its
+    # cotangents cross the processes by its own permutes, not the loop's autodiff.
+    pytest.param(TINY, ["--config.mesh.dcn.stage=2", "--config.mesh.ici.fsdp=4", "--config.pipeline.schedule=gpipe_recompute"],
+                 ["--config.mesh.ici.stage=2", "--config.mesh.ici.fsdp=4", "--config.pipeline.schedule=gpipe_recompute"],
+                 id="dcn_stage2_ici_fsdp4_gpipe_recompute", marks=pytest.mark.slow),
     # Dropless MoE with its expert exchange across the processes (all-to-alls over gloo) and FSDP
     # within each: the default moe_impl, 8 experts, 4 per process.
     pytest.param(MIXTRAL, ["--config.mesh.dcn.expert=2", "--config.mesh.ici.fsdp=4"],
