@@ -20,8 +20,10 @@ disagreement:
   most pairs any one device sends.
 
 It does not recount an all-reduce as the reduce-scatter a GPU compiler would make of it (comm.py
-does, hlo_slices.py): `dcn_count` reports every DCN all-reduce, and comm.py's figure is compared
-with the DCN collectives comm.py did not recount.
+does, hlo_slices.py), so the two totals agree only where comm.py recounted no DCN all-reduce: so
+it is for the pipelines (the all-reduces over `stage` are used whole), and a disagreement
+elsewhere is the first thing to look at. A collective inside a conditional's branch or a loop of
+unknown trip count is refused, not guessed.
 """
 
 from __future__ import annotations
@@ -48,7 +50,6 @@ class Op:
     kind: str
     dtype: str
     group_size: int
-    dcn: bool
     bytes_once: float  # leaving one device, one execution
     executions: int
     op_name: str  # jax's metadata: which part of the program made it
@@ -186,7 +187,7 @@ def dcn_count(text: str, device_ids: list[int], gpus_per_node: int) -> list[Op]:
                 if not any(node[a] != node[b] for a, b in pairs):
                     continue
                 sends = max(np.bincount([a for a, _ in pairs]))
-                found += [Op(name, comp, kind, dtype, 2, True, size * sends, runs[comp],
+                found += [Op(name, comp, kind, dtype, 2, size * sends, runs[comp],
                              op_name.group(1) if op_name else "") for dtype, size in arrays]
                 continue
             groups = groups_of(attributes, partitions)
@@ -195,7 +196,7 @@ def dcn_count(text: str, device_ids: list[int], gpus_per_node: int) -> list[Op]:
             n = max(len(g) for g in groups)
             factor = {"all-gather": (n - 1) / n, "all-reduce": 2 * (n - 1) / n, "all-to-all": (n - 1) / n,
                       "reduce-scatter": n - 1}[kind]
-            found += [Op(name, comp, kind, dtype, n, True, size * factor, runs[comp],
+            found += [Op(name, comp, kind, dtype, n, size * factor, runs[comp],
                          op_name.group(1) if op_name else "") for dtype, size in arrays]
     return found
 
