@@ -99,3 +99,19 @@ def test_the_separate_count_reads_each_form_of_replica_groups():
     assert groups_of("replica_groups=mesh['axis_0'=2,'axis_1'=4], device_ids=([4,2]T(1,0)) {'axis_1'}", 8) == [
         [0, 2, 4, 6], [1, 3, 5, 7]]
     assert groups_of("channel_id=3, to_apply=%add", 4) == [[0, 1, 2, 3]]
+
+
+@pytest.mark.slow  # ~20 s: compiles 405B for 64 fake devices in its own process
+def test_the_405b_pipelines_dcn_figure_is_counted_alike_twice():
+    """docs/figures.md, "The stage axis's bytes, counted twice": 405B:fp8 on 8 nodes of 8,
+    dcn.stage=8 x ici.fsdp=8. The report read 30.7 GiB while the program moved 34.2 (issue #32)."""
+    import re
+    import subprocess
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, os.path.join(root, "scripts", "dcn_bytes.py"),
+                           "configs/llama3_1_405b.py:fp8", "--target=mi355x:8x8", "--config.mesh.dcn.stage=8",
+                           "--config.mesh.ici.fsdp=8"], cwd=root, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": root, "XLA_FLAGS": ""})
+    assert done.returncode == 0, done.stderr[-2000:]
+    figures = re.search(r"comm.py ([\d.]+) GiB, counted again ([\d.]+) GiB", done.stdout)
+    assert figures.group(1) == figures.group(2) == "34.2216"
