@@ -2,6 +2,7 @@
 enumerates, its state estimate against the exact one, pruning and ranking, its refusals, and one
 plan of a tiny model on a fake 2 x 4 target that compiles its best layout."""
 
+import dataclasses
 import json
 import types
 
@@ -44,8 +45,10 @@ def _prod(values):
 def test_pipelines_get_microbatches_that_split_a_batch_shard():
     cfg = small_config(**{"train.per_device_batch_size": 2})
     staged = plan.Layout(ici=(("fsdp", 4),), dcn=(("stage", 2),), microbatches=0, remat="full")
-    # 2 x 8 sequences over 4 fsdp shards: 4 per shard, so 2 or 4 microbatches (at least the 2 stages)
-    assert [x.microbatches for x in plan.with_microbatches(staged, cfg, 8)] == [2, 4]
+    # 2 x 8 sequences over 4 fsdp shards: 4 per shard, so 2 or 4 microbatches (at least the 2 stages),
+    # each under both schedules
+    assert [(x.microbatches, x.schedule) for x in plan.with_microbatches(staged, cfg, 8)] == [
+        (2, "gpipe"), (2, "gpipe_recompute"), (4, "gpipe"), (4, "gpipe_recompute")]
     flat = plan.Layout(ici=(("fsdp", 8),), dcn=(), microbatches=0, remat="full")
     assert plan.with_microbatches(flat, cfg, 8) == [flat]
     assert plan.bubble(cfg, plan.with_microbatches(staged, cfg, 8)[0]) == pytest.approx(1 / 3)  # (S-1)/(M+S-1)
@@ -92,6 +95,24 @@ def test_prune_keeps_each_mesh_at_its_least_recompute_and_ranks_by_step_time():
     assert [c.layout.ici for c in sorted(ranked, key=plan.rank_key)] == [fsdp, tensor, (("data", 8),)]
 
 
+def test_a_memory_bound_pipeline_picks_gpipe_recompute_and_says_so():
+    """GPipe's activations grow with the loop's M + S - 1 iterations, gpipe_recompute's do not: where
+    only the latter fits, the plan keeps it, and its row and command name the schedule. Where both
+    fit, GPipe wins on compute (no stage recompute)."""
+    cfg = small_config(**{"train.per_device_batch_size": 8, "train.seq_len": 256, "model.remat": "none"})
+    staged = plan.Layout(ici=(("fsdp", 4),), dcn=(("stage", 2),), microbatches=16, remat="none")
+    by_schedule = {s: plan.estimate(cfg, dataclasses.replace(staged, schedule=s), "mi300x", 8, 0.92)
+                   for s in plan.SCHEDULES}
+    gpipe, recompute = by_schedule["gpipe"], by_schedule["gpipe_recompute"]
+    assert recompute.memory_bytes < gpipe.memory_bytes and recompute.compute_s > gpipe.compute_s
+    assert recompute.bubble == gpipe.bubble
+    assert plan.prune([gpipe, recompute]) == [gpipe]
+    gpipe.fits = False  # as if the target were smaller
+    assert plan.prune([gpipe, recompute]) == [recompute]
+    assert "gpipe_recompute, 16 microbatches" in recompute.layout.describe()
+    assert "--config.pipeline.schedule=gpipe_recompute" in recompute.layout.overrides()
+
+
 def test_plan_compiles_at_most_max_compiles_and_reranks_on_what_it_measured():
     cfg = small_config(**{"train.per_device_batch_size": 2})
     calls = []
@@ -116,6 +137,7 @@ def test_plan_compiles_at_most_max_compiles_and_reranks_on_what_it_measured():
     (["--search"], "drop --search"),
     (["--config.mesh.ici.fsdp=2"], "drop --config.mesh.ici.fsdp"),
     (["--config.model.remat=full"], "drop --config.model.remat"),
+    (["--config.pipeline.schedule=gpipe"], "drop --config.pipeline.schedule"),
     (["--max-compiles=-1"], "--max-compiles"),
 ])
 def test_flags_plan_cannot_take_are_refused(flags, says, capsys):

@@ -13,7 +13,15 @@ iteration's residuals, the bubble's included:
     + 2*layer_all(T_mb)                 one layer recomputed + its gradients, a microbatch at a time
     + I*T_mb*d*c                        the last stage's outputs the loop stacks
     + logits (T tokens)                 the LM head and loss run after the loop on the whole batch shard
-with T_mb = T/M. Under a pipeline remat "minimal" keeps what it keeps without one: the stages run
+with T_mb = T/M. pipeline.schedule="gpipe_recompute" (parallel/pipeline_recompute.py) runs GPipe's
+order without differentiating the loop and recomputes each stage per microbatch in its backward:
+    K*saved/M + 2*layer_all/M           one microbatch's residuals of the K layers, one at a time
+    + T*d*c                             the stage input it saved per microbatch (M x T_mb)
+    + T*d*c                             the last stage's outputs (docs/figures.md, "Pipelines:
+                                        recomputing stages against gpipe": 70B, 4 stages, M=16,
+                                        remat full: 43.5 GB against XLA:CPU's 46.4)
+and one more forward of the stack in FLOPs (stage_recompute_flops).
+Under a pipeline remat "minimal" keeps what it keeps without one: the stages run
 as a vmap, so every projection gains the stage axis as a batch dimension, and the policy finds them
 by the names Policy.dot_general gives them (precision.py) rather than by their batch dimensions.
 
@@ -80,6 +88,11 @@ def analytic_activations(cfg, axis_sizes: dict[str, int], n_devices: int, microb
     M = microbatches
     I, K = loop_shape(cfg.pipeline, L, S_p, M)
     T_mb = T / M  # saved and layer_all are linear in the tokens
+    if cfg.pipeline.schedule == "gpipe_recompute":
+        # The forward keeps each microbatch's stage input (M x T_mb = T tokens) and the stack's
+        # outputs; the backward holds one microbatch's residuals of the stage's K layers at a time.
+        return {"layers": K * saved / M + 2 * layer_all / M, "stage inputs": T * d * c,
+                "pipeline loop": T * d * c, "logits": logits}
     return {"layers": I * (K * saved / M + T_mb * d * c) + 2 * layer_all / M,
             "pipeline loop": I * T_mb * d * c, "logits": logits}
 
@@ -141,12 +154,21 @@ class DotFlops:
     redundant_head: float  # the LM head FLOPs of every stage but one (0.0 without a pipeline)
 
 
+def stage_recompute_flops(terms: dict[str, float]) -> float:
+    """gpipe_recompute's extra dot FLOPs per token: its backward runs every stage's forward again
+    from the saved stage input, one forward of the stack, whatever model.remat is: a third of the
+    layers' and attention's forward + backward (remat "full" recomputes each layer once more on top,
+    inside that stage's backward, which the "remat recompute" term already counts)."""
+    return (terms["layers"] + terms["causal attention"] + terms["masked attention"]) / 3
+
+
 def analytic_device_flops(cfg, axis_sizes: dict[str, int], n_devices: int,
                           microbatches: int = 1) -> DotFlops | None:
     """Dot FLOPs per device per step that the compiled train step should run: the one formula's
     terms (metrics.executed_flops_per_token) for the step's tokens, split over the devices, with a
     pipeline's layers x (M + S - 1)/M (the bubble's iterations compute on dropped data; see
-    loop_shape for circular schedules and padded stacks) and its LM
+    loop_shape for circular schedules and padded stacks), gpipe_recompute's stage recompute
+    (stage_recompute_flops, with the same bubble) and its LM
     head x S (it runs on every stage: see per_stage). None for a MoE model, whose executed FLOPs
     depend on the implementation (capacity slots, every expert on the dense path)."""
     if cfg.model.n_experts > 1:
@@ -161,6 +183,8 @@ def analytic_device_flops(cfg, axis_sizes: dict[str, int], n_devices: int,
     if S > 1:  # layer passes per device against the L/S x M of a schedule without a bubble
         I, K = loop_shape(cfg.pipeline, cfg.model.n_layers, S, microbatches)
         bubble = I * K * S / (cfg.model.n_layers * microbatches)
+        if cfg.pipeline.schedule == "gpipe_recompute":
+            terms["stage recompute"] = stage_recompute_flops(terms)
     per_device = {k: v * tokens / n_devices * (S if k == "LM head" else bubble) for k, v in terms.items()}
     convention = metrics.train_flops_per_token(cfg.model, cfg.train.seq_len) * tokens / n_devices
     return DotFlops(terms=per_device, total=sum(per_device.values()), convention_per_device=convention,

@@ -68,7 +68,8 @@ def format_report(r: FitReport) -> str:
         lines.append(f"compiled dot FLOPs per device per step: {f.compiled_dot_flops / 1e12:.3f} TFLOP vs analytic "
                      f"{a.total / 1e12:.3f} TFLOP (6N + attention"
                      f"{' + ' + a.remat + ' remat recompute' if a.terms['remat recompute'] else ''}"
-                     f"{' + masked attention' if a.terms['masked attention'] else ''}{bubble}{head}): ratio "
+                     f"{' + masked attention' if a.terms['masked attention'] else ''}"
+                     f"{' + the stage recompute' if a.terms.get('stage recompute') else ''}{bubble}{head}): ratio "
                      f"{f.compiled_dot_flops / a.total:.3f}"
                      + (" (a LOWER bound: dots inside loops without a known trip count, e.g. the blockwise "
                         "attention's, count once)" if f.compiled_flops_lower_bound else ""))

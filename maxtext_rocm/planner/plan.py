@@ -6,7 +6,9 @@ Three steps, cheapest first:
    tensor (dividing the heads), sequence (dividing seq_len), expert (dividing the experts), data,
    fsdp and, on one node, stage over a node's GPUs (ICI); data, fsdp and stage over the nodes
    (DCN); under stage, the microbatches that split a batch shard evenly, as many as the stages or
-   more (the bubble (S-1)/(M+S-1) of the configured schedule); and each remat policy;
+   more (the bubble (S-1)/(M+S-1)), and each schedule of SCHEDULES: GPipe, whose activations grow
+   with the loop's M + S - 1 iterations, or gpipe_recompute, which keeps one stage input per
+   microbatch for one more forward of the stack; and each remat policy;
 2. estimate (`estimate`) each one without building the model: per device, the state from the
    parameter counts and the layout's shardings (fp32 parameters, Adam's two moments, gradients;
    compile.py's exact figure replaces it for those compiled), the activations of
@@ -14,7 +16,7 @@ Three steps, cheapest first:
    the bubble's iterations, estimates.analytic_device_flops) at 50% of the target's peak, and the
    layout's communication minimum (planner/comm_minimum.py, GPU dtypes) at the target's link
    bandwidths (comm.LINKS: ICI and DCN one after the other, no overlap). Each mesh keeps its
-   least-recomputing remat policy that fits; what does not fit is dropped;
+   least-recomputing remat policy and schedule that fits; what does not fit is dropped;
 3. compile the best few (`--max-compiles`, default 4): the real train step on fake devices
    (analysis.analyse with --comm), whose exact state and activation estimate decide the fit and
    whose measured collectives replace the minimum (scaled to GPU dtypes by the minimum's own
@@ -45,27 +47,33 @@ from maxtext_rocm.trainer.preflight import check_run
 
 MFU = 0.5  # the compute figure's assumed model FLOPs utilization
 MAX_MICROBATCH_CHOICES = 3
+# The pipeline schedules a plan weighs, cheapest compute first. Circular is left out: it would
+# need pipeline.repeats chosen as well, and its chunk weights saved per iteration (estimates.py).
+SCHEDULES = ("gpipe", "gpipe_recompute")
 
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """One candidate: mesh sizes over ICI and DCN, the pipeline's microbatches, the remat policy."""
+    """One candidate: mesh sizes over ICI and DCN, the pipeline's microbatches and schedule, the
+    remat policy."""
     ici: tuple[tuple[str, int], ...]  # (axis, size) for every axis of size > 1
     dcn: tuple[tuple[str, int], ...]
     microbatches: int  # 0 without a pipeline
     remat: str
+    schedule: str = "gpipe"  # pipeline.schedule; meaningless without a pipeline
 
     @property
     def stages(self) -> int:
         return dict(self.ici).get("stage", 1) * dict(self.dcn).get("stage", 1)
 
-    def overrides(self, schedule: str) -> list[str]:
+    def overrides(self) -> list[str]:
         """The --config flags that select it (fsdp always named: its default -1 fills the rest)."""
         ici = {"fsdp": 1, **dict(self.ici)}
         flags = [f"--config.mesh.ici.{a}={n}" for a, n in ici.items()]
         flags += [f"--config.mesh.dcn.{a}={n}" for a, n in self.dcn]
         if self.stages > 1:
-            flags += [f"--config.pipeline.schedule={schedule}", f"--config.pipeline.microbatches={self.microbatches}"]
+            flags += [f"--config.pipeline.schedule={self.schedule}",
+                      f"--config.pipeline.microbatches={self.microbatches}"]
         return flags + [f"--config.model.remat={self.remat}"]
 
     def describe(self) -> str:
@@ -73,7 +81,7 @@ class Layout:
         if self.dcn:
             parts.append(f"dcn {' x '.join(f'{a}={n}' for a, n in self.dcn)}")
         if self.stages > 1:
-            parts.append(f"{self.microbatches} microbatches")
+            parts.append(f"{self.schedule}, {self.microbatches} microbatches")
         return ", ".join(parts) + f", remat {self.remat}"
 
 
@@ -140,9 +148,9 @@ def enumerate_layouts(model_cfg, train_cfg, nodes: int, gpus: int) -> list[Layou
 
 
 def with_microbatches(layout: Layout, cfg, n_devices: int) -> list[Layout]:
-    """A pipelined layout once per microbatch count worth trying: those that split a batch shard's
-    sequences evenly, at least as many as the stages where the batch allows (fewer idle the
-    stages most of the step), the smallest few."""
+    """A pipelined layout once per microbatch count worth trying and schedule (SCHEDULES): counts
+    that split a batch shard's sequences evenly, at least as many as the stages where the batch
+    allows (fewer idle the stages most of the step), the smallest few."""
     S = layout.stages
     if S <= 1:
         return [layout]
@@ -152,7 +160,8 @@ def with_microbatches(layout: Layout, cfg, n_devices: int) -> list[Layout]:
     shards = sizes.get("data", 1) * sizes.get("fsdp", 1) * sizes.get("expert", 1)
     sequences = cfg.train.per_device_batch_size * n_devices // (cfg.train.grad_accum * shards)
     choices = [k for k in _divisors(sequences) if k >= S] or [max(_divisors(sequences))]
-    return [dataclasses.replace(layout, microbatches=k) for k in choices[:MAX_MICROBATCH_CHOICES]]
+    return [dataclasses.replace(layout, microbatches=k, schedule=schedule)
+            for k in choices[:MAX_MICROBATCH_CHOICES] for schedule in SCHEDULES]
 
 
 def apply(cfg, layout: Layout):
@@ -164,6 +173,7 @@ def apply(cfg, layout: Layout):
     trial.model.remat = layout.remat
     if layout.stages > 1:
         trial.pipeline.microbatches = layout.microbatches
+        trial.pipeline.schedule = layout.schedule
     return trial
 
 
@@ -257,15 +267,21 @@ def rank_key(c: Candidate):
     return (not c.fits, not c.compiled, c.step_s)
 
 
+def _recompute_key(c: Candidate):
+    """The fewest FLOPs first (remat policies and gpipe_recompute's stage recompute only add
+    forwards), ties (none and save_dots) to the earlier policy, then to GPipe."""
+    return c.compute_s, REMAT_ORDER.index(c.layout.remat), SCHEDULES.index(c.layout.schedule)
+
+
 def prune(candidates: list[Candidate]) -> list[Candidate]:
     """The fitting candidates, each mesh (and microbatch count) at its least-recomputing remat
-    policy that fits (more recompute on the same mesh only adds compute), best first."""
+    policy and schedule that fits (more recompute on the same mesh only adds compute), best first."""
     best = {}
     for c in candidates:
         if not c.fits:
             continue
         key = (c.layout.ici, c.layout.dcn, c.layout.microbatches)
-        if key not in best or REMAT_ORDER.index(c.layout.remat) < REMAT_ORDER.index(best[key].layout.remat):
+        if key not in best or _recompute_key(c) < _recompute_key(best[key]):
             best[key] = c
     return sorted(best.values(), key=rank_key)
 
@@ -286,7 +302,8 @@ def make_plan(cfg, spec: str, kind: str, nodes: int, gpus: int, usable: float, m
         valid.append(estimate(cfg, layout, kind, n, usable))
     ranked = prune(valid)
     log(f"plan: {len(layouts)} layouts enumerated, {len(valid)} valid for the model, {len(ranked)} fit by the "
-        f"estimate (each mesh at its least-recomputing remat that fits); compiling the best {min(max_compiles, len(ranked))}")
+        f"estimate (each mesh at its least-recomputing remat and schedule that fit); "
+        f"compiling the best {min(max_compiles, len(ranked))}")
     for i, c in enumerate(ranked[:max_compiles]):
         log(f"  [{i + 1}/{min(max_compiles, len(ranked))}] {c.layout.describe()} ...", end="", flush=True)
         started = time.perf_counter()
@@ -302,9 +319,8 @@ def make_plan(cfg, spec: str, kind: str, nodes: int, gpus: int, usable: float, m
         c.comm_s, c.comm_ratio = measured_seconds(report.comm, c.layout, kind), report.comm["ratio"]
         log(f" {c.compile_s:.0f} s, {'fits' if c.fits else 'does not fit'}, communication x{c.comm_ratio:.2f} its minimum")
     ranked.sort(key=rank_key)
-    schedule = cfg.pipeline.schedule
     for c in ranked:
-        c.command = " ".join(["python -m maxtext_rocm.train", spec, *user_overrides, *c.layout.overrides(schedule)])
+        c.command = " ".join(["python -m maxtext_rocm.train", spec, *user_overrides, *c.layout.overrides()])
     return Plan(config=cfg.name, target=f"{kind}:{nodes}x{gpus}", enumerated=len(layouts), fitting=len(ranked),
                 ranked=ranked)
 
