@@ -378,3 +378,30 @@ def test_minimum_terms_of_the_other_axes():
     assert bf16_params["layer weights"]["gpu_bytes"] == pytest.approx(2 * (1 * 2 + 2) * 1 / 2 * layer)
     assert bf16_params["layer weights"]["cpu_bytes"] == terms["layer weights"]["cpu_bytes"]
 
+
+
+@pytest.mark.parametrize("remat, g, n_t", [("none", 1, 4), ("full", 2, 5)])
+def test_the_stage_recompute_sends_the_forwards_collectives_once_more(remat, g, n_t):
+    """gpipe_recompute runs each stage's forward again in its backward: one more gather of the
+    stage's weights and two more tensor all-reduces per layer and microbatch (counted in the tiny
+    stage=2 x fsdp=2 x tensor=2 program, docs/figures.md "Layout plans": fsdp gathers 30.12 ->
+    45.12 MiB, tensor 43.02 -> 63.02 MiB, both at the bubble's (M+S-1)/M over these terms)."""
+    from ml_collections import ConfigDict
+
+    m = ConfigDict(dict(n_layers=4, d_model=64, n_heads=4, n_kv_heads=2, head_dim=16, mlp_dim=128,
+                        vocab_size=128, n_experts=1, experts_per_token=1, tie_embeddings=False, remat=remat))
+    train = ConfigDict(dict(per_device_batch_size=2, seq_len=32, grad_accum=1))
+    sizes = {"stage": 2, "fsdp": 2, "tensor": 2}
+
+    def terms(recompute):
+        return {t["term"]: t["cpu_bytes"] for t in comm_minimum.minimum(
+            m, train, "fp32", sizes, microbatches=4, stage_recompute=recompute)["terms"]}
+    gpipe, recompute = terms(False), terms(True)
+    A, L, T = 4, 2, 2 * 32 * 2 * 2 / 4  # microbatches, layers per stage, tokens per device per microbatch
+    layer = ((2 * 4 + 2 * 2) * 16 * 64 + 3 * 64 * 128) / 2
+    assert gpipe["layer weights"] == pytest.approx(A * L * (g * 4 + 4) * 1 / 2 * layer)
+    assert recompute["layer weights"] == pytest.approx(A * L * ((g + 1) * 4 + 4) * 1 / 2 * layer)
+    assert recompute["tensor activations"] - gpipe["tensor activations"] == pytest.approx(
+        A * 2 * L * 2 * 1 / 2 * T * 64 * 4)
+    assert recompute["stage activations"] == gpipe["stage activations"]  # the permutes do not repeat
+    assert recompute["LM head"] == gpipe["LM head"]

@@ -71,6 +71,12 @@ is added:
                                                         stage boundary forward, its cotangent back
                                                         (a busiest inner stage sends both), R times
                                                         under a circular schedule of R repeats
+pipeline.schedule="gpipe_recompute" (parallel/pipeline_recompute.py) runs each stage's forward once
+more in its backward, so everything a forward sends is sent once more per microbatch: g -> g+1
+(the layer and expert weights gathered again; the sequence term's K/V gathers), n_t -> n_t+2 (the
+forward's two all-reduces per layer), n_e -> n_e+2 (dispatch and combine). The minimum of that
+algorithm, as remat's recompute is counted in the terms above; comparing it with GPipe's says
+what the schedule costs in bytes.
 The bubble's iterations are not in the minimum: the loop of M + P - 1 iterations also moves
 (and gathers weights for) the data of idle stages, P - 1 iterations of it, which a schedule that
 skipped idle stages would not; the measured figure includes them, so the pipeline's ratio is at
@@ -107,11 +113,12 @@ def _params(m, t: int, E: int) -> tuple[float, float]:
 
 
 def minimum(model_cfg, train_cfg, policy: str, sizes: dict[str, int], param_bytes: int = GRAD_BYTES,
-            microbatches: int = 1, repeats: int = 1) -> dict:
+            microbatches: int = 1, repeats: int = 1, stage_recompute: bool = False) -> dict:
     """The minimum bytes per device per step: {"terms": [...], "cpu_bytes", "gpu_bytes"}, each term
     with its mesh axes, CPU-dtype and GPU-dtype bytes, and its formula with the numbers put in.
-    Under a pipeline (sizes["stage"] = P > 1, `microbatches` M, a circular schedule's `repeats` R)
-    the terms are per stage: see PIPELINE in this module's docstring."""
+    Under a pipeline (sizes["stage"] = P > 1, `microbatches` M, a circular schedule's `repeats` R,
+    `stage_recompute` under gpipe_recompute) the terms are per stage: see PIPELINE in this module's
+    docstring."""
     m = model_cfg
     D, Fs, E, S, t = (sizes.get(a, 1) for a in ("data", "fsdp", "expert", "sequence", "tensor"))
     P = sizes.get("stage", 1)
@@ -125,9 +132,10 @@ def minimum(model_cfg, train_cfg, policy: str, sizes: dict[str, int], param_byte
     A_head = train_cfg.grad_accum  # the embedding and LM head run outside the pipeline, on the whole batch
     kv = m.n_kv_heads * m.head_dim
     P_l, P_e = _params(m, t, E)
-    g = 1 if m.remat == "none" else 2
-    n_t = 5 if m.remat == "full" else 4
-    n_e = 4 if m.remat == "none" else 5
+    again = 1 if stage_recompute and P > 1 else 0  # gpipe_recompute's second forward of each stage
+    g = (1 if m.remat == "none" else 2) + again
+    n_t = (5 if m.remat == "full" else 4) + 2 * again
+    n_e = (4 if m.remat == "none" else 5) + 2 * again
     moe = m.n_experts > 1
     r_ring = 1 if resolve_mode(getattr(m, "context_parallel", "auto")) == "ring" else 0
     # axis labels in the mesh's order (data, fsdp, expert, sequence, tensor), as comm.py writes them
