@@ -69,10 +69,12 @@ def test_compiled_dot_flops_equal_the_analytic_count(devices, stage, microbatche
                        if row["kind"] == "collective-permute" and row["axes"] == "stage")
         assert permutes == 5 / 4 * between["minimum_bytes"]
         # the rest, each once a step (the embedding and head are replicated over stage): the last
-        # stage's output to the other stage, the inputs' cotangent from stage 0, XLA's split of the
-        # embedding gather (measured 90,148 B; 147,492 B with the shift as all-to-alls and the last
-        # stage's output sent to every stage each iteration, when permutes were 3/2 of the minimum)
-        assert between["other_bytes"] <= 3 * batch_shard
+        # stage's output to the other stage and the embedding table's gradient (its fsdp shard)
+        # summed over the stages' lookups, plus scalars (measured 40,996 B; 90,148 B while the
+        # embeddings were looked up once and sent to the stages, their cotangent summed back;
+        # 147,492 B with the shift as all-to-alls and the last stage's output sent to every stage
+        # each iteration, when permutes were 3/2 of the minimum)
+        assert between["other_bytes"] <= batch_shard + 128 * 64 // 4 * 4 + 64
 
 
 def test_minimal_remat_keeps_the_projections_under_the_pipelines_vmap(capsys):

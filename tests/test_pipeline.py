@@ -146,6 +146,30 @@ def test_circular_schedule_matches_one_device(mesh, one_device, devices, tmp_pat
     assert_close(grads, ref_grads)
 
 
+TIED = {"model.tie_embeddings": True}
+
+
+@pytest.fixture(scope="module")
+def one_device_tied(tmp_path_factory):
+    cfg = llama(**SINGLE, **TIED, **{"train.per_device_batch_size": 8, "output_dir": str(tmp_path_factory.mktemp("tied"))})
+    return loss_and_grads(cfg, jax.devices()[:1])[:2]
+
+
+@pytest.mark.parametrize("schedule", [
+    {},
+    pytest.param({"pipeline.schedule": "gpipe_recompute"}, marks=pytest.mark.slow),
+    pytest.param(CIRCULAR, marks=pytest.mark.slow),
+])
+def test_tied_embeddings_under_a_pipeline_match_one_device(schedule, one_device_tied, devices, tmp_path):
+    """The stages look the tokens up themselves (pipeline.embedded_per_stage) through the table
+    that is also the LM head: its gradient sums the lookup's (stage 0's copy) and the head's."""
+    loss, grads, _ = loss_and_grads(on_mesh(llama, {"stage": 2, "fsdp": 4}, tmp_path, **TIED, **schedule), devices)
+    ref_loss, ref_grads = one_device_tied
+    assert "lm_head" not in grads
+    assert_close(loss, ref_loss)
+    assert_close(grads, ref_grads)
+
+
 THREE = {"model.n_layers": 3}
 
 

@@ -92,6 +92,9 @@ class RMSNorm(nn.Module):
         return (normed * scale.astype(jnp.float32)).astype(self.policy.compute_dtype)
 
 
+EMBED_TABLE_AXES = ("vocab", "embed")
+
+
 class Embed(nn.Module):
     """Token embedding table; `attend` reuses it as a tied LM head."""
 
@@ -103,7 +106,7 @@ class Embed(nn.Module):
     def setup(self):
         self.embedding = self.param(
             "embedding",
-            nn.with_logical_partitioning(nn.initializers.normal(self.init_std), ("vocab", "embed")),
+            nn.with_logical_partitioning(nn.initializers.normal(self.init_std), EMBED_TABLE_AXES),
             (self.vocab_size, self.d_model), self.policy.param_dtype)
 
     def __call__(self, tokens: Array) -> Array:

@@ -6,14 +6,16 @@ knows nothing of the block inside it; Mixtral supplies a block whose MLP is a mi
 
 from __future__ import annotations
 
-from typing import Callable
+import functools
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
 from maxtext_rocm.models.attention import CACHE, Attention
-from maxtext_rocm.models.layers import ADAPTERS, Dense, Embed, Kernel, RMSNorm, fused_projections
+from maxtext_rocm.models.layers import (
+    ADAPTERS, EMBED_TABLE_AXES, Dense, Embed, Kernel, RMSNorm, fused_projections)
 from maxtext_rocm.models.moe import AUX_LOSSES
 from maxtext_rocm.numerics.fp8 import FP8_COLLECTION
 from maxtext_rocm.numerics.precision import DOT_WITH_BATCH_AXES, DOT_WITHOUT_BATCH_AXES, Policy, without_fp8
@@ -81,6 +83,14 @@ class LlamaBlock(nn.Module):
         return MLP(self.cfg.d_model, self.cfg.mlp_dim, self.policy, self.cfg.fuse_projections, name="mlp")
 
 
+class TokenEmbedding(NamedTuple):
+    """The embedding as a pure function of its table, for a `layer_stack` that looks the tokens up
+    itself, where its first layers run: lookup(variables, tokens) -> [.., d_model] embeddings."""
+
+    variables: dict  # the Embed module's own ({"params": {"embedding": [vocab, d_model]}})
+    lookup: Callable
+
+
 class Decoder(nn.Module):
     """Embedding -> n_layers blocks -> final norm -> LM head. Returns logits [batch, seq, vocab],
     or with `return_hidden` the final norm's output [batch, seq, d_model] for
@@ -91,9 +101,10 @@ class Decoder(nn.Module):
     block: type[nn.Module] = LlamaBlock
     decode: bool = False  # KV-cache decoding (generate.py): no remat, a "cache" collection per layer
     expert_exchange: Callable | None = None  # handed to the blocks (models/moe.py); None for dense
-    # Runs the scanned stack across devices (maxtext_rocm/parallel/pipeline.py) as
-    # layer_stack(stack, scanned, x, positions, segment_ids) -> (x, sown); None: in order, here.
-    # Parameters are created by the stack itself either way, so their tree never depends on it.
+    # Runs the embedding and the scanned stack across devices (maxtext_rocm/parallel/pipeline.py)
+    # as layer_stack(stack, scanned, embedding, tokens, positions, segment_ids) -> (x, sown), with
+    # `embedding` a TokenEmbedding; None: in order, here. Parameters are created by the embedding
+    # and the stack themselves either way, so their tree never depends on it.
     layer_stack: Callable | None = None
     context_attention: Callable | None = None  # handed to the blocks' attention; None: its own
 
@@ -104,7 +115,10 @@ class Decoder(nn.Module):
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
         embed = Embed(m.vocab_size, m.d_model, m.embed_init_std, self.policy, name="embed")
-        x = nn.with_logical_constraint(embed(tokens), BLOCK_OUTPUT_AXES)
+        stacked_elsewhere = (m.scan_layers and self.layer_stack is not None and not self.decode
+                             and not self.is_initializing())
+        if not stacked_elsewhere:
+            x = _embedded(embed, tokens)
 
         block = self.block
         if m.remat != "none" and not self.decode:
@@ -123,13 +137,18 @@ class Decoder(nn.Module):
                 return stack(m, self.policy, self.decode, self.expert_exchange, self.context_attention, **kwargs)
 
             stack = scanned(m.n_layers, name="layers")
-            if self.layer_stack is None or self.decode or self.is_initializing():
+            if not stacked_elsewhere:
                 x, _ = stack(x, positions, segment_ids)
             else:
                 # The strategy runs the stack's own variables through `scanned` stacks of its
                 # choosing (unbound: scanned(length, parent=None)); what their layers sowed comes
-                # back as {collection: tree}, kept here beside the stack's (unused) own.
-                x, sown = self.layer_stack(stack, scanned, x, positions, segment_ids)
+                # back as {collection: tree}, kept here beside the stack's (unused) own. The tokens
+                # go in unembedded: a strategy that splits the stack over devices looks them up
+                # where the first layers run, through the table's variables (a pure function: a
+                # bound module cannot be called inside the strategy's jax transforms).
+                unbound = Embed(m.vocab_size, m.d_model, m.embed_init_std, self.policy, parent=None)
+                embedding = TokenEmbedding(embed.variables, functools.partial(_looked_up, unbound))
+                x, sown = self.layer_stack(stack, scanned, embedding, tokens, positions, segment_ids)
                 for collection, tree in sown.items():
                     if self.is_mutable_collection(collection):
                         self.put_variable(collection, "layers_pipelined", tree)
@@ -148,6 +167,19 @@ class Decoder(nn.Module):
             head_policy = self.policy if self.policy.fp8_lm_head else without_fp8(self.policy)
             logits = Dense((m.d_model,), (m.vocab_size,), ("embed", "vocab"), head_policy, name="lm_head")(x)
         return nn.with_logical_constraint(logits, ("activation_batch", "activation_length", "activation_vocab"))
+
+
+def _embedded(embed: Embed, tokens: Array) -> Array:
+    return nn.with_logical_constraint(embed(tokens), BLOCK_OUTPUT_AXES)
+
+
+def _looked_up(embed: Embed, variables, tokens: Array) -> Array:
+    """A TokenEmbedding's lookup: the unbound `embed` applied through `variables`. The table is
+    held to its stored layout: under a strategy's transforms its gradient can be a sum over copies
+    of it (one per stage of a pipeline), which XLA otherwise sums whole (all of [vocab, d_model]
+    over the copies' devices) rather than each device its own shard."""
+    table = nn.with_logical_constraint(variables["params"]["embedding"], EMBED_TABLE_AXES)
+    return _embedded(embed.bind({**variables, "params": {"embedding": table}}), tokens)
 
 
 def lm_head_weight(params, cfg) -> tuple[Array, int]:

@@ -37,6 +37,11 @@ layer): the value train.grad_accum = M would give on one device. fp8 delayed sca
 state updates arrive as cotangents (fp8.py), which a loop would sum over every use of a layer,
 bubble included; the state goes in as one copy per iteration (_fan_out) whose backward keeps each
 slot's real uses only and merges them as fp8.combine_updates merges micro-batches.
+
+The tokens come in unembedded, with a pure lookup (models/llama.py, TokenEmbedding): each stage
+looks the batch up itself before the loop (`embedded_per_stage`) and stage 0's is read, so neither
+the embeddings nor their cotangent cross `stage`; only the table's gradient is summed over it, as
+any parameter replicated over `stage` needs.
 """
 
 from __future__ import annotations
@@ -54,7 +59,7 @@ from maxtext_rocm.config.checks import pipeline_microbatches
 from maxtext_rocm.errors import ConfigError
 from maxtext_rocm.numerics import fp8
 from maxtext_rocm.numerics.fp8 import FP8_COLLECTION
-from maxtext_rocm.models.llama import BLOCK_OUTPUT_AXES
+from maxtext_rocm.models.llama import BLOCK_OUTPUT_AXES, TokenEmbedding
 from maxtext_rocm.models.moe import AUX_LOSSES
 from maxtext_rocm.parallel.pipeline_layout import StackLayout
 
@@ -226,10 +231,11 @@ class Circular(Schedule):
         return _from_stage(jax.lax.dynamic_update_index_in_dim(buffer, last, position, axis=1), 0, self.mesh)
 
 
-def pipelined(layers: nn.Module, make_layers: Callable, x: Array, positions: Array, segment_ids: Array | None, *,
-              schedule: Schedule, loop: Callable | None = None):
+def pipelined(layers: nn.Module, make_layers: Callable, embedding: TokenEmbedding, tokens: Array, positions: Array,
+              segment_ids: Array | None, *, schedule: Schedule, loop: Callable | None = None):
     """The Decoder's `layer_stack` strategy: the bound scanned layers `layers` (whose variables are
-    the stored [S R K, ...] arrays) run over the stages by `schedule`; `make_layers(length,
+    the stored [S R K, ...] arrays) run over the stages by `schedule` on `tokens` [B, seq] as
+    `embedding` looks them up (on the stages: embedded_per_stage); `make_layers(length,
     parent=None)` makes an unbound scan of `length` layers to run each stage's chunk with.
     `loop`: _loop's contract with another backward (pipeline_recompute.loop); None: _loop.
     Returns (y, {AUX_LOSSES: what the real layers sowed on real microbatches})."""
@@ -251,26 +257,23 @@ def pipelined(layers: nn.Module, make_layers: Callable, x: Array, positions: Arr
     padded = bool(layout.empty)
     chunk_layers = make_layers(1 if padded else slots, parent=None)
     run_stage = functools.partial(_run_stage, chunk_layers, padded, schedule.pick_chunk)
-    y, sown = (loop or _loop)(schedule, run_stage, params, fp8_per_iteration, real, x, positions, segment_ids)
+    y, sown = (loop or _loop)(schedule, run_stage, params, fp8_per_iteration, real, embedding, tokens, positions,
+                              segment_ids)
     return y, {AUX_LOSSES: jax.tree_util.tree_map(functools.partial(_real_work, layout, microbatches), sown)}
 
 
 def _loop(schedule: Schedule, run_stage: Callable, params, fp8_per_iteration, real: Array,
-          x: Array, positions: Array, segment_ids: Array | None):
+          embedding: TokenEmbedding, tokens: Array, positions: Array, segment_ids: Array | None):
     """The loop every schedule runs: `schedule.n_iterations` iterations, in each of which every
     stage takes its input (`schedule.stage_inputs`) and runs its chunk (`run_stage`, vmapped over
     the stages). Returns (y [B, seq, d], what the layers sowed [iterations, S, K, ...])."""
     all_stages = jax.vmap(run_stage, spmd_axis_name=STAGE_AXIS)
     stages, microbatches = schedule.stages, schedule.microbatches
     passes = schedule.repeats * microbatches  # each microbatch once per repeat
-    inputs, pos_in, seg_in = (None if a is None else split_microbatches(a, microbatches)
-                              for a in (x, positions, segment_ids))
+    pos_in, seg_in = (None if a is None else split_microbatches(a, microbatches) for a in (positions, segment_ids))
     stage_ids = jnp.arange(stages)
-    # A copy of the inputs per stage, sharded over `stage` (each device already holds all of them):
-    # stage 0's use of its copy in the loop is local, and the cotangent (its transpose, a sum over
-    # the copies) is one all-reduce after the loop rather than one per iteration, the bubble's too.
-    staged = nn.with_logical_constraint(jnp.broadcast_to(inputs[None], (stages, *inputs.shape)),
-                                        ("activation_stage", None) + BLOCK_OUTPUT_AXES)
+    staged = embedded_per_stage(embedding, tokens, stages, microbatches)  # [S, M, mb, seq, d]
+    inputs = jax.ShapeDtypeStruct(staged.shape[1:], staged.dtype)  # [M, mb, seq, d], for shapes
 
     def iteration(carry, xs):
         """Carries (each stage's last output [S, mb, seq, d], the schedule's buffer); takes (t, the
@@ -301,6 +304,26 @@ def _loop(schedule: Schedule, run_stage: Callable, params, fp8_per_iteration, re
         (jnp.arange(schedule.n_iterations), fp8_per_iteration))
     y = schedule.outputs(out, buffer, every_iteration)
     return nn.with_logical_constraint(merge_microbatches(y), BLOCK_OUTPUT_AXES), sown
+
+
+def embedded_per_stage(embedding: TokenEmbedding, tokens: Array, stages: int, microbatches: int) -> Array:
+    """[S, M, mb, seq, d]: each stage's own lookup of the whole batch's `tokens` [B, seq], split
+    into microbatches, sharded over `stage`; only stage 0's is read. Looked up where it is used,
+    the embeddings never cross `stage`: their cotangent (stage 0's row, zeros elsewhere) goes into
+    each stage's own table gradient, and the one sum over the stages is the table's (replicated
+    over `stage`, its gradient is summed over it in any case). Embedding the batch once and sending
+    each stage a copy instead cost the batch's embeddings over `stage` twice: an all-gather of
+    the rows (XLA split the lookup over the otherwise idle axis) and the copies' cotangent summed
+    by an all-reduce (docs/figures.md, "The stage axis's bytes, counted twice")."""
+    per_stage = nn.with_logical_constraint(jnp.broadcast_to(tokens[None], (stages, *tokens.shape)), TOKEN_AXES)
+    # A copy of the table per stage too, each stage's gradient its own [vocab, d_model] (sharded as
+    # the table is: the lookup holds it to its layout) until one sum over the copies after the
+    # loop. Passed unbatched instead, the table's gradient was one scatter over all stages' rows,
+    # which XLA summed whole over `stage` (fsdp times the bytes of the table's shard).
+    copies = jax.tree_util.tree_map(lambda a: jnp.broadcast_to(a[None], (stages, *a.shape)), embedding.variables)
+    embedded = jax.vmap(embedding.lookup, spmd_axis_name=STAGE_AXIS)(copies, per_stage)
+    split = jax.vmap(functools.partial(split_microbatches, n=microbatches))(embedded)
+    return nn.with_logical_constraint(split, ("activation_stage", None) + BLOCK_OUTPUT_AXES)
 
 
 # ----------------------------------------------------------------------------------------------

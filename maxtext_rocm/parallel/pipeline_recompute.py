@@ -37,27 +37,26 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from maxtext_rocm.models.llama import BLOCK_OUTPUT_AXES
+from maxtext_rocm.models.llama import BLOCK_OUTPUT_AXES, TokenEmbedding
 from maxtext_rocm.numerics.fp8 import FP8_COLLECTION
 from maxtext_rocm.parallel.pipeline import (
-    STAGE_AXIS, STATE_AXES, TOKEN_AXES, Schedule, _from_stage, _is_first, _permute, _shift, merge_microbatches,
-    split_microbatches)
+    STAGE_AXIS, STATE_AXES, TOKEN_AXES, Schedule, _from_stage, _is_first, _permute, _shift, embedded_per_stage,
+    merge_microbatches, split_microbatches)
 
 Array = jax.Array
 SAVED_AXES = ("activation_stage", None) + BLOCK_OUTPUT_AXES  # [S, M, mb, seq, d]: one row per stage
 
 
 def loop(schedule: Schedule, run_stage: Callable, params, fp8_per_iteration, real: Array,
-         x: Array, positions: Array, segment_ids: Array | None):
+         embedding: TokenEmbedding, tokens: Array, positions: Array, segment_ids: Array | None):
     """pipeline._loop's contract (y [B, seq, d], sown [iterations, S, K, ...]) with the backward of
     this module's docstring. `run_stage(stage_vars, stage_real, repeat, h, pos, seg)` is one stage's
     work, unvmapped."""
     stages, microbatches = schedule.stages, schedule.microbatches
-    inputs, pos_in, seg_in = (None if a is None else split_microbatches(a, microbatches)
-                              for a in (x, positions, segment_ids))
-    # A copy of the inputs per stage, as pipeline._loop makes it: the cotangent (stage 0's row) is
-    # summed over the copies by one all-reduce after the loop.
-    staged = nn.with_logical_constraint(jnp.broadcast_to(inputs[None], (stages, *inputs.shape)), SAVED_AXES)
+    pos_in, seg_in = (None if a is None else split_microbatches(a, microbatches) for a in (positions, segment_ids))
+    # Each stage's own lookup, as pipeline._loop makes it: the backward's cotangent of it (stage
+    # 0's row) stays on stage 0, in the table's gradient.
+    staged = embedded_per_stage(embedding, tokens, stages, microbatches)
     stack = _differentiable_stack(schedule, run_stage, real)
     outs, sown = stack(params, fp8_per_iteration, staged, pos_in, seg_in)
     y = _from_stage(outs, stages - 1, schedule.mesh)  # the last stage's row, on every stage
