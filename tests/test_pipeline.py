@@ -230,6 +230,8 @@ def test_storage_order_puts_each_devices_chunks_in_its_block(layers, stages, rep
     ({"pipeline.schedule": "gpipe_recompute", "pipeline.repeats": 2}, r"pipeline.repeats=2 needs a circular schedule, which pipeline.schedule='gpipe_recompute' is not"),
     ({"pipeline.repeats": 2}, r"pipeline.repeats=2 needs a circular schedule, which pipeline.schedule='gpipe' is not"),
     ({"model.scan_layers": False}, r"set model.scan_layers=True"),
+    ({"pipeline.weight_gather": "per_step"}, r"pipeline.weight_gather='per_step' is not valid; choose one of "
+                                             r"'per_iteration', 'once'"),
 ])
 def test_bad_pipeline_settings_are_one_sentence_before_compiling(overrides, message):
     cfg = llama(**dict(SINGLE, **{"mesh.ici.stage": 2, "mesh.ici.fsdp": 4}), **overrides)

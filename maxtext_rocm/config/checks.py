@@ -16,7 +16,8 @@ import ml_collections
 from maxtext_rocm.config.choices import (
     ATTENTION_IMPLEMENTATIONS, CHAT_TEMPLATES, CONTEXT_PARALLEL_MODES, DATA_FORMATS, DATA_SOURCES, FP8_FORMATS,
     FP8_SCALINGS, LORA_TARGETS, MESH_AXES, MODEL_FAMILIES, MOE_IMPLEMENTATIONS, NONFINITE_ACTIONS, NUMBER_RANGES,
-    OBJECTIVES, PIPELINE_SCHEDULES, PRECISION_POLICIES, PROJECTION_FUSIONS, REMAT_POLICIES, SCHEDULES)
+    OBJECTIVES, PIPELINE_SCHEDULES, PIPELINE_WEIGHT_GATHERS, PRECISION_POLICIES, PROJECTION_FUSIONS, REMAT_POLICIES,
+    SCHEDULES)
 from maxtext_rocm.errors import ConfigError
 from maxtext_rocm.config.mesh_sizes import axis_sizes, mesh_shape  # noqa: F401  (part of this module's interface)
 
@@ -303,6 +304,7 @@ def _validate_moe(m, seq_len: int) -> None:
 
 def _validate_pipeline(pipe) -> None:
     _one_of("pipeline.schedule", pipe.schedule, PIPELINE_SCHEDULES)
+    _one_of("pipeline.weight_gather", pipe.weight_gather, PIPELINE_WEIGHT_GATHERS)
     _require(isinstance(pipe.microbatches, int) and pipe.microbatches >= 0,
              f"pipeline.microbatches={pipe.microbatches!r} is not valid; use a count >= 1, or 0 to choose "
              "(up to 4 per stage, as the batch allows)")

@@ -80,6 +80,13 @@ def defaults() -> ml_collections.ConfigDict:
         # stage keeps one microbatch's layer residuals, not M (one more forward per step).
         schedule="gpipe",
         repeats=1,  # virtual stages per device (circular; gpipe takes 1)
+        # When a stage's ZeRO-3-sharded weights (fsdp, and sequence/expert for dense ones) are
+        # gathered. "per_iteration": where the loop's body uses them, as GSPMD places it: g times in
+        # each of the M + S - 1 iterations (g = 2 under remat), the bubble's too. "once": before the
+        # loop, one gather a step (parallel/pipeline_gather.py), at the memory of the stage's
+        # weights held whole in fp32 for the step (the fit check counts it). Either way the gradient
+        # is reduce-scattered per iteration (GSPMD cannot keep it unreduced across the loop).
+        weight_gather="per_iteration",
     )
     cfg.precision = dict(
         policy="bf16",  # "fp32", "bf16", or "fp8" (bf16 with fp8 matmuls; see maxtext_rocm/numerics/fp8.py)

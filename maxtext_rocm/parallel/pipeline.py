@@ -26,6 +26,8 @@ pipeline composes with fsdp, tensor, expert and sequence sharding as the unpipel
 The layers' own shard_maps (the dropless expert exchange, context-parallel attention) are batched
 by that vmap, the stage axis added to their specs; they run unchecked here (varying.check_vma).
 An empty slot runs the layer on its zeros and keeps its input (`where`), so it gets zero gradient.
+GSPMD gathers a stage's fsdp-sharded weights where the loop's body uses them, in every iteration;
+pipeline.weight_gather="once" gathers them before the loop instead (pipeline_gather.py).
 
 Work a stage does in the bubble (on zeros or a repeated microbatch) is dropped and gets no
 cotangent, so gradients are exact. The backward pass is the loop's autodiff: all forwards, then
@@ -56,6 +58,7 @@ from maxtext_rocm.numerics import fp8
 from maxtext_rocm.numerics.fp8 import FP8_COLLECTION
 from maxtext_rocm.models.llama import BLOCK_OUTPUT_AXES
 from maxtext_rocm.models.moe import AUX_LOSSES
+from maxtext_rocm.parallel.pipeline_gather import GatheredOnce
 from maxtext_rocm.parallel.pipeline_layout import StackLayout
 
 Array = jax.Array
@@ -101,7 +104,8 @@ def layer_stack(pipeline_cfg, model_cfg, mesh: Mesh, loop: Callable | None = Non
                           f"pipeline.repeats={pipeline_cfg.repeats} virtual stages without a layer")
     layout = StackLayout(model_cfg.n_layers, stages, pipeline_cfg.repeats)
     schedule = (GPipe if layout.repeats == 1 else Circular)(layout, _resolved(pipeline_cfg), mesh)
-    return functools.partial(pipelined, schedule=schedule, loop=loop)
+    return functools.partial(pipelined, schedule=schedule, loop=loop,
+                             gather_once=pipeline_cfg.weight_gather == "once")
 
 
 def resolve_microbatches(cfg, mesh: Mesh) -> None:
@@ -227,11 +231,12 @@ class Circular(Schedule):
 
 
 def pipelined(layers: nn.Module, make_layers: Callable, x: Array, positions: Array, segment_ids: Array | None, *,
-              schedule: Schedule, loop: Callable | None = None):
+              schedule: Schedule, loop: Callable | None = None, gather_once: bool = False):
     """The Decoder's `layer_stack` strategy: the bound scanned layers `layers` (whose variables are
     the stored [S R K, ...] arrays) run over the stages by `schedule`; `make_layers(length,
     parent=None)` makes an unbound scan of `length` layers to run each stage's chunk with.
     `loop`: _loop's contract with another backward (pipeline_recompute.loop); None: _loop.
+    `gather_once`: the stages' weights gathered before the loop, not in it (pipeline_gather.py).
     Returns (y, {AUX_LOSSES: what the real layers sowed on real microbatches})."""
     variables = dict(layers.variables)
     extra = set(variables) - {"params", FP8_COLLECTION}
@@ -250,7 +255,10 @@ def pipelined(layers: nn.Module, make_layers: Callable, x: Array, positions: Arr
     real = jnp.asarray(layout.real)
     padded = bool(layout.empty)
     chunk_layers = make_layers(1 if padded else slots, parent=None)
-    run_stage = functools.partial(_run_stage, chunk_layers, padded, schedule.pick_chunk)
+    gathered = GatheredOnce.of(chunk_layers, x, positions, segment_ids, schedule.mesh) if gather_once else None
+    if gathered is not None:
+        params = gathered.before_loop(params)
+    run_stage = functools.partial(_run_stage, chunk_layers, padded, schedule.pick_chunk, gathered)
     y, sown = (loop or _loop)(schedule, run_stage, params, fp8_per_iteration, real, x, positions, segment_ids)
     return y, {AUX_LOSSES: jax.tree_util.tree_map(functools.partial(_real_work, layout, microbatches), sown)}
 
@@ -307,10 +315,13 @@ def _loop(schedule: Schedule, run_stage: Callable, params, fp8_per_iteration, re
 # One stage's work in one iteration (vmapped over the stages by `pipelined`)
 
 
-def _run_stage(chunk_layers: nn.Module, padded: bool, pick_chunk: Callable, stage_vars, stage_real: Array,
-               repeat: Array, h: Array, pos: Array, seg: Array | None):
+def _run_stage(chunk_layers: nn.Module, padded: bool, pick_chunk: Callable, gathered, stage_vars,
+               stage_real: Array, repeat: Array, h: Array, pos: Array, seg: Array | None):
     """One stage: its chunk of this iteration (`pick_chunk` of its [R, ...] block) run on `h`.
-    stage_vars {collection: [R, K, ...]}, stage_real [R, K] (False: an empty slot)."""
+    stage_vars {collection: [R, K, ...]}, stage_real [R, K] (False: an empty slot). `gathered`: a
+    GatheredOnce whose weights these are, or None."""
+    if gathered is not None:
+        stage_vars = {**stage_vars, "params": gathered.in_stage(stage_vars["params"])}
     chunk_vars = jax.tree_util.tree_map(lambda a: pick_chunk(a, repeat), stage_vars)
     chunk_real = pick_chunk(stage_real, repeat)
     if not padded:

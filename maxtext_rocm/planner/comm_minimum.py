@@ -71,6 +71,12 @@ is added:
                                                         stage boundary forward, its cotangent back
                                                         (a busiest inner stage sends both), R times
                                                         under a circular schedule of R repeats
+Under pipeline.weight_gather="once" (parallel/pipeline_gather.py) the stage's weights are gathered
+once per pipeline run, in the parameters' dtype (4 bytes on the GPU too), and the least their
+gradient needs is one reduce-scatter per run: the layer and expert weight terms read
+    A_head*L*(4 + 4)*(F-1)/F*P_l                       (Fe and P_e for the experts' weights)
+with A_head = train.grad_accum. The compiled program still reduce-scatters the gradient in every
+iteration (pipeline_gather.py says why), which the measured figure shows above this.
 The bubble's iterations are not in the minimum: the loop of M + P - 1 iterations also moves
 (and gathers weights for) the data of idle stages, P - 1 iterations of it, which a schedule that
 skipped idle stages would not; the measured figure includes them, so the pipeline's ratio is at
@@ -107,11 +113,11 @@ def _params(m, t: int, E: int) -> tuple[float, float]:
 
 
 def minimum(model_cfg, train_cfg, policy: str, sizes: dict[str, int], param_bytes: int = GRAD_BYTES,
-            microbatches: int = 1, repeats: int = 1) -> dict:
+            microbatches: int = 1, repeats: int = 1, weight_gather: str = "per_iteration") -> dict:
     """The minimum bytes per device per step: {"terms": [...], "cpu_bytes", "gpu_bytes"}, each term
     with its mesh axes, CPU-dtype and GPU-dtype bytes, and its formula with the numbers put in.
     Under a pipeline (sizes["stage"] = P > 1, `microbatches` M, a circular schedule's `repeats` R)
-    the terms are per stage: see PIPELINE in this module's docstring."""
+    the terms are per stage: see PIPELINE in this module's docstring (`weight_gather`: its "once")."""
     m = model_cfg
     D, Fs, E, S, t = (sizes.get(a, 1) for a in ("data", "fsdp", "expert", "sequence", "tensor"))
     P = sizes.get("stage", 1)
@@ -137,12 +143,23 @@ def minimum(model_cfg, train_cfg, policy: str, sizes: dict[str, int], param_byte
     gpu_c = 4 if policy == "fp32" else 2
     head_tables = 1 if m.tie_embeddings else 2
 
+    once = P > 1 and weight_gather == "once"
+
+    def layer_rows(wl: float, gb: float) -> list[tuple[str, str, float, str]]:
+        """The layers' (and experts') weight gathers and gradient reduce-scatters; wl: a layer
+        weight's gathered bytes (w but for the CPU's fp8 layers, see Dtypes)."""
+        if once:  # one gather (in the parameters' dtype) and one reduce-scatter per pipeline run
+            return [("layer weights", zero, A_head * L * (param_bytes + gb) * (F - 1) / F * P_l,
+                     f"A*L*(4+4)*(F-1)/F*P_l = {A_head}*{L}*({param_bytes}+{gb})*({F}-1)/{F}*{P_l:.0f}"),
+                    ("expert weights", zero_e, A_head * L * (param_bytes + gb) * (Fe - 1) / Fe * P_e,
+                     f"A*L*(4+4)*(Fe-1)/Fe*P_e = {A_head}*{L}*({param_bytes}+{gb})*({Fe}-1)/{Fe}*{P_e:.0f}")]
+        return [("layer weights", zero, A * L * (g * wl + gb) * (F - 1) / F * P_l,
+                 f"A*L*(g*w+4)*(F-1)/F*P_l = {A}*{L}*({g}*{wl}+{gb})*({F}-1)/{F}*{P_l:.0f}"),
+                ("expert weights", zero_e, A * L * (g * wl + gb) * (Fe - 1) / Fe * P_e,
+                 f"A*L*(g*w+4)*(Fe-1)/Fe*P_e = {A}*{L}*({g}*{wl}+{gb})*({Fe}-1)/{Fe}*{P_e:.0f}")]
+
     def terms(w: float, c: float, gb: float, wl: float) -> list[tuple[str, str, float, str]]:
-        rows = [  # wl: a layer weight's gathered bytes (w but for the CPU's fp8 layers, see Dtypes)
-            ("layer weights", zero, A * L * (g * wl + gb) * (F - 1) / F * P_l,
-             f"A*L*(g*w+4)*(F-1)/F*P_l = {A}*{L}*({g}*{wl}+{gb})*({F}-1)/{F}*{P_l:.0f}"),
-            ("expert weights", zero_e, A * L * (g * wl + gb) * (Fe - 1) / Fe * P_e,
-             f"A*L*(g*w+4)*(Fe-1)/Fe*P_e = {A}*{L}*({g}*{wl}+{gb})*({Fe}-1)/{Fe}*{P_e:.0f}"),
+        rows = layer_rows(wl, gb) + [
             ("LM head", zero, A_head * (w + gb) * (F - 1) / F * d * V / t,
              f"A*(w+4)*(F-1)/F*d*V/t = {A_head}*({w}+{gb})*({F}-1)/{F}*{d}*{V}/{t}"),
         ]

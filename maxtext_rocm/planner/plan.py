@@ -229,7 +229,8 @@ def compute_seconds(cfg, sizes, n_devices: int, microbatches: int, kind: str) ->
 def minimum_seconds(cfg, sizes, microbatches: int, kind: str, layout: Layout) -> float:
     """The layout's communication minimum in the GPU's dtypes at the target's link bandwidths."""
     least = comm_minimum.minimum(cfg.model, cfg.train, cfg.precision.policy, sizes, microbatches=microbatches,
-                                 repeats=cfg.pipeline.repeats if cfg.pipeline.schedule == "circular" else 1)
+                                 repeats=cfg.pipeline.repeats if cfg.pipeline.schedule == "circular" else 1,
+                                 weight_gather=cfg.pipeline.weight_gather)
     dcn = {a for a, _ in layout.dcn}
     links = {"ICI": 0.0, "DCN": 0.0}
     for term in least["terms"]:

@@ -1,0 +1,110 @@
+"""pipeline.weight_gather="once" (maxtext_rocm/parallel/pipeline_gather.py) on 8 fake devices: one
+device's loss and gradients under gpipe and gpipe_recompute (circular, fp8 delayed scaling and
+Mixtral's experts in the slow run), and the compiled step's fsdp all-gathers of the stage's weights
+down from g (M + S - 1) per step to one, counted by comm.py against the figure worked out here."""
+
+import jax
+import numpy as np
+import pytest
+
+from maxtext_rocm.planner import comm_minimum, report as compile_lib
+from maxtext_rocm.train import Trainer
+
+from conftest import small_config
+from helpers import assert_close, loss_and_grads
+from test_pipeline import CIRCULAR, SINGLE, llama, mixtral, on_mesh, one_device  # noqa: F401 - a fixture
+
+ONCE = {"pipeline.weight_gather": "once"}
+
+
+@pytest.mark.parametrize("mesh, schedule", [
+    ({"stage": 2, "fsdp": 4}, {}),
+    ({"stage": 4, "fsdp": 2}, {"pipeline.schedule": "gpipe_recompute"}),
+    pytest.param({"stage": 2, "fsdp": 4}, {"pipeline.schedule": "gpipe_recompute"}, marks=pytest.mark.slow),
+    pytest.param({"stage": 2, "fsdp": 2, "tensor": 2}, {}, marks=pytest.mark.slow),
+    pytest.param({"stage": 2, "fsdp": 4}, CIRCULAR, marks=pytest.mark.slow),
+])
+def test_gathering_once_matches_one_device(mesh, schedule, one_device, devices, tmp_path):  # noqa: F811
+    loss, grads, _ = loss_and_grads(on_mesh(llama, mesh, tmp_path, **ONCE, **schedule), devices)
+    ref_loss, ref_grads, _ = one_device
+    assert_close(loss, ref_loss)
+    assert_close(grads, ref_grads)
+
+
+@pytest.mark.slow  # about a minute each on 2 cores
+@pytest.mark.parametrize("moe_impl", ["capacity", "dropless"])
+def test_mixtral_experts_gathered_once_match_one_device(moe_impl, devices, tmp_path):
+    """stage=2 x expert=2 x fsdp=2: the experts' weights keep their `expert` split and are gathered
+    over fsdp only, the dense weights over fsdp and expert; under dropless they enter the expert
+    exchange's shard_map (experts.py) gathered."""
+    ref = mixtral(**SINGLE, **{"train.per_device_batch_size": 8, "train.grad_accum": 2,
+                               "output_dir": str(tmp_path / "one")})
+    ref_loss, ref_grads, _ = loss_and_grads(ref, devices[:1])
+    loss, grads, _ = loss_and_grads(on_mesh(mixtral, {"stage": 2, "expert": 2, "fsdp": 2}, tmp_path / "pp", **ONCE,
+                                            **{"model.moe_impl": moe_impl}), devices)
+    assert_close(loss, ref_loss)
+    assert_close(grads, ref_grads)
+
+
+@pytest.mark.slow  # fp8 steps compiled twice
+@pytest.mark.parametrize("schedule", [{}, {"pipeline.schedule": "gpipe_recompute"}])
+def test_fp8_delayed_scaling_with_weights_gathered_once_trains_like_per_iteration(schedule, devices, tmp_path):
+    """Three fp8 steps: losses, delayed-scaling state and weights as the per-iteration gather's."""
+    fp8 = {"precision.policy": "fp8", "precision.fp8_scaling": "delayed", **schedule}
+    runs = [Trainer(on_mesh(llama, {"stage": 2, "fsdp": 4}, tmp_path / name, **fp8, **extra), devices=devices,
+                    log=lambda *_: None) for name, extra in (("per_iteration", {}), ("once", ONCE))]
+    for _ in range(3):
+        per_iteration, once = (float(r.step()["loss"]) for r in runs)
+        assert_close(once, per_iteration)
+    assert_close(*(jax.tree_util.tree_map(np.asarray, r.state.fp8) for r in runs[::-1]))
+    assert_close(*(jax.tree_util.tree_map(np.asarray, r.state.params) for r in runs[::-1]))
+
+
+def _fsdp_bytes(report, kind: str) -> float:
+    return sum(row["bytes"] for row in report.comm["rows"] if row["kind"] == kind and row["axes"] == "fsdp")
+
+
+def test_the_stage_weights_are_gathered_once_a_step():
+    """stage=2 x fsdp=4, 4 layers (2 a stage), 4 microbatches, remat full, fp32: per iteration the
+    loop gathers each of the stage's layers twice (forward, remat's recompute) in each of its
+    M + S - 1 = 5 iterations; once, it gathers them once a step. The gradients' reduce-scatters
+    stay one per iteration under both (pipeline_gather.py says why). The minimum under "once" is one
+    gather and one reduce-scatter a step."""
+    def analysed(gather: str):
+        cfg = small_config(**{"mesh.ici.stage": 2, "mesh.ici.fsdp": 4, "model.n_layers": 4, "model.remat": "full",
+                              "train.per_device_batch_size": 2, "pipeline.microbatches": 4,
+                              "pipeline.weight_gather": gather})
+        cfg.model.attention = "xla"
+        return cfg, compile_lib.analyse(cfg, "mi355x", 8, comm=True)
+
+    (cfg, per_iteration), (_, once) = analysed("per_iteration"), analysed("once")
+    layer = 64 * 64 + 2 * 64 * 32 + 64 * 64 + 3 * 64 * 128  # q, k, v, o, gate, up, down
+    stage_gather = 3 / 4 * 2 * layer * 4  # 2 layers in fp32; each device receives the 3 shards it lacks
+    iterations, g = 4 + 2 - 1, 2
+    # What both programs gather besides the layers (the LM head's table; the embedding's rows
+    # travel as an all-to-all) is the same, so the difference is the layers' alone:
+    saved = _fsdp_bytes(per_iteration, "all-gather") - _fsdp_bytes(once, "all-gather")
+    assert saved == pytest.approx((g * iterations - 1) * stage_gather, rel=1e-9)
+    head_table = 3 / 4 * 64 * 128 * 4
+    assert stage_gather <= _fsdp_bytes(once, "all-gather") <= stage_gather + 1.05 * head_table
+    assert _fsdp_bytes(once, "reduce-scatter") == _fsdp_bytes(per_iteration, "reduce-scatter")
+    assert _fsdp_bytes(once, "reduce-scatter") == pytest.approx(iterations * stage_gather + head_table, rel=1e-9)
+
+    least = {t["term"]: t["cpu_bytes"] for t in once.comm["minimum"]["terms"]}
+    assert least["layer weights"] == pytest.approx(2 * stage_gather)  # one gather, one reduce-scatter
+    assert least == {**{t["term"]: t["cpu_bytes"] for t in per_iteration.comm["minimum"]["terms"]},
+                     "layer weights": least["layer weights"]}
+    # memory: the stage's two layers held whole in fp32 for the step
+    assert once.memory.analytic_activation_terms_bytes["gathered stage weights"] == 2 * layer * 4
+    assert "gathered stage weights" not in per_iteration.memory.analytic_activation_terms_bytes
+
+
+def test_the_minimum_gathers_once_per_accumulated_micro_batch():
+    """comm_minimum under "once": A_head (train.grad_accum) gathers and reduce-scatters of the
+    stage's weights, whatever M, in the parameters' 4 bytes on the GPU too."""
+    cfg = small_config(**{"model.n_layers": 4, "train.grad_accum": 2, "precision.policy": "bf16"})
+    least = comm_minimum.minimum(cfg.model, cfg.train, "bf16", {"stage": 2, "fsdp": 4}, microbatches=8,
+                                 weight_gather="once")
+    layer = {t["term"]: t for t in least["terms"]}["layer weights"]
+    P_l = 64 * 64 + 2 * 64 * 32 + 64 * 64 + 3 * 64 * 128
+    assert layer["cpu_bytes"] == layer["gpu_bytes"] == pytest.approx(2 * 2 * (4 + 4) * 3 / 4 * P_l)
