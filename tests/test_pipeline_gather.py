@@ -31,6 +31,15 @@ def test_gathering_once_matches_one_device(mesh, schedule, one_device, devices, 
     assert_close(grads, ref_grads)
 
 
+@pytest.mark.slow  # two compilations
+def test_a_padded_stack_gathered_once_matches_the_per_iteration_gather(devices, tmp_path):
+    """3 layers on 2 stages (one empty slot, run on zeros): the same loss and gradients."""
+    runs = [loss_and_grads(on_mesh(llama, {"stage": 2, "fsdp": 4}, tmp_path / name, **{"model.n_layers": 3}, **extra),
+                           devices) for name, extra in (("per_iteration", {}), ("once", ONCE))]
+    assert_close(runs[1][0], runs[0][0])
+    assert_close(runs[1][1], runs[0][1])
+
+
 @pytest.mark.slow  # about a minute each on 2 cores
 @pytest.mark.parametrize("moe_impl", ["capacity", "dropless"])
 def test_mixtral_experts_gathered_once_match_one_device(moe_impl, devices, tmp_path):
