@@ -1,7 +1,9 @@
-"""pipeline.weight_gather="once" (maxtext_rocm/parallel/pipeline_gather.py) on 8 fake devices: one
-device's loss and gradients under gpipe and gpipe_recompute (circular, fp8 delayed scaling and
-Mixtral's experts in the slow run), and the compiled step's fsdp all-gathers of the stage's weights
-down from g (M + S - 1) per step to one, counted by comm.py against the figure worked out here."""
+"""pipeline.weight_gather="once" and pipeline.gradient_reduce="once" (maxtext_rocm/parallel/
+pipeline_gather.py) on 8 fake devices: one device's loss and gradients under gpipe and
+gpipe_recompute (circular, data, tensor, accumulation, fp8 delayed scaling and Mixtral's experts in
+the slow run), and the compiled step's fsdp traffic for the stage's weights down from g (M + S - 1)
+gathers and M + S - 1 reduce-scatters a step to one of each, counted by comm.py against the figures
+worked out here."""
 
 import jax
 import numpy as np
@@ -15,17 +17,24 @@ from helpers import assert_close, loss_and_grads
 from test_pipeline import CIRCULAR, SINGLE, llama, mixtral, on_mesh, one_device  # noqa: F401 - a fixture
 
 ONCE = {"pipeline.weight_gather": "once"}
+REDUCED_ONCE = {**ONCE, "pipeline.gradient_reduce": "once"}
+RECOMPUTE = {"pipeline.schedule": "gpipe_recompute"}
 
 
-@pytest.mark.parametrize("mesh, schedule", [
-    ({"stage": 2, "fsdp": 4}, {}),
-    ({"stage": 4, "fsdp": 2}, {"pipeline.schedule": "gpipe_recompute"}),
-    pytest.param({"stage": 2, "fsdp": 4}, {"pipeline.schedule": "gpipe_recompute"}, marks=pytest.mark.slow),
-    pytest.param({"stage": 2, "fsdp": 2, "tensor": 2}, {}, marks=pytest.mark.slow),
-    pytest.param({"stage": 2, "fsdp": 4}, CIRCULAR, marks=pytest.mark.slow),
+@pytest.mark.parametrize("mesh, overrides", [
+    ({"stage": 2, "fsdp": 4}, ONCE),
+    ({"stage": 4, "fsdp": 2}, {**REDUCED_ONCE, **RECOMPUTE}),
+    pytest.param({"stage": 2, "fsdp": 4}, REDUCED_ONCE, marks=pytest.mark.slow),
+    pytest.param({"stage": 4, "fsdp": 2}, {**ONCE, **RECOMPUTE}, marks=pytest.mark.slow),
+    pytest.param({"stage": 2, "fsdp": 4}, {**ONCE, **RECOMPUTE}, marks=pytest.mark.slow),
+    pytest.param({"stage": 2, "fsdp": 2, "tensor": 2}, ONCE, marks=pytest.mark.slow),
+    pytest.param({"stage": 2, "data": 2, "fsdp": 2}, REDUCED_ONCE, marks=pytest.mark.slow),
+    pytest.param({"stage": 2, "fsdp": 2, "tensor": 2}, {**REDUCED_ONCE, "train.grad_accum": 2}, marks=pytest.mark.slow),
+    pytest.param({"stage": 2, "fsdp": 4}, {**ONCE, **CIRCULAR}, marks=pytest.mark.slow),
+    pytest.param({"stage": 2, "fsdp": 4}, {**REDUCED_ONCE, **CIRCULAR}, marks=pytest.mark.slow),
 ])
-def test_gathering_once_matches_one_device(mesh, schedule, one_device, devices, tmp_path):  # noqa: F811
-    loss, grads, _ = loss_and_grads(on_mesh(llama, mesh, tmp_path, **ONCE, **schedule), devices)
+def test_gathering_once_matches_one_device(mesh, overrides, one_device, devices, tmp_path):  # noqa: F811
+    loss, grads, _ = loss_and_grads(on_mesh(llama, mesh, tmp_path, **overrides), devices)
     ref_loss, ref_grads, _ = one_device
     assert_close(loss, ref_loss)
     assert_close(grads, ref_grads)
@@ -56,7 +65,7 @@ def test_mixtral_experts_gathered_once_match_one_device(moe_impl, devices, tmp_p
 
 
 @pytest.mark.slow  # fp8 steps compiled twice
-@pytest.mark.parametrize("schedule", [{}, {"pipeline.schedule": "gpipe_recompute"}])
+@pytest.mark.parametrize("schedule", [{}, RECOMPUTE])
 def test_fp8_delayed_scaling_with_weights_gathered_once_trains_like_per_iteration(schedule, devices, tmp_path):
     """Three fp8 steps: losses, delayed-scaling state and weights as the per-iteration gather's."""
     fp8 = {"precision.policy": "fp8", "precision.fp8_scaling": "delayed", **schedule}
@@ -73,11 +82,10 @@ def _fsdp_bytes(report, kind: str) -> float:
     return sum(row["bytes"] for row in report.comm["rows"] if row["kind"] == kind and row["axes"] == "fsdp")
 
 
-def _analysed(gather: str):
+def _analysed(**overrides):
     """stage=2 x fsdp=4, 4 layers (2 a stage), 4 microbatches, remat full, fp32, compiled."""
     cfg = small_config(**{"mesh.ici.stage": 2, "mesh.ici.fsdp": 4, "model.n_layers": 4, "model.remat": "full",
-                          "train.per_device_batch_size": 2, "pipeline.microbatches": 4,
-                          "pipeline.weight_gather": gather})
+                          "train.per_device_batch_size": 2, "pipeline.microbatches": 4, **overrides})
     cfg.model.attention = "xla"
     return compile_lib.analyse(cfg, "mi355x", 8, comm=True)
 
@@ -88,35 +96,44 @@ HEAD_TABLE_GATHER = 3 / 4 * 64 * 128 * 4  # the LM head's [d, vocab], gathered (
 ITERATIONS = 4 + 2 - 1  # M + S - 1
 
 
-def test_the_stage_weights_are_gathered_once_a_step():
-    """The compiled step's fsdp all-gathers: the stage's weights once, and the LM head's table
-    (the embedding's rows travel as an all-to-all; measured 512 B besides). The gradients are
-    reduce-scattered once per iteration (pipeline_gather.py says why): M + S - 1 times the stage's,
-    and the head's once. The minimum under "once" is one gather and one reduce-scatter a step."""
-    once = _analysed("once")
-    gathered = _fsdp_bytes(once, "all-gather")
+def _assert_gathered_once(report):
+    """The stage's weights gathered once, and the LM head's table (the embedding's rows travel as
+    an all-to-all; measured 512 B besides)."""
+    gathered = _fsdp_bytes(report, "all-gather")
     assert STAGE_GATHER + HEAD_TABLE_GATHER <= gathered <= STAGE_GATHER + 1.05 * HEAD_TABLE_GATHER
-    assert _fsdp_bytes(once, "reduce-scatter") == pytest.approx(ITERATIONS * STAGE_GATHER + HEAD_TABLE_GATHER, rel=1e-9)
-    least = {t["term"]: t["cpu_bytes"] for t in once.comm["minimum"]["terms"]}
+
+
+@pytest.mark.parametrize("schedule", [{}, pytest.param(RECOMPUTE, marks=pytest.mark.slow)])
+def test_the_stage_weights_and_their_gradient_cross_fsdp_once_a_step(schedule):
+    """gradient_reduce="once": the compiled step's fsdp traffic for the stage is one gather and
+    one reduce-scatter of its weights a step, its minimum (the head's table too, once each)."""
+    report = _analysed(**REDUCED_ONCE, **schedule)
+    _assert_gathered_once(report)
+    assert _fsdp_bytes(report, "reduce-scatter") == pytest.approx(STAGE_GATHER + HEAD_TABLE_GATHER, rel=1e-9)
+    least = {t["term"]: t["cpu_bytes"] for t in report.comm["minimum"]["terms"]}
     assert least["layer weights"] == pytest.approx(2 * STAGE_GATHER)  # one gather, one reduce-scatter
-    # memory: the stage's two layers held whole in fp32 for the step (no bf16 cast under fp32)
-    assert once.memory.analytic_activation_terms_bytes["gathered stage weights"] == 2 * LAYER * 4
+    # memory: the stage's two layers held whole in fp32 for the step, and each device's own gradient sum
+    terms = report.memory.analytic_activation_terms_bytes
+    assert terms["gathered stage weights"] == terms["unreduced stage gradient"] == 2 * LAYER * 4
 
 
-@pytest.mark.slow  # CI budget (~15 s): one more compile
+@pytest.mark.slow  # CI budget (~30 s): two more compiles
 def test_gathering_once_saves_all_but_one_of_the_per_iteration_gathers():
     """Per iteration the loop gathers each of the stage's layers twice (forward, remat's
-    recompute) in each of its M + S - 1 iterations: once saves g (M + S - 1) - 1 = 9 of the 10
-    stage gathers and nothing else; the reduce-scatters and the other terms of the minimum are
-    the same."""
-    per_iteration, once = _analysed("per_iteration"), _analysed("once")
+    recompute) in each of its M + S - 1 iterations: weight_gather="once" saves g (M + S - 1) - 1 =
+    9 of the 10 stage gathers and nothing else; the gradient stays reduce-scattered in every
+    iteration (M + S - 1 times the stage's, and the head's once) unless gradient_reduce="once"."""
+    per_iteration, once = _analysed(), _analysed(**ONCE)
     saved = _fsdp_bytes(per_iteration, "all-gather") - _fsdp_bytes(once, "all-gather")
     assert saved == pytest.approx((2 * ITERATIONS - 1) * STAGE_GATHER, rel=1e-9)
+    _assert_gathered_once(once)
     assert _fsdp_bytes(once, "reduce-scatter") == _fsdp_bytes(per_iteration, "reduce-scatter")
+    assert _fsdp_bytes(once, "reduce-scatter") == pytest.approx(ITERATIONS * STAGE_GATHER + HEAD_TABLE_GATHER, rel=1e-9)
     least = {t["term"]: t["cpu_bytes"] for t in once.comm["minimum"]["terms"]}
     assert least == {**{t["term"]: t["cpu_bytes"] for t in per_iteration.comm["minimum"]["terms"]},
                      "layer weights": least["layer weights"]}
     assert "gathered stage weights" not in per_iteration.memory.analytic_activation_terms_bytes
+    assert "unreduced stage gradient" not in once.memory.analytic_activation_terms_bytes
 
 
 def test_the_minimum_gathers_once_per_accumulated_micro_batch():

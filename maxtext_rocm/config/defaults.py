@@ -84,9 +84,14 @@ def defaults() -> ml_collections.ConfigDict:
         # gathered. "per_iteration": where the loop's body uses them, as GSPMD places it: g times in
         # each of the M + S - 1 iterations (g = 2 under remat), the bubble's too. "once": before the
         # loop, one gather a step (parallel/pipeline_gather.py), at the memory of the stage's
-        # weights held whole in fp32 for the step (the fit check counts it). Either way the gradient
-        # is reduce-scattered per iteration (GSPMD cannot keep it unreduced across the loop).
+        # weights held whole in fp32 for the step (the fit check counts it). The gradient is still
+        # reduce-scattered per iteration unless gradient_reduce="once".
         weight_gather="per_iteration",
+        # "once" (with weight_gather "once"): the loop runs on each batch shard's rows, manual over
+        # the batch axes, so each device sums its own weight gradient over the iterations and it is
+        # reduce-scattered once a step, after the loop; at the memory of that sum, the stage's
+        # gradient whole in fp32. Dense models without fp8 delayed scaling or mesh sequence > 1.
+        gradient_reduce="per_iteration",
     )
     cfg.precision = dict(
         policy="bf16",  # "fp32", "bf16", or "fp8" (bf16 with fp8 matmuls; see maxtext_rocm/numerics/fp8.py)

@@ -58,7 +58,8 @@ from maxtext_rocm.numerics import fp8
 from maxtext_rocm.numerics.fp8 import FP8_COLLECTION
 from maxtext_rocm.models.llama import BLOCK_OUTPUT_AXES
 from maxtext_rocm.models.moe import AUX_LOSSES
-from maxtext_rocm.parallel.pipeline_gather import GatheredOnce
+from maxtext_rocm.parallel.pipeline_gather import GatheredOnce, per_batch_shard
+from maxtext_rocm.parallel.sharding import present_axes
 from maxtext_rocm.parallel.pipeline_layout import StackLayout
 
 Array = jax.Array
@@ -105,7 +106,8 @@ def layer_stack(pipeline_cfg, model_cfg, mesh: Mesh, loop: Callable | None = Non
     layout = StackLayout(model_cfg.n_layers, stages, pipeline_cfg.repeats)
     schedule = (GPipe if layout.repeats == 1 else Circular)(layout, _resolved(pipeline_cfg), mesh)
     return functools.partial(pipelined, schedule=schedule, loop=loop,
-                             gather_once=pipeline_cfg.weight_gather == "once")
+                             gather_once=pipeline_cfg.weight_gather == "once",
+                             reduce_once=pipeline_cfg.gradient_reduce == "once")
 
 
 def resolve_microbatches(cfg, mesh: Mesh) -> None:
@@ -231,12 +233,14 @@ class Circular(Schedule):
 
 
 def pipelined(layers: nn.Module, make_layers: Callable, x: Array, positions: Array, segment_ids: Array | None, *,
-              schedule: Schedule, loop: Callable | None = None, gather_once: bool = False):
+              schedule: Schedule, loop: Callable | None = None, gather_once: bool = False,
+              reduce_once: bool = False):
     """The Decoder's `layer_stack` strategy: the bound scanned layers `layers` (whose variables are
     the stored [S R K, ...] arrays) run over the stages by `schedule`; `make_layers(length,
     parent=None)` makes an unbound scan of `length` layers to run each stage's chunk with.
     `loop`: _loop's contract with another backward (pipeline_recompute.loop); None: _loop.
-    `gather_once`: the stages' weights gathered before the loop, not in it (pipeline_gather.py).
+    `gather_once`: the stages' weights gathered before the loop, not in it (pipeline_gather.py);
+    `reduce_once`: and their gradient reduced after it (pipeline_gather.per_batch_shard).
     Returns (y, {AUX_LOSSES: what the real layers sowed on real microbatches})."""
     variables = dict(layers.variables)
     extra = set(variables) - {"params", FP8_COLLECTION}
@@ -258,8 +262,12 @@ def pipelined(layers: nn.Module, make_layers: Callable, x: Array, positions: Arr
     gathered = GatheredOnce.of(chunk_layers, x, positions, segment_ids, schedule.mesh) if gather_once else None
     if gathered is not None:
         params = gathered.before_loop(params)
+    loop = loop or _loop
+    if reduce_once:  # each device sums its own gradient; nothing to ask of each iteration's
+        loop = per_batch_shard(loop, schedule.mesh, present_axes(schedule.mesh, "activation_batch"))
+        gathered = None
     run_stage = functools.partial(_run_stage, chunk_layers, padded, schedule.pick_chunk, gathered)
-    y, sown = (loop or _loop)(schedule, run_stage, params, fp8_per_iteration, real, x, positions, segment_ids)
+    y, sown = loop(schedule, run_stage, params, fp8_per_iteration, real, x, positions, segment_ids)
     return y, {AUX_LOSSES: jax.tree_util.tree_map(functools.partial(_real_work, layout, microbatches), sown)}
 
 
@@ -361,7 +369,7 @@ def _permute(state: Array, mesh: Mesh, pairs: list[tuple[int, int]]) -> Array:
     sharded axis was lowered as an all-to-all over `stage`."""
     def local(block):  # block: this stage's [1, ...]
         return jax.lax.ppermute(block, STAGE_AXIS, pairs)
-    return jax.shard_map(local, mesh=mesh, in_specs=P(STAGE_AXIS), out_specs=P(STAGE_AXIS),
+    return jax.shard_map(local, mesh=_nested(mesh), in_specs=P(STAGE_AXIS), out_specs=P(STAGE_AXIS),
                          axis_names=frozenset({STAGE_AXIS}))(state)
 
 
@@ -378,8 +386,15 @@ def _from_stage(per_stage: Array, stage: int, mesh: Mesh) -> Array:
         mine = jax.lax.axis_index(STAGE_AXIS) == stage
         wide = block[0].astype(jnp.promote_types(block.dtype, jnp.float32))
         return jax.lax.psum(jnp.where(mine, wide, jnp.zeros_like(wide)), STAGE_AXIS).astype(block.dtype)
-    return jax.shard_map(local, mesh=mesh, in_specs=P(STAGE_AXIS), out_specs=P(),
+    return jax.shard_map(local, mesh=_nested(mesh), in_specs=P(STAGE_AXIS), out_specs=P(),
                          axis_names=frozenset({STAGE_AXIS}))(per_stage)
+
+
+def _nested(mesh: Mesh):
+    """The mesh for a shard_map over `stage`: inside pipeline_gather.per_batch_shard's shard_map
+    (manual over the batch axes) a nested one must name the context's mesh, manual axes and all."""
+    context = jax.sharding.get_abstract_mesh()
+    return context if not context.empty and context.manual_axes else mesh
 
 
 def _is_first(state: Array) -> Array:

@@ -27,6 +27,7 @@ price is memory: the stage's weights whole in fp32 for the step (planner/estimat
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import jax
 from flax import linen as nn
@@ -99,3 +100,35 @@ def _moved(tree, forward, backward):
 
     move.defvjp(move_forward, move_backward)
     return move(tree)
+
+
+def per_batch_shard(loop: Callable, mesh: Mesh, axes: tuple[str, ...]) -> Callable:
+    """pipeline.gradient_reduce="once": `loop` (pipeline._loop's contract) run on each batch
+    shard's own rows, manual over the batch mesh `axes` (data, fsdp, expert of more than one
+    device), with the stage's weights gathered and replicated over them. Each device then sums its
+    own, unreduced weight gradients over the loop's iterations, and shard_map's transpose reduces
+    that sum over `axes` once, after the loop (an all-reduce the stored layout slices: a
+    reduce-scatter). Inside, the batch axes are manual, so the layers' logical constraints see the
+    batch unsharded (their rows are already this shard's). The price: the stage's gradient held
+    whole in fp32 on every device for the step, beside the gathered weights."""
+    rules = tuple((name, None if name in BATCH_AXES else target) for name, target in rules_without_zero3())
+
+    def run(schedule, run_stage, params, fp8_per_iteration, real, x, positions, segment_ids):
+        # `real` (a constant) is closed over, not passed: gpipe_recompute's backward closes over it
+        # and is traced after this shard_map's forward, where a traced copy would have leaked.
+        def local(params, x, positions, *segments):
+            with nn.logical_axis_rules(rules):
+                return loop(schedule, run_stage, params, None, real, x, positions, segments[0] if segments else None)
+        rows = P(axes)
+        segments = () if segment_ids is None else (segment_ids,)
+        # check_vma off: the layers' own scans carry values that vary over the manual axes, which
+        # the type check would ask every carry to declare; the gradient is held to one device's by
+        # tests/test_pipeline_gather.py.
+        return jax.shard_map(local, mesh=mesh, in_specs=(P(), rows, rows, *(rows,) * len(segments)),
+                             out_specs=(rows, P()), axis_names=frozenset(axes), check_vma=False)(
+            params, x, positions, *segments)
+    return run
+
+
+# The logical axes that split the batch's rows: manual inside per_batch_shard.
+BATCH_AXES = ("activation_batch", "activation_exp_batch")

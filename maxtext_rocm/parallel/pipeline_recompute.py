@@ -35,6 +35,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import linen as nn
 
 from maxtext_rocm.models.llama import BLOCK_OUTPUT_AXES
@@ -68,7 +69,10 @@ def _differentiable_stack(schedule: Schedule, run_stage: Callable, real: Array) 
     """stack(params, fp8_per_iteration, staged, pos_in, seg_in) -> (outs [S, M, mb, seq, d] whose
     row S - 1 is the stack's output, sown [iterations, S, K, ...]), with the hand-scheduled backward."""
     stages, microbatches, mesh = schedule.stages, schedule.microbatches, schedule.mesh
-    stage_ids = jnp.arange(stages)
+    stage_ids = np.arange(stages)  # a constant, not a value traced with the forward (which the backward closes over)
+    # The backward is traced when the step is differentiated, outside any rules context the
+    # forward ran in (pipeline_gather.per_batch_shard's): it resolves logical axes as the forward did.
+    rules = nn.get_logical_axis_rules()
 
     def one_stage(stage_vars, stage_real, h, pos, seg):
         return run_stage(stage_vars, stage_real, 0, h, pos, seg)  # GPipe: each device's one chunk
@@ -153,7 +157,8 @@ def _differentiable_stack(schedule: Schedule, run_stage: Callable, real: Array) 
     def stack_backward(residuals, cotangents):
         params, fp8_per_iteration, saved_in, pos_in, seg_in = residuals
         d_outs, d_sown = cotangents
-        d_params, d_fp8, d_staged = backward(params, fp8_per_iteration, saved_in, pos_in, seg_in, d_outs, d_sown)
+        with nn.logical_axis_rules(rules):
+            d_params, d_fp8, d_staged = backward(params, fp8_per_iteration, saved_in, pos_in, seg_in, d_outs, d_sown)
         return d_params, d_fp8, d_staged, None, None  # positions and segments: integers
 
     stack.defvjp(stack_forward, stack_backward)

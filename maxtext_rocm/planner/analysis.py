@@ -87,6 +87,8 @@ def analyse(cfg, kind: str, n_devices: int, usable: float = 0.92, compile_it: bo
         act["circular chunk weights"] = iterations * stages.layer_param_bytes / cfg.pipeline.repeats
     if stages and fsdp_sharded and cfg.pipeline.weight_gather == "once":
         act["gathered stage weights"] = estimates.gathered_stage_weights_bytes(cfg, sizes)
+        if cfg.pipeline.gradient_reduce == "once":
+            act["unreduced stage gradient"] = estimates.unreduced_stage_gradient_bytes(cfg, sizes)
     opt_state = _sharded_bytes(abstract.opt_state)
     fp8_state = _sharded_bytes(abstract.fp8) + _sharded_bytes((abstract.step, abstract.nonfinite_steps))
     memory = AnalyticMemory(

@@ -107,6 +107,13 @@ def gathered_stage_weights_bytes(cfg, axis_sizes) -> float:
     return with_cast * slots * layer_param_bytes(cfg, axis_sizes)
 
 
+def unreduced_stage_gradient_bytes(cfg, axis_sizes) -> float:
+    """pipeline.gradient_reduce="once" (parallel/pipeline_gather.per_batch_shard): each device's
+    own sum of its layer slots' gradient, whole and in fp32, until the one reduce-scatter after the
+    loop."""
+    return gathered_stage_weights_bytes(cfg, axis_sizes) / (1.0 if cfg.precision.policy == "fp32" else 1.5)
+
+
 @dataclasses.dataclass
 class StageSplit:
     """Per-device parameter bytes of one pipeline stage, split over `stage` or replicated over it."""
