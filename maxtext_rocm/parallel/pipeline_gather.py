@@ -1,5 +1,6 @@
 """pipeline.weight_gather="once": each stage's ZeRO-3-sharded weights gathered once per step,
-before the pipeline loop, instead of in each of its M + S - 1 iterations (legend: pipeline.py).
+before the pipeline loop, instead of in each of its M + S - 1 iterations (legend: pipeline.py);
+pipeline.gradient_reduce="once": their gradient reduce-scattered once, after it.
 
 Under "per_iteration" GSPMD gathers a stage's weights over fsdp (and sequence and expert, which
 also ZeRO-3-shard dense weights: sharding.ZERO3_AXES) where the layers use them, inside the loop:
@@ -12,10 +13,13 @@ The gradient: each iteration's weight gradient is a sum over the batch shard's t
 the batch axes split, so GSPMD reduces it in the iteration that computes it. Left to itself it
 reduces it to the gathered layout (an all-reduce, 2x a reduce-scatter's bytes, per iteration)
 and sums it there; `in_stage` asks for the stored, ZeRO-3-sharded layout instead, so each
-iteration reduce-scatters and the loop sums shards. Reduce-scattering once per step would need
-the per-iteration gradients kept unreduced (a partial sum per device) across the loop, which
-GSPMD over Auto mesh axes cannot express; so the gradient stays at one reduce-scatter per
-iteration, as under "per_iteration", and the saving is the gathers (docs/parallelism.md).
+iteration reduce-scatters and the loop sums shards. GSPMD over Auto mesh axes cannot keep a
+partial sum unreduced across the loop; pipeline.gradient_reduce="once" (`per_batch_shard`) gets
+that by running the loop manual over the batch axes: each device then sums its own gradient, and
+shard_map's transpose reduces the sum once after the loop. It costs that sum's memory (the stage's
+gradient whole in fp32 per device) and a local view of the batch inside the loop, which MoE
+routing statistics, fp8 delayed scaling's amax and context parallelism do not have (refused in
+config/checks.py).
 
 Dtype: the gathered copy is in the parameters' own dtype (fp32 under every policy), not the
 compute dtype. The loop's autodiff sums a loop-invariant input's cotangent in that input's dtype,

@@ -75,8 +75,9 @@ Under pipeline.weight_gather="once" (parallel/pipeline_gather.py) the stage's we
 once per pipeline run, in the parameters' dtype (4 bytes on the GPU too), and the least their
 gradient needs is one reduce-scatter per run: the layer and expert weight terms read
     A_head*L*(4 + 4)*(F-1)/F*P_l                       (Fe and P_e for the experts' weights)
-with A_head = train.grad_accum. The compiled program still reduce-scatters the gradient in every
-iteration (pipeline_gather.py says why), which the measured figure shows above this.
+with A_head = train.grad_accum. Unless pipeline.gradient_reduce="once", the compiled program still
+reduce-scatters the gradient in every iteration (pipeline_gather.py says why), which the measured
+figure shows above this.
 The bubble's iterations are not in the minimum: the loop of M + P - 1 iterations also moves
 (and gathers weights for) the data of idle stages, P - 1 iterations of it, which a schedule that
 skipped idle stages would not; the measured figure includes them, so the pipeline's ratio is at
