@@ -235,7 +235,7 @@ def test_storage_order_puts_each_devices_chunks_in_its_block(layers, stages, rep
     ({"pipeline.gradient_reduce": "once"}, r"pipeline.gradient_reduce='once' needs the weights gathered once too; "
                                            r"set pipeline.weight_gather='once'"),
     ({"pipeline.gradient_reduce": "once", "pipeline.weight_gather": "once", "precision.policy": "fp8",
-      "precision.fp8_scaling": "delayed"}, r"pipeline.gradient_reduce='once' does not run with fp8 delayed scaling"),
+      "precision.fp8_scaling": "current"}, r"pipeline.gradient_reduce='once' does not run with precision.policy='fp8'"),
     ({"pipeline.gradient_reduce": "once", "pipeline.weight_gather": "once", "model.family": "mixtral",
       "model.n_experts": 4, "model.experts_per_token": 2}, r"does not run with model.n_experts=4 .*; set "
                                                            r"pipeline.gradient_reduce='per_iteration'"),

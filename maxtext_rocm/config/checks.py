@@ -329,8 +329,7 @@ def _validate_gradient_reduce(cfg) -> None:
     sequence = [mesh[group]["sequence"] for group in ("ici", "dcn")]
     refusals = [
         (m.n_experts > 1, f"model.n_experts={m.n_experts} (the router's statistics and the expert exchange span the batch)"),
-        (cfg.precision.policy == "fp8" and cfg.precision.fp8_scaling == "delayed",
-         "fp8 delayed scaling (its amax is taken over the whole batch)"),
+        (cfg.precision.policy == "fp8", "precision.policy='fp8' (its scales come from amaxes over the whole batch)"),
         (any(s != 1 for s in sequence), f"mesh sequence={sequence[0]} x {sequence[1]} (context parallelism's own exchange)"),
     ]
     for refused, what in refusals:

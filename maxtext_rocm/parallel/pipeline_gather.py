@@ -18,7 +18,7 @@ partial sum unreduced across the loop; pipeline.gradient_reduce="once" (`per_bat
 that by running the loop manual over the batch axes: each device then sums its own gradient, and
 shard_map's transpose reduces the sum once after the loop. It costs that sum's memory (the stage's
 gradient whole in fp32 per device) and a local view of the batch inside the loop, which MoE
-routing statistics, fp8 delayed scaling's amax and context parallelism do not have (refused in
+routing statistics, fp8's amaxes and context parallelism do not have (refused in
 config/checks.py).
 
 Dtype: the gathered copy is in the parameters' own dtype (fp32 under every policy), not the
@@ -115,6 +115,8 @@ def per_batch_shard(loop: Callable, mesh: Mesh, axes: tuple[str, ...]) -> Callab
     reduce-scatter). Inside, the batch axes are manual, so the layers' logical constraints see the
     batch unsharded (their rows are already this shard's). The price: the stage's gradient held
     whole in fp32 on every device for the step, beside the gathered weights."""
+    if not axes:  # no batch axis splits the batch: the gradient needs no reduction
+        return loop
     rules = tuple((name, None if name in BATCH_AXES else target) for name, target in rules_without_zero3())
 
     def run(schedule, run_stage, params, fp8_per_iteration, real, x, positions, segment_ids):
