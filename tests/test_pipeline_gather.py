@@ -130,6 +130,7 @@ def test_gathering_once_saves_all_but_one_of_the_per_iteration_gathers():
     assert _fsdp_bytes(once, "reduce-scatter") == _fsdp_bytes(per_iteration, "reduce-scatter")
     assert _fsdp_bytes(once, "reduce-scatter") == pytest.approx(ITERATIONS * STAGE_GATHER + HEAD_TABLE_GATHER, rel=1e-9)
     least = {t["term"]: t["cpu_bytes"] for t in once.comm["minimum"]["terms"]}
+    assert least["layer weights"] == pytest.approx((1 + 4) * STAGE_GATHER)  # one gather, M reduce-scatters
     assert least == {**{t["term"]: t["cpu_bytes"] for t in per_iteration.comm["minimum"]["terms"]},
                      "layer weights": least["layer weights"]}
     assert "gathered stage weights" not in per_iteration.memory.analytic_activation_terms_bytes
@@ -137,11 +138,15 @@ def test_gathering_once_saves_all_but_one_of_the_per_iteration_gathers():
 
 
 def test_the_minimum_gathers_once_per_accumulated_micro_batch():
-    """comm_minimum under "once": A_head (train.grad_accum) gathers and reduce-scatters of the
-    stage's weights, whatever M, in the parameters' 4 bytes on the GPU too."""
+    """comm_minimum under weight_gather="once": A_head (train.grad_accum) gathers of the stage's
+    weights, whatever M, in the parameters' 4 bytes on the GPU too; their gradient reduce-scattered
+    once per microbatch (A_head x M), or A_head times under gradient_reduce="once"."""
     cfg = small_config(**{"model.n_layers": 4, "train.grad_accum": 2, "precision.policy": "bf16"})
-    least = comm_minimum.minimum(cfg.model, cfg.train, "bf16", {"stage": 2, "fsdp": 4}, microbatches=8,
-                                 weight_gather="once")
-    layer = {t["term"]: t for t in least["terms"]}["layer weights"]
     P_l = 64 * 64 + 2 * 64 * 32 + 64 * 64 + 3 * 64 * 128
-    assert layer["cpu_bytes"] == layer["gpu_bytes"] == pytest.approx(2 * 2 * (4 + 4) * 3 / 4 * P_l)
+
+    def layer_term(**pipeline):
+        least = comm_minimum.minimum(cfg.model, cfg.train, "bf16", {"stage": 2, "fsdp": 4}, microbatches=8,
+                                     weight_gather="once", **pipeline)
+        return {t["term"]: t for t in least["terms"]}["layer weights"]
+    for reduces, term in ((2 * 8, layer_term()), (2, layer_term(gradient_reduce="once"))):
+        assert term["cpu_bytes"] == term["gpu_bytes"] == pytest.approx(2 * (2 * 4 + reduces * 4) * 3 / 4 * P_l)

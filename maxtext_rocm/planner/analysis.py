@@ -156,7 +156,8 @@ def analyse(cfg, kind: str, n_devices: int, usable: float = 0.92, compile_it: bo
             repeats = cfg.pipeline.repeats if cfg.pipeline.schedule == "circular" else 1
             report.comm = comm_lib.report(hlo, layout, cfg.model, cfg.train, cfg.precision.policy, kind,
                                           microbatches, counted, repeats=repeats,
-                                          weight_gather=cfg.pipeline.weight_gather)
+                                          weight_gather=cfg.pipeline.weight_gather,
+                                          gradient_reduce=cfg.pipeline.gradient_reduce)
     checksum_temp = memory.checkpoint_checksum_temp_bytes = _checksum_temp_bytes(abstract, mesh)
     if checksum_temp is not None:  # between steps, at a save: the state and the checksum's temporaries
         report.fits = report.fits and memory.state_bytes + checksum_temp <= setup.usable_bytes

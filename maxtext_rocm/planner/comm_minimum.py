@@ -72,12 +72,12 @@ is added:
                                                         (a busiest inner stage sends both), R times
                                                         under a circular schedule of R repeats
 Under pipeline.weight_gather="once" (parallel/pipeline_gather.py) the stage's weights are gathered
-once per pipeline run, in the parameters' dtype (4 bytes on the GPU too), and the least their
-gradient needs is one reduce-scatter per run: the layer and expert weight terms read
-    A_head*L*(4 + 4)*(F-1)/F*P_l                       (Fe and P_e for the experts' weights)
-with A_head = train.grad_accum. Unless pipeline.gradient_reduce="once", the compiled program still
-reduce-scatters the gradient in every iteration (pipeline_gather.py says why), which the measured
-figure shows above this.
+once per pipeline run, in the parameters' dtype (4 bytes on the GPU too), and their gradient
+reduce-scattered once per microbatch (A*M), or once per run under pipeline.gradient_reduce="once":
+the layer and expert weight terms read
+    L*(A_head*4 + A_r*4)*(F-1)/F*P_l                   (Fe and P_e for the experts' weights)
+with A_head = train.grad_accum and A_r = A (A_head under gradient_reduce "once"). The compiled
+program reduce-scatters per iteration, the bubble's too, unless gradient_reduce="once".
 The bubble's iterations are not in the minimum: the loop of M + P - 1 iterations also moves
 (and gathers weights for) the data of idle stages, P - 1 iterations of it, which a schedule that
 skipped idle stages would not; the measured figure includes them, so the pipeline's ratio is at
@@ -114,11 +114,13 @@ def _params(m, t: int, E: int) -> tuple[float, float]:
 
 
 def minimum(model_cfg, train_cfg, policy: str, sizes: dict[str, int], param_bytes: int = GRAD_BYTES,
-            microbatches: int = 1, repeats: int = 1, weight_gather: str = "per_iteration") -> dict:
+            microbatches: int = 1, repeats: int = 1, weight_gather: str = "per_iteration",
+            gradient_reduce: str = "per_iteration") -> dict:
     """The minimum bytes per device per step: {"terms": [...], "cpu_bytes", "gpu_bytes"}, each term
     with its mesh axes, CPU-dtype and GPU-dtype bytes, and its formula with the numbers put in.
     Under a pipeline (sizes["stage"] = P > 1, `microbatches` M, a circular schedule's `repeats` R)
-    the terms are per stage: see PIPELINE in this module's docstring (`weight_gather`: its "once")."""
+    the terms are per stage: see PIPELINE in this module's docstring (`weight_gather`,
+    `gradient_reduce`: its "once")."""
     m = model_cfg
     D, Fs, E, S, t = (sizes.get(a, 1) for a in ("data", "fsdp", "expert", "sequence", "tensor"))
     P = sizes.get("stage", 1)
@@ -145,15 +147,17 @@ def minimum(model_cfg, train_cfg, policy: str, sizes: dict[str, int], param_byte
     head_tables = 1 if m.tie_embeddings else 2
 
     once = P > 1 and weight_gather == "once"
+    A_r = A_head if gradient_reduce == "once" else A  # the gradient's reduce-scatters under "once"
 
     def layer_rows(wl: float, gb: float) -> list[tuple[str, str, float, str]]:
         """The layers' (and experts') weight gathers and gradient reduce-scatters; wl: a layer
         weight's gathered bytes (w but for the CPU's fp8 layers, see Dtypes)."""
-        if once:  # one gather (in the parameters' dtype) and one reduce-scatter per pipeline run
-            return [("layer weights", zero, A_head * L * (param_bytes + gb) * (F - 1) / F * P_l,
-                     f"A*L*(4+4)*(F-1)/F*P_l = {A_head}*{L}*({param_bytes}+{gb})*({F}-1)/{F}*{P_l:.0f}"),
-                    ("expert weights", zero_e, A_head * L * (param_bytes + gb) * (Fe - 1) / Fe * P_e,
-                     f"A*L*(4+4)*(Fe-1)/Fe*P_e = {A_head}*{L}*({param_bytes}+{gb})*({Fe}-1)/{Fe}*{P_e:.0f}")]
+        if once:  # one gather (in the parameters' dtype) per pipeline run
+            per = A_head * param_bytes + A_r * gb
+            return [("layer weights", zero, L * per * (F - 1) / F * P_l,
+                     f"L*(A_head*4+A_r*4)*(F-1)/F*P_l = {L}*({A_head}*{param_bytes}+{A_r}*{gb})*({F}-1)/{F}*{P_l:.0f}"),
+                    ("expert weights", zero_e, L * per * (Fe - 1) / Fe * P_e,
+                     f"L*(A_head*4+A_r*4)*(Fe-1)/Fe*P_e = {L}*({A_head}*{param_bytes}+{A_r}*{gb})*({Fe}-1)/{Fe}*{P_e:.0f}")]
         return [("layer weights", zero, A * L * (g * wl + gb) * (F - 1) / F * P_l,
                  f"A*L*(g*w+4)*(F-1)/F*P_l = {A}*{L}*({g}*{wl}+{gb})*({F}-1)/{F}*{P_l:.0f}"),
                 ("expert weights", zero_e, A * L * (g * wl + gb) * (Fe - 1) / Fe * P_e,
