@@ -328,9 +328,11 @@ def _validate_gradient_reduce(cfg) -> None:
     m, mesh = cfg.model, cfg.mesh
     sequence = [mesh[group]["sequence"] for group in ("ici", "dcn")]
     refusals = [
-        (m.n_experts > 1, f"model.n_experts={m.n_experts} (the router's statistics and the expert exchange span the batch)"),
+        (m.n_experts > 1,
+         f"model.n_experts={m.n_experts} (the router's statistics and the expert exchange span the batch)"),
         (cfg.precision.policy == "fp8", "precision.policy='fp8' (its scales come from amaxes over the whole batch)"),
-        (any(s != 1 for s in sequence), f"mesh sequence={sequence[0]} x {sequence[1]} (context parallelism's own exchange)"),
+        (any(s != 1 for s in sequence), f"mesh.ici.sequence={sequence[0]}, mesh.dcn.sequence={sequence[1]} "
+                                        "(context parallelism's own exchange)"),
     ]
     for refused, what in refusals:
         _require(not refused, f"pipeline.gradient_reduce='once' does not run with {what}; "

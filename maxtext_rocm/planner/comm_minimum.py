@@ -157,7 +157,8 @@ def minimum(model_cfg, train_cfg, policy: str, sizes: dict[str, int], param_byte
             return [("layer weights", zero, L * per * (F - 1) / F * P_l,
                      f"L*(A_head*4+A_r*4)*(F-1)/F*P_l = {L}*({A_head}*{param_bytes}+{A_r}*{gb})*({F}-1)/{F}*{P_l:.0f}"),
                     ("expert weights", zero_e, L * per * (Fe - 1) / Fe * P_e,
-                     f"L*(A_head*4+A_r*4)*(Fe-1)/Fe*P_e = {L}*({A_head}*{param_bytes}+{A_r}*{gb})*({Fe}-1)/{Fe}*{P_e:.0f}")]
+                     f"L*(A_head*4+A_r*4)*(Fe-1)/Fe*P_e = "
+                     f"{L}*({A_head}*{param_bytes}+{A_r}*{gb})*({Fe}-1)/{Fe}*{P_e:.0f}")]
         return [("layer weights", zero, A * L * (g * wl + gb) * (F - 1) / F * P_l,
                  f"A*L*(g*w+4)*(F-1)/F*P_l = {A}*{L}*({g}*{wl}+{gb})*({F}-1)/{F}*{P_l:.0f}"),
                 ("expert weights", zero_e, A * L * (g * wl + gb) * (Fe - 1) / Fe * P_e,
