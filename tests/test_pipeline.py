@@ -254,6 +254,15 @@ def test_storage_order_puts_each_devices_chunks_in_its_block(layers, stages, rep
     ({"pipeline.schedule": "gpipe_recompute", "pipeline.repeats": 2}, r"pipeline.repeats=2 needs a circular schedule, which pipeline.schedule='gpipe_recompute' is not"),
     ({"pipeline.repeats": 2}, r"pipeline.repeats=2 needs a circular schedule, which pipeline.schedule='gpipe' is not"),
     ({"model.scan_layers": False}, r"set model.scan_layers=True"),
+    ({"pipeline.weight_gather": "per_step"}, r"pipeline.weight_gather='per_step' is not valid; choose one of "
+                                             r"'per_iteration', 'once'"),
+    ({"pipeline.gradient_reduce": "once"}, r"pipeline.gradient_reduce='once' needs the weights gathered once too; "
+                                           r"set pipeline.weight_gather='once'"),
+    ({"pipeline.gradient_reduce": "once", "pipeline.weight_gather": "once", "precision.policy": "fp8",
+      "precision.fp8_scaling": "current"}, r"pipeline.gradient_reduce='once' does not run with precision.policy='fp8'"),
+    ({"pipeline.gradient_reduce": "once", "pipeline.weight_gather": "once", "model.family": "mixtral",
+      "model.n_experts": 4, "model.experts_per_token": 2}, r"does not run with model.n_experts=4 .*; set "
+                                                           r"pipeline.gradient_reduce='per_iteration'"),
 ])
 def test_bad_pipeline_settings_are_one_sentence_before_compiling(overrides, message):
     cfg = llama(**dict(SINGLE, **{"mesh.ici.stage": 2, "mesh.ici.fsdp": 4}), **overrides)

@@ -16,7 +16,8 @@ import ml_collections
 from maxtext_rocm.config.choices import (
     ATTENTION_IMPLEMENTATIONS, CHAT_TEMPLATES, CONTEXT_PARALLEL_MODES, DATA_FORMATS, DATA_SOURCES, FP8_FORMATS,
     FP8_SCALINGS, LORA_TARGETS, MESH_AXES, MODEL_FAMILIES, MOE_IMPLEMENTATIONS, NONFINITE_ACTIONS, NUMBER_RANGES,
-    OBJECTIVES, PIPELINE_SCHEDULES, PRECISION_POLICIES, PROJECTION_FUSIONS, REMAT_POLICIES, SCHEDULES)
+    OBJECTIVES, PIPELINE_SCHEDULES, PIPELINE_WEIGHT_GATHERS, PRECISION_POLICIES, PROJECTION_FUSIONS, REMAT_POLICIES,
+    SCHEDULES)
 from maxtext_rocm.errors import ConfigError
 from maxtext_rocm.config.mesh_sizes import axis_sizes, mesh_shape  # noqa: F401  (part of this module's interface)
 
@@ -104,6 +105,7 @@ def validate(cfg: ml_collections.ConfigDict, device_count: int | None = None,
     _validate_moe(m, cfg.train.seq_len)
 
     _validate_pipeline(cfg.pipeline)
+    _validate_gradient_reduce(cfg)
 
     p = cfg.precision
     _one_of("precision.policy", p.policy, PRECISION_POLICIES)
@@ -303,6 +305,10 @@ def _validate_moe(m, seq_len: int) -> None:
 
 def _validate_pipeline(pipe) -> None:
     _one_of("pipeline.schedule", pipe.schedule, PIPELINE_SCHEDULES)
+    _one_of("pipeline.weight_gather", pipe.weight_gather, PIPELINE_WEIGHT_GATHERS)
+    _one_of("pipeline.gradient_reduce", pipe.gradient_reduce, PIPELINE_WEIGHT_GATHERS)
+    _require(pipe.gradient_reduce == "per_iteration" or pipe.weight_gather == "once",
+             "pipeline.gradient_reduce='once' needs the weights gathered once too; set pipeline.weight_gather='once'")
     _require(isinstance(pipe.microbatches, int) and pipe.microbatches >= 0,
              f"pipeline.microbatches={pipe.microbatches!r} is not valid; use a count >= 1, or 0 to choose "
              "(up to 4 per stage, as the batch allows)")
@@ -311,6 +317,26 @@ def _validate_pipeline(pipe) -> None:
     _require(pipe.repeats == 1 or pipe.schedule == "circular",
              f"pipeline.repeats={pipe.repeats} needs a circular schedule, which "
              f"pipeline.schedule={pipe.schedule!r} is not; set pipeline.repeats=1 or pipeline.schedule='circular'")
+
+
+def _validate_gradient_reduce(cfg) -> None:
+    """pipeline.gradient_reduce="once" runs the pipeline manual over the batch axes
+    (parallel/pipeline_gather.per_batch_shard): what would need a global view of the batch there
+    is refused."""
+    if cfg.pipeline.gradient_reduce != "once":
+        return
+    m, mesh = cfg.model, cfg.mesh
+    sequence = [mesh[group]["sequence"] for group in ("ici", "dcn")]
+    refusals = [
+        (m.n_experts > 1,
+         f"model.n_experts={m.n_experts} (the router's statistics and the expert exchange span the batch)"),
+        (cfg.precision.policy == "fp8", "precision.policy='fp8' (its scales come from amaxes over the whole batch)"),
+        (any(s != 1 for s in sequence), f"mesh.ici.sequence={sequence[0]}, mesh.dcn.sequence={sequence[1]} "
+                                        "(context parallelism's own exchange)"),
+    ]
+    for refused, what in refusals:
+        _require(not refused, f"pipeline.gradient_reduce='once' does not run with {what}; "
+                              "set pipeline.gradient_reduce='per_iteration'")
 
 
 # At most this many microbatches per stage under auto: GPipe's bubble (S-1)/(M+S-1) is ~47% at

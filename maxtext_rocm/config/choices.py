@@ -23,6 +23,9 @@ OBJECTIVES = ("lm", "dpo")  # train.objective: next-token cross-entropy, or pref
 # circular: pipeline.repeats virtual stages per device; gpipe_recompute: gpipe's order, a hand-written backward
 # keeping one microbatch's layer residuals per stage (parallel/pipeline_recompute.py)
 PIPELINE_SCHEDULES = ("gpipe", "circular", "gpipe_recompute")
+# When a stage's ZeRO-3 weights are gathered (pipeline.weight_gather) and their gradient
+# reduce-scattered (pipeline.gradient_reduce): in each iteration of the pipeline loop, or once.
+PIPELINE_WEIGHT_GATHERS = ("per_iteration", "once")
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")  # the dense layers LoRA can adapt
 
 # The range of every number that is not a count (counts are checked one by one in

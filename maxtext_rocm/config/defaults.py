@@ -80,6 +80,18 @@ def defaults() -> ml_collections.ConfigDict:
         # stage keeps one microbatch's layer residuals, not M (one more forward per step).
         schedule="gpipe",
         repeats=1,  # virtual stages per device (circular; gpipe takes 1)
+        # When a stage's ZeRO-3-sharded weights (fsdp, and sequence/expert for dense ones) are
+        # gathered. "per_iteration": where the loop's body uses them, as GSPMD places it: g times in
+        # each of the M + S - 1 iterations (g = 2 under remat), the bubble's too. "once": before the
+        # loop, one gather a step (parallel/pipeline_gather.py), at the memory of the stage's
+        # weights held whole in fp32 for the step (the fit check counts it). The gradient is still
+        # reduce-scattered per iteration unless gradient_reduce="once".
+        weight_gather="per_iteration",
+        # "once" (with weight_gather "once"): the loop runs on each batch shard's rows, manual over
+        # the batch axes, so each device sums its own weight gradient over the iterations and it is
+        # reduce-scattered once a step, after the loop; at the memory of that sum, the stage's
+        # gradient whole in fp32. Dense models, no fp8, mesh sequence 1.
+        gradient_reduce="per_iteration",
     )
     cfg.precision = dict(
         policy="bf16",  # "fp32", "bf16", or "fp8" (bf16 with fp8 matmuls; see maxtext_rocm/numerics/fp8.py)

@@ -26,6 +26,8 @@ pipeline composes with fsdp, tensor, expert and sequence sharding as the unpipel
 The layers' own shard_maps (the dropless expert exchange, context-parallel attention) are batched
 by that vmap, the stage axis added to their specs; they run unchecked here (varying.check_vma).
 An empty slot runs the layer on its zeros and keeps its input (`where`), so it gets zero gradient.
+GSPMD gathers a stage's fsdp-sharded weights where the loop's body uses them, in every iteration;
+pipeline.weight_gather="once" gathers them before the loop instead (pipeline_gather.py).
 
 Work a stage does in the bubble (on zeros or a repeated microbatch) is dropped and gets no
 cotangent, so gradients are exact. The backward pass is the loop's autodiff: all forwards, then
@@ -61,6 +63,8 @@ from maxtext_rocm.numerics import fp8
 from maxtext_rocm.numerics.fp8 import FP8_COLLECTION
 from maxtext_rocm.models.llama import BLOCK_OUTPUT_AXES, TokenEmbedding
 from maxtext_rocm.models.moe import AUX_LOSSES
+from maxtext_rocm.parallel.pipeline_gather import GatheredOnce, per_batch_shard
+from maxtext_rocm.parallel.sharding import present_axes
 from maxtext_rocm.parallel.pipeline_layout import StackLayout
 
 Array = jax.Array
@@ -106,7 +110,9 @@ def layer_stack(pipeline_cfg, model_cfg, mesh: Mesh, loop: Callable | None = Non
                           f"pipeline.repeats={pipeline_cfg.repeats} virtual stages without a layer")
     layout = StackLayout(model_cfg.n_layers, stages, pipeline_cfg.repeats)
     schedule = (GPipe if layout.repeats == 1 else Circular)(layout, _resolved(pipeline_cfg), mesh)
-    return functools.partial(pipelined, schedule=schedule, loop=loop)
+    return functools.partial(pipelined, schedule=schedule, loop=loop,
+                             gather_once=pipeline_cfg.weight_gather == "once",
+                             reduce_once=pipeline_cfg.gradient_reduce == "once")
 
 
 def resolve_microbatches(cfg, mesh: Mesh) -> None:
@@ -232,12 +238,15 @@ class Circular(Schedule):
 
 
 def pipelined(layers: nn.Module, make_layers: Callable, embedding: TokenEmbedding, tokens: Array, positions: Array,
-              segment_ids: Array | None, *, schedule: Schedule, loop: Callable | None = None):
+              segment_ids: Array | None, *, schedule: Schedule, loop: Callable | None = None,
+              gather_once: bool = False, reduce_once: bool = False):
     """The Decoder's `layer_stack` strategy: the bound scanned layers `layers` (whose variables are
     the stored [S R K, ...] arrays) run over the stages by `schedule` on `tokens` [B, seq] as
     `embedding` looks them up (on the stages: embedded_per_stage); `make_layers(length,
     parent=None)` makes an unbound scan of `length` layers to run each stage's chunk with.
     `loop`: _loop's contract with another backward (pipeline_recompute.loop); None: _loop.
+    `gather_once`: the stages' weights gathered before the loop, not in it (pipeline_gather.py);
+    `reduce_once`: and their gradient reduced after it (pipeline_gather.per_batch_shard).
     Returns (y, {AUX_LOSSES: what the real layers sowed on real microbatches})."""
     variables = dict(layers.variables)
     extra = set(variables) - {"params", FP8_COLLECTION}
@@ -256,23 +265,31 @@ def pipelined(layers: nn.Module, make_layers: Callable, embedding: TokenEmbeddin
     real = jnp.asarray(layout.real)
     padded = bool(layout.empty)
     chunk_layers = make_layers(1 if padded else slots, parent=None)
-    run_stage = functools.partial(_run_stage, chunk_layers, padded, schedule.pick_chunk)
-    y, sown = (loop or _loop)(schedule, run_stage, params, fp8_per_iteration, real, embedding, tokens, positions,
-                              segment_ids)
+    staged = embedded_per_stage(embedding, tokens, stages, microbatches)  # [S, M, mb, seq, d]
+    gathered = (GatheredOnce.of(chunk_layers, staged[0, 0], positions, segment_ids, schedule.mesh)
+                if gather_once else None)
+    if gathered is not None:
+        params = gathered.before_loop(params)
+    loop = loop or _loop
+    if reduce_once:  # each device sums its own gradient; nothing to ask of each iteration's
+        loop = per_batch_shard(loop, schedule.mesh, present_axes(schedule.mesh, "activation_batch"))
+        gathered = None
+    run_stage = functools.partial(_run_stage, chunk_layers, padded, schedule.pick_chunk, gathered)
+    y, sown = loop(schedule, run_stage, params, fp8_per_iteration, real, staged, positions, segment_ids)
     return y, {AUX_LOSSES: jax.tree_util.tree_map(functools.partial(_real_work, layout, microbatches), sown)}
 
 
 def _loop(schedule: Schedule, run_stage: Callable, params, fp8_per_iteration, real: Array,
-          embedding: TokenEmbedding, tokens: Array, positions: Array, segment_ids: Array | None):
+          staged: Array, positions: Array, segment_ids: Array | None):
     """The loop every schedule runs: `schedule.n_iterations` iterations, in each of which every
-    stage takes its input (`schedule.stage_inputs`) and runs its chunk (`run_stage`, vmapped over
-    the stages). Returns (y [B, seq, d], what the layers sowed [iterations, S, K, ...])."""
+    stage takes its input (`schedule.stage_inputs`; stage 0 its row of `staged` [S, M, mb, seq, d],
+    embedded_per_stage) and runs its chunk (`run_stage`, vmapped over the stages). Returns
+    (y [B, seq, d], what the layers sowed [iterations, S, K, ...])."""
     all_stages = jax.vmap(run_stage, spmd_axis_name=STAGE_AXIS)
     stages, microbatches = schedule.stages, schedule.microbatches
     passes = schedule.repeats * microbatches  # each microbatch once per repeat
     pos_in, seg_in = (None if a is None else split_microbatches(a, microbatches) for a in (positions, segment_ids))
     stage_ids = jnp.arange(stages)
-    staged = embedded_per_stage(embedding, tokens, stages, microbatches)  # [S, M, mb, seq, d]
     inputs = jax.ShapeDtypeStruct(staged.shape[1:], staged.dtype)  # [M, mb, seq, d], for shapes
 
     def iteration(carry, xs):
@@ -330,10 +347,13 @@ def embedded_per_stage(embedding: TokenEmbedding, tokens: Array, stages: int, mi
 # One stage's work in one iteration (vmapped over the stages by `pipelined`)
 
 
-def _run_stage(chunk_layers: nn.Module, padded: bool, pick_chunk: Callable, stage_vars, stage_real: Array,
-               repeat: Array, h: Array, pos: Array, seg: Array | None):
+def _run_stage(chunk_layers: nn.Module, padded: bool, pick_chunk: Callable, gathered, stage_vars,
+               stage_real: Array, repeat: Array, h: Array, pos: Array, seg: Array | None):
     """One stage: its chunk of this iteration (`pick_chunk` of its [R, ...] block) run on `h`.
-    stage_vars {collection: [R, K, ...]}, stage_real [R, K] (False: an empty slot)."""
+    stage_vars {collection: [R, K, ...]}, stage_real [R, K] (False: an empty slot). `gathered`: a
+    GatheredOnce whose weights these are, or None."""
+    if gathered is not None:
+        stage_vars = {**stage_vars, "params": gathered.in_stage(stage_vars["params"])}
     chunk_vars = jax.tree_util.tree_map(lambda a: pick_chunk(a, repeat), stage_vars)
     chunk_real = pick_chunk(stage_real, repeat)
     if not padded:
@@ -373,7 +393,7 @@ def _permute(state: Array, mesh: Mesh, pairs: list[tuple[int, int]]) -> Array:
     sharded axis was lowered as an all-to-all over `stage`."""
     def local(block):  # block: this stage's [1, ...]
         return jax.lax.ppermute(block, STAGE_AXIS, pairs)
-    return jax.shard_map(local, mesh=mesh, in_specs=P(STAGE_AXIS), out_specs=P(STAGE_AXIS),
+    return jax.shard_map(local, mesh=_nested(mesh), in_specs=P(STAGE_AXIS), out_specs=P(STAGE_AXIS),
                          axis_names=frozenset({STAGE_AXIS}))(state)
 
 
@@ -390,8 +410,15 @@ def _from_stage(per_stage: Array, stage: int, mesh: Mesh) -> Array:
         mine = jax.lax.axis_index(STAGE_AXIS) == stage
         wide = block[0].astype(jnp.promote_types(block.dtype, jnp.float32))
         return jax.lax.psum(jnp.where(mine, wide, jnp.zeros_like(wide)), STAGE_AXIS).astype(block.dtype)
-    return jax.shard_map(local, mesh=mesh, in_specs=P(STAGE_AXIS), out_specs=P(),
+    return jax.shard_map(local, mesh=_nested(mesh), in_specs=P(STAGE_AXIS), out_specs=P(),
                          axis_names=frozenset({STAGE_AXIS}))(per_stage)
+
+
+def _nested(mesh: Mesh):
+    """The mesh for a shard_map over `stage`: inside pipeline_gather.per_batch_shard's shard_map
+    (manual over the batch axes) a nested one must name the context's mesh, manual axes and all."""
+    context = jax.sharding.get_abstract_mesh()
+    return context if not context.empty and context.manual_axes else mesh
 
 
 def _is_first(state: Array) -> Array:

@@ -35,28 +35,27 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import linen as nn
 
-from maxtext_rocm.models.llama import BLOCK_OUTPUT_AXES, TokenEmbedding
+from maxtext_rocm.models.llama import BLOCK_OUTPUT_AXES
 from maxtext_rocm.numerics.fp8 import FP8_COLLECTION
 from maxtext_rocm.parallel.pipeline import (
-    STAGE_AXIS, STATE_AXES, TOKEN_AXES, Schedule, _from_stage, _is_first, _permute, _shift, embedded_per_stage,
-    merge_microbatches, split_microbatches)
+    STAGE_AXIS, STATE_AXES, TOKEN_AXES, Schedule, _from_stage, _is_first, _permute, _shift, merge_microbatches,
+    split_microbatches)
 
 Array = jax.Array
 SAVED_AXES = ("activation_stage", None) + BLOCK_OUTPUT_AXES  # [S, M, mb, seq, d]: one row per stage
 
 
 def loop(schedule: Schedule, run_stage: Callable, params, fp8_per_iteration, real: Array,
-         embedding: TokenEmbedding, tokens: Array, positions: Array, segment_ids: Array | None):
+         staged: Array, positions: Array, segment_ids: Array | None):
     """pipeline._loop's contract (y [B, seq, d], sown [iterations, S, K, ...]) with the backward of
     this module's docstring. `run_stage(stage_vars, stage_real, repeat, h, pos, seg)` is one stage's
-    work, unvmapped."""
+    work, unvmapped. `staged` [S, M, mb, seq, d]: each stage's own lookup (pipeline.embedded_per_stage);
+    the backward's cotangent of it (stage 0's row) stays on stage 0, in the table's gradient."""
     stages, microbatches = schedule.stages, schedule.microbatches
     pos_in, seg_in = (None if a is None else split_microbatches(a, microbatches) for a in (positions, segment_ids))
-    # Each stage's own lookup, as pipeline._loop makes it: the backward's cotangent of it (stage
-    # 0's row) stays on stage 0, in the table's gradient.
-    staged = embedded_per_stage(embedding, tokens, stages, microbatches)
     stack = _differentiable_stack(schedule, run_stage, real)
     outs, sown = stack(params, fp8_per_iteration, staged, pos_in, seg_in)
     y = _from_stage(outs, stages - 1, schedule.mesh)  # the last stage's row, on every stage
@@ -67,7 +66,10 @@ def _differentiable_stack(schedule: Schedule, run_stage: Callable, real: Array) 
     """stack(params, fp8_per_iteration, staged, pos_in, seg_in) -> (outs [S, M, mb, seq, d] whose
     row S - 1 is the stack's output, sown [iterations, S, K, ...]), with the hand-scheduled backward."""
     stages, microbatches, mesh = schedule.stages, schedule.microbatches, schedule.mesh
-    stage_ids = jnp.arange(stages)
+    stage_ids = np.arange(stages)  # a constant, not a value traced with the forward (which the backward closes over)
+    # The backward is traced when the step is differentiated, outside any rules context the
+    # forward ran in (pipeline_gather.per_batch_shard's): it resolves logical axes as the forward did.
+    rules = nn.get_logical_axis_rules()
 
     def one_stage(stage_vars, stage_real, h, pos, seg):
         return run_stage(stage_vars, stage_real, 0, h, pos, seg)  # GPipe: each device's one chunk
@@ -152,7 +154,8 @@ def _differentiable_stack(schedule: Schedule, run_stage: Callable, real: Array) 
     def stack_backward(residuals, cotangents):
         params, fp8_per_iteration, saved_in, pos_in, seg_in = residuals
         d_outs, d_sown = cotangents
-        d_params, d_fp8, d_staged = backward(params, fp8_per_iteration, saved_in, pos_in, seg_in, d_outs, d_sown)
+        with nn.logical_axis_rules(rules):
+            d_params, d_fp8, d_staged = backward(params, fp8_per_iteration, saved_in, pos_in, seg_in, d_outs, d_sown)
         return d_params, d_fp8, d_staged, None, None  # positions and segments: integers
 
     stack.defvjp(stack_forward, stack_backward)

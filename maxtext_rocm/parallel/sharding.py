@@ -62,6 +62,18 @@ LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("layers", "stage"),
 )
 
+# The logical axes a weight is ZeRO-3-sharded along (over fsdp, and sequence and expert for dense
+# weights): what a gather of the weights undoes. tensor ("heads", "mlp", ...) and expert ("exp")
+# split the computation itself, and a gather of them would only add work.
+ZERO3_AXES = ("embed", "exp_embed")
+
+
+def rules_without_zero3() -> tuple:
+    """LOGICAL_RULES with the ZeRO-3 axes unsharded: a weight's layout once gathered
+    (parallel/pipeline.py, pipeline.weight_gather="once")."""
+    return tuple((name, None if name in ZERO3_AXES else target) for name, target in LOGICAL_RULES)
+
+
 # Which model dimension each sharded parameter axis carries, for the divisibility check.
 PARAM_AXIS_SIZES = {
     "vocab": "vocab_size",

@@ -85,6 +85,10 @@ def analyse(cfg, kind: str, n_devices: int, usable: float = 0.92, compile_it: bo
         # (this device's share, 1/R of its slots) once per iteration (parallel/pipeline.py).
         iterations, _ = estimates.loop_shape(cfg.pipeline, cfg.model.n_layers, sizes["stage"], microbatches)
         act["circular chunk weights"] = iterations * stages.layer_param_bytes / cfg.pipeline.repeats
+    if stages and fsdp_sharded and cfg.pipeline.weight_gather == "once":
+        act["gathered stage weights"] = estimates.gathered_stage_weights_bytes(cfg, sizes)
+        if cfg.pipeline.gradient_reduce == "once":
+            act["unreduced stage gradient"] = estimates.unreduced_stage_gradient_bytes(cfg, sizes)
     opt_state = _sharded_bytes(abstract.opt_state)
     fp8_state = _sharded_bytes(abstract.fp8) + _sharded_bytes((abstract.step, abstract.nonfinite_steps))
     memory = AnalyticMemory(
@@ -152,7 +156,9 @@ def analyse(cfg, kind: str, n_devices: int, usable: float = 0.92, compile_it: bo
             repeats = cfg.pipeline.repeats if cfg.pipeline.schedule == "circular" else 1
             report.comm = comm_lib.report(hlo, layout, cfg.model, cfg.train, cfg.precision.policy, kind,
                                           microbatches, counted, repeats=repeats,
-                                          stage_recompute=cfg.pipeline.schedule == "gpipe_recompute")
+                                          stage_recompute=cfg.pipeline.schedule == "gpipe_recompute",
+                                          weight_gather=cfg.pipeline.weight_gather,
+                                          gradient_reduce=cfg.pipeline.gradient_reduce)
     checksum_temp = memory.checkpoint_checksum_temp_bytes = _checksum_temp_bytes(abstract, mesh)
     if checksum_temp is not None:  # between steps, at a save: the state and the checksum's temporaries
         report.fits = report.fits and memory.state_bytes + checksum_temp <= setup.usable_bytes

@@ -77,6 +77,13 @@ more in its backward, so everything a forward sends is sent once more per microb
 forward's two all-reduces per layer), n_e -> n_e+2 (dispatch and combine). The minimum of that
 algorithm, as remat's recompute is counted in the terms above; comparing it with GPipe's says
 what the schedule costs in bytes.
+Under pipeline.weight_gather="once" (parallel/pipeline_gather.py) the stage's weights are gathered
+once per pipeline run, in the parameters' dtype (4 bytes on the GPU too), and their gradient
+reduce-scattered once per microbatch (A*M), or once per run under pipeline.gradient_reduce="once":
+the layer and expert weight terms read
+    L*(A_head*4 + A_r*4)*(F-1)/F*P_l                   (Fe and P_e for the experts' weights)
+with A_head = train.grad_accum and A_r = A (A_head under gradient_reduce "once"). The compiled
+program reduce-scatters per iteration, the bubble's too, unless gradient_reduce="once".
 The bubble's iterations are not in the minimum: the loop of M + P - 1 iterations also moves
 (and gathers weights for) the data of idle stages, P - 1 iterations of it, which a schedule that
 skipped idle stages would not; the measured figure includes them, so the pipeline's ratio is at
@@ -113,12 +120,13 @@ def _params(m, t: int, E: int) -> tuple[float, float]:
 
 
 def minimum(model_cfg, train_cfg, policy: str, sizes: dict[str, int], param_bytes: int = GRAD_BYTES,
-            microbatches: int = 1, repeats: int = 1, stage_recompute: bool = False) -> dict:
+            microbatches: int = 1, repeats: int = 1, stage_recompute: bool = False,
+            weight_gather: str = "per_iteration", gradient_reduce: str = "per_iteration") -> dict:
     """The minimum bytes per device per step: {"terms": [...], "cpu_bytes", "gpu_bytes"}, each term
     with its mesh axes, CPU-dtype and GPU-dtype bytes, and its formula with the numbers put in.
     Under a pipeline (sizes["stage"] = P > 1, `microbatches` M, a circular schedule's `repeats` R,
     `stage_recompute` under gpipe_recompute) the terms are per stage: see PIPELINE in this module's
-    docstring."""
+    docstring (`weight_gather`, `gradient_reduce`: its "once")."""
     m = model_cfg
     D, Fs, E, S, t = (sizes.get(a, 1) for a in ("data", "fsdp", "expert", "sequence", "tensor"))
     P = sizes.get("stage", 1)
@@ -145,12 +153,26 @@ def minimum(model_cfg, train_cfg, policy: str, sizes: dict[str, int], param_byte
     gpu_c = 4 if policy == "fp32" else 2
     head_tables = 1 if m.tie_embeddings else 2
 
+    once = P > 1 and weight_gather == "once"
+    A_r = A_head if gradient_reduce == "once" else A  # the gradient's reduce-scatters under "once"
+
+    def layer_rows(wl: float, gb: float) -> list[tuple[str, str, float, str]]:
+        """The layers' (and experts') weight gathers and gradient reduce-scatters; wl: a layer
+        weight's gathered bytes (w but for the CPU's fp8 layers, see Dtypes)."""
+        if once:  # one gather (in the parameters' dtype) per pipeline run
+            per = A_head * param_bytes + A_r * gb
+            return [("layer weights", zero, L * per * (F - 1) / F * P_l,
+                     f"L*(A_head*4+A_r*4)*(F-1)/F*P_l = {L}*({A_head}*{param_bytes}+{A_r}*{gb})*({F}-1)/{F}*{P_l:.0f}"),
+                    ("expert weights", zero_e, L * per * (Fe - 1) / Fe * P_e,
+                     f"L*(A_head*4+A_r*4)*(Fe-1)/Fe*P_e = "
+                     f"{L}*({A_head}*{param_bytes}+{A_r}*{gb})*({Fe}-1)/{Fe}*{P_e:.0f}")]
+        return [("layer weights", zero, A * L * (g * wl + gb) * (F - 1) / F * P_l,
+                 f"A*L*(g*w+4)*(F-1)/F*P_l = {A}*{L}*({g}*{wl}+{gb})*({F}-1)/{F}*{P_l:.0f}"),
+                ("expert weights", zero_e, A * L * (g * wl + gb) * (Fe - 1) / Fe * P_e,
+                 f"A*L*(g*w+4)*(Fe-1)/Fe*P_e = {A}*{L}*({g}*{wl}+{gb})*({Fe}-1)/{Fe}*{P_e:.0f}")]
+
     def terms(w: float, c: float, gb: float, wl: float) -> list[tuple[str, str, float, str]]:
-        rows = [  # wl: a layer weight's gathered bytes (w but for the CPU's fp8 layers, see Dtypes)
-            ("layer weights", zero, A * L * (g * wl + gb) * (F - 1) / F * P_l,
-             f"A*L*(g*w+4)*(F-1)/F*P_l = {A}*{L}*({g}*{wl}+{gb})*({F}-1)/{F}*{P_l:.0f}"),
-            ("expert weights", zero_e, A * L * (g * wl + gb) * (Fe - 1) / Fe * P_e,
-             f"A*L*(g*w+4)*(Fe-1)/Fe*P_e = {A}*{L}*({g}*{wl}+{gb})*({Fe}-1)/{Fe}*{P_e:.0f}"),
+        rows = layer_rows(wl, gb) + [
             ("LM head", zero, A_head * (w + gb) * (F - 1) / F * d * V / t,
              f"A*(w+4)*(F-1)/F*d*V/t = {A_head}*({w}+{gb})*({F}-1)/{F}*{d}*{V}/{t}"),
         ]

@@ -106,6 +106,27 @@ def layer_param_bytes(cfg, axis_sizes) -> float:
     return 4 * per_layer / axis_sizes["tensor"]
 
 
+def gathered_stage_weights_bytes(cfg, axis_sizes) -> float:
+    """pipeline.weight_gather="once" (parallel/pipeline_gather.py): every layer slot a device runs
+    (its R chunks of K slots, empty ones included) gathered whole in fp32 before the pipeline loop
+    and held for the step, and under a bf16 or fp8 policy its bf16 cast too, which XLA hoists out
+    of the loop as loop-invariant (70B's compiled step holds bf16[20,1,8192,28672] beside the fp32
+    stack). The gradient sums in the stored, sharded layout (counted with the gradients), and
+    "gathered_weights" still counts a layer's gradient before its reduce-scatter."""
+    S = axis_sizes["stage"]
+    R = cfg.pipeline.repeats if cfg.pipeline.schedule == "circular" else 1
+    slots = math.ceil(cfg.model.n_layers / (S * R)) * R
+    with_cast = 1.0 if cfg.precision.policy == "fp32" else 1.5
+    return with_cast * slots * layer_param_bytes(cfg, axis_sizes)
+
+
+def unreduced_stage_gradient_bytes(cfg, axis_sizes) -> float:
+    """pipeline.gradient_reduce="once" (parallel/pipeline_gather.per_batch_shard): each device's
+    own sum of its layer slots' gradient, whole and in fp32, until the one reduce-scatter after the
+    loop."""
+    return gathered_stage_weights_bytes(cfg, axis_sizes) / (1.0 if cfg.precision.policy == "fp32" else 1.5)
+
+
 @dataclasses.dataclass
 class StageSplit:
     """Per-device parameter bytes of one pipeline stage, split over `stage` or replicated over it."""
