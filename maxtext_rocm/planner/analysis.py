@@ -20,6 +20,7 @@ from maxtext_rocm.models.moe import resolve_implementation
 from maxtext_rocm.parallel import context, pipeline, sharding
 from maxtext_rocm.planner import comm as comm_lib
 from maxtext_rocm.planner import estimates
+from maxtext_rocm.planner.hlo_text import optimized_text
 from maxtext_rocm.planner.fit_report import GIB, AnalyticMemory, Compiled, FitReport, Flops, Setup, XlaMemory
 from maxtext_rocm.planner.gpu_nodes import (FNUZ_TARGETS, TARGETS, cluster_mesh, dumped_optimized_hlo,
                                             flash_attention_for)
@@ -136,7 +137,7 @@ def analyse(cfg, kind: str, n_devices: int, usable: float = 0.92, compile_it: bo
         lowered = step.lower(abstract, batch, optimizer_hyperparameters(cfg, mesh, abstract=True))
         try:
             compiled = lowered.compile()
-            hlo = compiled.as_text()  # its dot FLOPs are always counted; its collectives under --comm
+            hlo = optimized_text(compiled)  # its dot FLOPs are always counted; its collectives under --comm
         except Exception as error:  # noqa: BLE001 - only XLA:CPU's missing GPU collective is expected
             if "ragged-all-to-all" not in str(error):
                 raise
