@@ -12,7 +12,7 @@ from maxtext_rocm.train import Trainer
 from helpers import assert_close, initial_run, loss_and_grads
 from test_pipeline import SINGLE, llama, mixtral, on_mesh, one_device  # noqa: F401 - a fixture
 
-ONE_F_ONE_B = {"pipeline.schedule": "gpipe_recompute"}
+RECOMPUTE = {"pipeline.schedule": "gpipe_recompute"}
 
 
 @pytest.mark.parametrize("mesh", [
@@ -21,7 +21,7 @@ ONE_F_ONE_B = {"pipeline.schedule": "gpipe_recompute"}
 ])
 def test_gpipe_recompute_matches_one_device(mesh, one_device, devices, tmp_path):  # noqa: F811
     """M = 2 x S microbatches by default (8 sequences over the batch shards)."""
-    cfg = on_mesh(llama, mesh, tmp_path, **ONE_F_ONE_B)
+    cfg = on_mesh(llama, mesh, tmp_path, **RECOMPUTE)
     loss, grads, _ = loss_and_grads(cfg, devices)
     assert cfg.pipeline.microbatches >= mesh["stage"]
     ref_loss, ref_grads, _ = one_device
@@ -37,7 +37,7 @@ def test_gpipe_recompute_matches_one_device(mesh, one_device, devices, tmp_path)
     ({"stage": 4, "fsdp": 2}, {"model.remat": "none", "pipeline.microbatches": 2}),  # fewer than the stages
 ])
 def test_gpipe_recompute_composes_with_accumulation_and_remat(mesh, overrides, one_device, devices, tmp_path):  # noqa: F811
-    loss, grads, _ = loss_and_grads(on_mesh(llama, mesh, tmp_path, **ONE_F_ONE_B, **overrides), devices)
+    loss, grads, _ = loss_and_grads(on_mesh(llama, mesh, tmp_path, **RECOMPUTE, **overrides), devices)
     ref_loss, ref_grads, _ = one_device
     assert_close(loss, ref_loss)
     assert_close(grads, ref_grads)
@@ -51,7 +51,7 @@ def test_gpipe_recompute_mixtral_with_expert_parallelism_matches_one_device(over
     ref = mixtral(**SINGLE, **{"train.per_device_batch_size": 8, "train.grad_accum": 2,
                                "output_dir": str(tmp_path / "one")}, **overrides)
     ref_loss, ref_grads, _ = loss_and_grads(ref, devices[:1])
-    cfg = on_mesh(mixtral, {"stage": 2, "expert": 2, "fsdp": 2}, tmp_path / "pp", **ONE_F_ONE_B, **overrides)
+    cfg = on_mesh(mixtral, {"stage": 2, "expert": 2, "fsdp": 2}, tmp_path / "pp", **RECOMPUTE, **overrides)
     loss, grads, _ = loss_and_grads(cfg, devices)
     assert cfg.pipeline.microbatches == 2
     assert_close(loss, ref_loss)
@@ -63,7 +63,7 @@ def test_gpipe_recompute_on_a_stack_that_does_not_divide_matches_one_device(devi
     three = {"model.n_layers": 3}
     ref_loss, ref_grads, _ = loss_and_grads(
         llama(**SINGLE, **three, **{"train.per_device_batch_size": 8, "output_dir": str(tmp_path / "one")}), devices[:1])
-    loss, grads, run = loss_and_grads(on_mesh(llama, {"stage": 2, "fsdp": 4}, tmp_path / "pp", **three, **ONE_F_ONE_B),
+    loss, grads, run = loss_and_grads(on_mesh(llama, {"stage": 2, "fsdp": 4}, tmp_path / "pp", **three, **RECOMPUTE),
                                       devices)
     assert_close(loss, ref_loss)
     assert_close(grads, ref_grads)
@@ -77,7 +77,7 @@ def test_gpipe_recompute_fp8_delayed_scaling_trains_like_gpipe(devices, tmp_path
     over the real microbatches as under GPipe: three steps give GPipe's losses, state and weights."""
     fp8 = {"precision.policy": "fp8", "precision.fp8_scaling": "delayed"}
     runs = [Trainer(on_mesh(llama, {"stage": 2, "fsdp": 4}, tmp_path / name, **fp8, **extra), devices=devices,
-                    log=lambda *_: None) for name, extra in (("gpipe", {}), ("gpipe_recompute", ONE_F_ONE_B))]
+                    log=lambda *_: None) for name, extra in (("gpipe", {}), ("gpipe_recompute", RECOMPUTE))]
     for _ in range(3):
         gpipe, one_f_one_b = (float(r.step()["loss"]) for r in runs)
         assert_close(one_f_one_b, gpipe)
@@ -100,7 +100,7 @@ def _temp_bytes(cfg, devices) -> int:
 @pytest.mark.slow  # four compilations
 def test_gpipe_recompute_temporaries_stay_flat_in_the_microbatches_where_gpipes_grow(devices, tmp_path):
     """stage=2 x fsdp=4, 8 layers, remat none, one sequence per batch shard per microbatch: from 2 to
-    8 microbatches GPipe's saved activations grow with M (every iteration's residuals), 1F1B's
+    8 microbatches GPipe's saved activations grow with M (every iteration's residuals), gpipe_recompute's
     stay one microbatch's residuals per stage plus a stage input per microbatch."""
     temp = {}
     for schedule in ("gpipe", "gpipe_recompute"):
