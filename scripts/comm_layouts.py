@@ -52,6 +52,11 @@ LAYOUTS = {
     "sequence=8, all-gather": DENSE + mesh(sequence=8) + ["--config.model.context_parallel=all_gather"],
     # GPipe, 2 microbatches: the stage boundary's permutes, and the loop's bubble iterations
     "stage=2 x fsdp=4": DENSE + mesh(stage=2, fsdp=4),
+    # The stage's weights gathered and their gradient reduce-scattered once a step
+    # (parallel/pipeline_gather.py), 16 microbatches: the bubble's share of the permutes is 1/16
+    "stage=2 x fsdp=4, once, M=16": DENSE + mesh(stage=2, fsdp=4) + [
+        "--config.pipeline.weight_gather=once", "--config.pipeline.gradient_reduce=once",
+        "--config.pipeline.microbatches=16", "--config.train.per_device_batch_size=8"],
     "MoE expert=8, dropless": MOE + mesh(expert=8) + ["--config.model.moe_impl=dropless"],
     "MoE expert=8, capacity 1.25": MOE + mesh(expert=8) + ["--config.model.moe_impl=capacity",
                                                           "--config.model.moe_capacity_factor=1.25"],
@@ -262,7 +267,8 @@ def run_layout(name: str, args: list[str], target: str) -> dict:
         independent = dump_total(open(files[0]).read()) if len(files) == 1 else {"bytes": float("nan"), "recounted": 0}
         return {"layout": name, "measured_bytes": r["total_bytes"], "minimum_bytes": r["minimum"]["cpu_bytes"],
                 "ratio": r["ratio"], "dump_bytes": independent["bytes"], "dump_recounted": independent["recounted"],
-                "recounted": r["recounted_as_reduce_scatter"], "unknown_loops": len(r["unknown_trip_count_loops"])}
+                "recounted": r["recounted_as_reduce_scatter"], "unknown_loops": len(r["unknown_trip_count_loops"]),
+                "by_axes": r["by_axes"], "stage_permute_bytes": (r.get("stages") or {}).get("permute_bytes", 0.0)}
 
 
 def main(argv: list[str]) -> int:

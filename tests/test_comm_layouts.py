@@ -34,3 +34,25 @@ def test_dense_layouts_move_at_most_a_tenth_over_their_minimum(name, monkeypatch
     assert 1 - 1e-9 <= row["ratio"] <= 1.10, row
     assert row["dump_bytes"] == pytest.approx(row["measured_bytes"], rel=1e-9), row
     assert row["unknown_loops"] == 0
+
+
+@pytest.mark.slow  # one more compile of the issue's dimensions (~30 s)
+def test_a_pipeline_gathering_once_moves_its_fsdp_minimum_and_the_bubbles_permutes(monkeypatch):
+    """stage=2 x fsdp=4 with the stage's weights gathered and reduce-scattered once a step, 16
+    microbatches: the fsdp traffic is its minimum exactly and the permutes between stages the
+    bubble's (M+S-1)/M of theirs. What is left over the minimum (1.17x overall, measured
+    2026-12-02) is once a step over `stage` because the embedding table and LM head are replicated
+    over it: the last stage's outputs to every stage and the table's gradient summed over the
+    stages' lookups (tests/test_stage_bytes.py holds each to its formula)."""
+    layouts = _comm_layouts()
+    monkeypatch.chdir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    row = layouts.run_layout("stage=2 x fsdp=4, once, M=16", layouts.LAYOUTS["stage=2 x fsdp=4, once, M=16"], "h100:8")
+    assert "error" not in row, row
+    assert row["dump_bytes"] == pytest.approx(row["measured_bytes"], rel=1e-9), row
+    by_axes = row["by_axes"]
+    # (72 B over: the loss's and norms' scalars, which the minimum does not count)
+    assert by_axes["fsdp"]["measured_bytes"] == pytest.approx(by_axes["fsdp"]["minimum_bytes"], rel=1e-5)
+    stages, microbatches = 2, 16
+    assert row["stage_permute_bytes"] == pytest.approx(
+        (microbatches + stages - 1) / microbatches * by_axes["stage"]["minimum_bytes"], rel=1e-6)
+    assert row["ratio"] <= 1.2, row
