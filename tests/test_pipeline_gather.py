@@ -93,17 +93,19 @@ def _analysed(**overrides):
 LAYER = 64 * 64 + 2 * 64 * 32 + 64 * 64 + 3 * 64 * 128  # q, k, v, o, gate, up, down
 STAGE_GATHER = 3 / 4 * 2 * LAYER * 4  # a stage's 2 layers in fp32; each device receives the 3 shards it lacks
 HEAD_TABLE_GATHER = 3 / 4 * 64 * 128 * 4  # the LM head's [d, vocab], gathered (and reduce-scattered) once
-# The token ids each stage looks up itself (pipeline.embedded_per_stage): the batch's 16 x 32 int32
-# ids, of which each device holds its fsdp shard.
+# What each stage looks its tokens up in and with (pipeline.embedded_per_stage): the embedding
+# table [vocab, d], gathered over fsdp like the head's, and the batch's 16 x 32 int32 token ids,
+# of which each device holds its fsdp shard.
+EMBED_TABLE_GATHER = HEAD_TABLE_GATHER
 TOKEN_IDS_GATHER = 3 / 4 * 16 * 32 * 4
 ITERATIONS = 4 + 2 - 1  # M + S - 1
 
 
 def _assert_gathered_once(report):
-    """The stage's weights gathered once, the LM head's table and the token ids (the embedding's
-    rows travel as an all-to-all)."""
+    """The stage's weights gathered once, the LM head's and the embedding's tables and the token ids."""
     gathered = _fsdp_bytes(report, "all-gather")
-    assert gathered == pytest.approx(STAGE_GATHER + HEAD_TABLE_GATHER + TOKEN_IDS_GATHER, rel=1e-9)
+    assert gathered == pytest.approx(STAGE_GATHER + HEAD_TABLE_GATHER + EMBED_TABLE_GATHER + TOKEN_IDS_GATHER,
+                                     rel=1e-9)
 
 
 @pytest.mark.parametrize("schedule", [{}, pytest.param(RECOMPUTE, marks=pytest.mark.slow)])

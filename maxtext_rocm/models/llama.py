@@ -14,8 +14,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from maxtext_rocm.models.attention import CACHE, Attention
-from maxtext_rocm.models.layers import (
-    ADAPTERS, EMBED_TABLE_AXES, Dense, Embed, Kernel, RMSNorm, fused_projections)
+from maxtext_rocm.models.layers import ADAPTERS, Dense, Embed, Kernel, RMSNorm, fused_projections
 from maxtext_rocm.models.moe import AUX_LOSSES
 from maxtext_rocm.numerics.fp8 import FP8_COLLECTION
 from maxtext_rocm.numerics.precision import DOT_WITH_BATCH_AXES, DOT_WITHOUT_BATCH_AXES, Policy, without_fp8
@@ -174,12 +173,9 @@ def _embedded(embed: Embed, tokens: Array) -> Array:
 
 
 def _looked_up(embed: Embed, variables, tokens: Array) -> Array:
-    """A TokenEmbedding's lookup: the unbound `embed` applied through `variables`. The table is
-    held to its stored layout: under a strategy's transforms its gradient can be a sum over copies
-    of it (one per stage of a pipeline), which XLA otherwise sums whole (all of [vocab, d_model]
-    over the copies' devices) rather than each device its own shard."""
-    table = nn.with_logical_constraint(variables["params"]["embedding"], EMBED_TABLE_AXES)
-    return _embedded(embed.bind({**variables, "params": {"embedding": table}}), tokens)
+    """A TokenEmbedding's lookup: the unbound `embed` applied through `variables` (the strategy
+    decides the table's layout around it)."""
+    return _embedded(embed.bind(variables), tokens)
 
 
 def lm_head_weight(params, cfg) -> tuple[Array, int]:

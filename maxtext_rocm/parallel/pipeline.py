@@ -55,15 +55,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from maxtext_rocm.config.checks import pipeline_microbatches
 from maxtext_rocm.errors import ConfigError
 from maxtext_rocm.numerics import fp8
 from maxtext_rocm.numerics.fp8 import FP8_COLLECTION
+from maxtext_rocm.models.layers import EMBED_TABLE_AXES
 from maxtext_rocm.models.llama import BLOCK_OUTPUT_AXES, TokenEmbedding
 from maxtext_rocm.models.moe import AUX_LOSSES
-from maxtext_rocm.parallel.pipeline_gather import GatheredOnce, per_batch_shard
+from maxtext_rocm.parallel.pipeline_gather import GatheredOnce, moved, per_batch_shard
 from maxtext_rocm.parallel.sharding import present_axes
 from maxtext_rocm.parallel.pipeline_layout import StackLayout
 
@@ -265,7 +266,7 @@ def pipelined(layers: nn.Module, make_layers: Callable, embedding: TokenEmbeddin
     real = jnp.asarray(layout.real)
     padded = bool(layout.empty)
     chunk_layers = make_layers(1 if padded else slots, parent=None)
-    staged = embedded_per_stage(embedding, tokens, stages, microbatches)  # [S, M, mb, seq, d]
+    staged = embedded_per_stage(embedding, tokens, stages, microbatches, schedule.mesh)  # [S, M, mb, seq, d]
     gathered = (GatheredOnce.of(chunk_layers, staged[0, 0], positions, segment_ids, schedule.mesh)
                 if gather_once else None)
     if gathered is not None:
@@ -323,7 +324,8 @@ def _loop(schedule: Schedule, run_stage: Callable, params, fp8_per_iteration, re
     return nn.with_logical_constraint(merge_microbatches(y), BLOCK_OUTPUT_AXES), sown
 
 
-def embedded_per_stage(embedding: TokenEmbedding, tokens: Array, stages: int, microbatches: int) -> Array:
+def embedded_per_stage(embedding: TokenEmbedding, tokens: Array, stages: int, microbatches: int,
+                       mesh: Mesh) -> Array:
     """[S, M, mb, seq, d]: each stage's own lookup of the whole batch's `tokens` [B, seq], split
     into microbatches, sharded over `stage`; only stage 0's is read. Looked up where it is used,
     the embeddings never cross `stage`: their cotangent (stage 0's row, zeros elsewhere) goes into
@@ -333,14 +335,27 @@ def embedded_per_stage(embedding: TokenEmbedding, tokens: Array, stages: int, mi
     the rows (XLA split the lookup over the otherwise idle axis) and the copies' cotangent summed
     by an all-reduce (docs/figures.md, "The stage axis's bytes, counted twice")."""
     per_stage = nn.with_logical_constraint(jnp.broadcast_to(tokens[None], (stages, *tokens.shape)), TOKEN_AXES)
-    # A copy of the table per stage too, each stage's gradient its own [vocab, d_model] (sharded as
-    # the table is: the lookup holds it to its layout) until one sum over the copies after the
-    # loop. Passed unbatched instead, the table's gradient was one scatter over all stages' rows,
-    # which XLA summed whole over `stage` (fsdp times the bytes of the table's shard).
+    # A copy of the table per stage too, each stage's gradient its own [vocab, d_model] until one
+    # sum over the copies. Passed unbatched instead, the table's gradient was one scatter over all
+    # stages' rows, which XLA summed whole over `stage` (fsdp times the bytes of the table's shard).
     copies = jax.tree_util.tree_map(lambda a: jnp.broadcast_to(a[None], (stages, *a.shape)), embedding.variables)
+    # Each copy is looked up gathered over the ZeRO-3 axes (its vocabulary split over `tensor`
+    # kept), and its gradient asked for in the stored layout, so each stage reduce-scatters its own
+    # before the sum over `stage` adds shards. With the table's d_model split over fsdp as stored,
+    # the vmapped gather (a batched operand) sharded its result neither over `stage` nor over the
+    # batch under tensor x fsdp and XLA replicated the whole [S, B, seq, d] ("Involuntary full
+    # rematerialization"; 405B stage=8 x fsdp=2 x tensor=4: f32[8,64,8192,8192]).
+    copies = moved(copies, _table_layout(copies, mesh, ("activation_stage", EMBED_TABLE_AXES[0], None)),
+                    _table_layout(copies, mesh, ("activation_stage",) + EMBED_TABLE_AXES))
     embedded = jax.vmap(embedding.lookup, spmd_axis_name=STAGE_AXIS)(copies, per_stage)
     split = jax.vmap(functools.partial(split_microbatches, n=microbatches))(embedded)
     return nn.with_logical_constraint(split, ("activation_stage", None) + BLOCK_OUTPUT_AXES)
+
+
+def _table_layout(copies, mesh: Mesh, logical: tuple):
+    """NamedShardings of the table copies [S, vocab, d_model] for `logical` axes under the rules in
+    force."""
+    return jax.tree_util.tree_map(lambda _: NamedSharding(mesh, nn.logical_to_mesh_axes(logical)), copies)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -76,15 +76,15 @@ class GatheredOnce:
         """`params` [S, R, K, ...] gathered; their cotangent (the loop's summed, already
         reduce-scattered gradient) kept in the stored layout: a plain sharding constraint's
         transpose would gather it to the gathered layout, one more all-gather a step."""
-        return _moved(params, self.gathered, self.stored)
+        return moved(params, self.gathered, self.stored)
 
     def in_stage(self, stage_params):
         """One stage's gathered block, unchanged; its cotangent in this iteration asked for in the
         stored layout, so that GSPMD reduce-scatters it rather than all-reducing it whole."""
-        return _moved(stage_params, None, self.per_stage)
+        return moved(stage_params, None, self.per_stage)
 
 
-def _moved(tree, forward, backward):
+def moved(tree, forward, backward):
     """`tree` constrained to the `forward` layouts (None: unchanged), its cotangent to the
     `backward` ones: a sharding constraint with another layout for its transpose."""
     def constrain(values, layouts):
