@@ -28,6 +28,7 @@ unknown trip count is refused, not guessed.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import re
@@ -205,14 +206,12 @@ def dcn_count(text: str, device_ids: list[int], gpus_per_node: int) -> list[Op]:
 # The command: compile as the planner does, keep what it counted, count again
 
 
-def main(argv: list[str]) -> int:
-    sys.path.insert(0, __file__.rsplit("/scripts/", 1)[0])
-    from maxtext_rocm.planner import comm as comm_lib, report as report_lib
-    from maxtext_rocm.planner.gpu_nodes import force_host_devices
+@contextlib.contextmanager
+def what_comm_counts():
+    """While open, every count comm.py makes is kept in the yielded dict: "text" (the optimized HLO
+    it read), "result" (its count) and "device_ids" (the mesh's devices in partition order)."""
+    from maxtext_rocm.planner import comm as comm_lib
 
-    target = next(a.split("=", 1)[1] for a in argv if a.startswith("--target="))
-    nodes, gpus = (int(x) for x in target.split(":")[1].split("x"))
-    force_host_devices(nodes * gpus)
     seen = {}
     of, account = comm_lib.MeshLayout.of, comm_lib.account
 
@@ -225,7 +224,22 @@ def main(argv: list[str]) -> int:
         return seen["result"]
 
     comm_lib.MeshLayout.of, comm_lib.account = layout_of, counted
-    report_lib.main([*argv, "--comm"])
+    try:
+        yield seen
+    finally:
+        comm_lib.MeshLayout.of, comm_lib.account = of, account
+
+
+def main(argv: list[str]) -> int:
+    sys.path.insert(0, __file__.rsplit("/scripts/", 1)[0])
+    from maxtext_rocm.planner import report as report_lib
+    from maxtext_rocm.planner.gpu_nodes import force_host_devices
+
+    target = next(a.split("=", 1)[1] for a in argv if a.startswith("--target="))
+    nodes, gpus = (int(x) for x in target.split(":")[1].split("x"))
+    force_host_devices(nodes * gpus)
+    with what_comm_counts() as seen:
+        report_lib.main([*argv, "--comm"])
     print(compare(seen["text"], seen["device_ids"], gpus, seen["result"]))
     return 0
 

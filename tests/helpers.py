@@ -1,5 +1,8 @@
 """Shared by the numerical tests: a run's initial state and the loss and gradients of a batch."""
 
+import importlib
+import os
+import sys
 import threading
 import types
 
@@ -14,6 +17,16 @@ from maxtext_rocm.data import batch_spec
 from maxtext_rocm.parallel import context
 from maxtext_rocm.trainer.step import gradients
 from maxtext_rocm.trainer.preflight import check_run
+
+
+def script_module(name: str):
+    """scripts/NAME.py imported as a module (scripts/ is not a package)."""
+    scripts = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts")
+    sys.path.insert(0, scripts)
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(scripts)
 
 
 def initial_run(cfg, devices) -> types.SimpleNamespace:

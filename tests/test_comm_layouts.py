@@ -2,19 +2,14 @@
 twice (comm.py and the script's independent count of XLA's dump)."""
 
 import os
-import sys
 
 import pytest
 
+from helpers import script_module
+
 
 def _comm_layouts():
-    scripts = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts")
-    sys.path.insert(0, scripts)
-    try:
-        import comm_layouts
-    finally:
-        sys.path.remove(scripts)
-    return comm_layouts
+    return script_module("comm_layouts")
 
 
 DENSE_LAYOUTS = [name for name in _comm_layouts().LAYOUTS if not name.startswith("MoE") and "stage" not in name]

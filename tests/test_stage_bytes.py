@@ -7,40 +7,23 @@ import sys
 import pytest
 
 from conftest import small_config
-from maxtext_rocm.planner import comm, report as compile_lib
+from helpers import script_module
+from maxtext_rocm.planner import report as compile_lib
 
 
 def _dcn_bytes():
-    scripts = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts")
-    sys.path.insert(0, scripts)
-    try:
-        import dcn_bytes
-    finally:
-        sys.path.remove(scripts)
-    return dcn_bytes
+    return script_module("dcn_bytes")
 
 
-def _compiled_with_its_hlo(cfg, nodes: int, monkeypatch) -> tuple:
+def _compiled_with_its_hlo(cfg, nodes: int) -> tuple:
     """The planner's report of `cfg` on 8 fake devices over `nodes` nodes, the optimized HLO it
     counted and the jit's device assignment (partition p is device_ids[p])."""
-    seen = {}
-    of, account = comm.MeshLayout.of, comm.account
-
-    def layout_of(mesh, mesh_shape=None, compiled=None):
-        seen["device_ids"] = [d.id for d in mesh.devices.flat]
-        return of(mesh, mesh_shape, compiled)
-
-    def counted(text, layout):
-        seen["text"] = text
-        return account(text, layout)
-
-    monkeypatch.setattr(comm.MeshLayout, "of", layout_of)
-    monkeypatch.setattr(comm, "account", counted)
-    report = compile_lib.analyse(cfg, "mi355x", 8, comm=True, nodes=nodes)
+    with _dcn_bytes().what_comm_counts() as seen:
+        report = compile_lib.analyse(cfg, "mi355x", 8, comm=True, nodes=nodes)
     return report, seen["text"], seen["device_ids"]
 
 
-def test_the_stage_axis_dcn_bytes_agree_with_a_separate_count_and_the_schedule(devices, monkeypatch):
+def test_the_stage_axis_dcn_bytes_agree_with_a_separate_count_and_the_schedule(devices):
     """tiny Llama, 2 nodes of 4: dcn.stage=2 x ici.fsdp=4, GPipe with M=4 (fp32, so the CPU's
     dtypes are the program's). comm.py's DCN figure equals dcn_bytes.py's, and the inter-stage
     permutes and the once-a-step all-reduces of pipeline._from_stage and the embedding table's
@@ -49,7 +32,7 @@ def test_the_stage_axis_dcn_bytes_agree_with_a_separate_count_and_the_schedule(d
     cfg = small_config(**{"mesh.dcn.stage": S, "mesh.ici.fsdp": fsdp, "mesh.ici.stage": 1, "model.n_layers": 4,
                           "model.remat": "full", "train.per_device_batch_size": batch, "pipeline.microbatches": M})
     cfg.model.attention = "xla"
-    report, text, device_ids = _compiled_with_its_hlo(cfg, 2, monkeypatch)
+    report, text, device_ids = _compiled_with_its_hlo(cfg, 2)
     ops = _dcn_bytes().dcn_count(text, device_ids, 8 // 2)
     assert report.comm["bytes_by_link"]["DCN"] == pytest.approx(sum(o.bytes_per_step for o in ops), rel=1e-12)
     assert report.comm["stages"]["link"] == "DCN"

@@ -339,17 +339,33 @@ def embedded_per_stage(embedding: TokenEmbedding, tokens: Array, stages: int, mi
     # sum over the copies. Passed unbatched instead, the table's gradient was one scatter over all
     # stages' rows, which XLA summed whole over `stage` (fsdp times the bytes of the table's shard).
     copies = jax.tree_util.tree_map(lambda a: jnp.broadcast_to(a[None], (stages, *a.shape)), embedding.variables)
-    # Each copy is looked up gathered over the ZeRO-3 axes (its vocabulary split over `tensor`
-    # kept), and its gradient asked for in the stored layout, so each stage reduce-scatters its own
-    # before the sum over `stage` adds shards. With the table's d_model split over fsdp as stored,
-    # the vmapped gather (a batched operand) sharded its result neither over `stage` nor over the
-    # batch under tensor x fsdp and XLA replicated the whole [S, B, seq, d] ("Involuntary full
-    # rematerialization"; 405B stage=8 x fsdp=2 x tensor=4: f32[8,64,8192,8192]).
-    copies = moved(copies, _table_layout(copies, mesh, ("activation_stage", EMBED_TABLE_AXES[0], None)),
-                    _table_layout(copies, mesh, ("activation_stage",) + EMBED_TABLE_AXES))
+    # Each copy's gradient is asked for in the stored layout, so each stage reduce-scatters its own
+    # before the sum over `stage` adds shards. The lookup reads the copy as stored (d_model split
+    # over fsdp: the looked-up rows are exchanged, as without a pipeline) or gathered over the
+    # ZeRO-3 axes (_lookup_gathers_the_table).
+    stored = _table_layout(copies, mesh, ("activation_stage",) + EMBED_TABLE_AXES)
+    looked_up_in = (_table_layout(copies, mesh, ("activation_stage", EMBED_TABLE_AXES[0], None))
+                    if _lookup_gathers_the_table(embedding, tokens, mesh) else stored)
+    copies = moved(copies, looked_up_in, stored)
     embedded = jax.vmap(embedding.lookup, spmd_axis_name=STAGE_AXIS)(copies, per_stage)
     split = jax.vmap(functools.partial(split_microbatches, n=microbatches))(embedded)
     return nn.with_logical_constraint(split, ("activation_stage", None) + BLOCK_OUTPUT_AXES)
+
+
+def _lookup_gathers_the_table(embedding: TokenEmbedding, tokens: Array, mesh: Mesh) -> bool:
+    """Whether each stage looks its tokens up in the table gathered over the ZeRO-3 axes rather
+    than as stored: where the gather moves fewer bytes than exchanging the looked-up rows (the
+    vocabulary rows a device holds, V/t, against twice its tokens: rows out, cotangents back, as
+    comm_minimum's embedding term weighs them), and always under tensor parallelism, where the
+    stored layout's vmapped gather (a batched operand) kept neither the stage nor the batch
+    sharding of its result and XLA replicated the whole [S, B, seq, d] ("Involuntary full
+    rematerialization"; 405B stage=8 x fsdp=2 x tensor=4: f32[8,64,8192,8192])."""
+    tensor = mesh.shape.get("tensor", 1)
+    if tensor > 1:
+        return True
+    vocab = jax.tree_util.tree_leaves(embedding.variables)[0].shape[0]
+    batch_shards = int(np.prod([mesh.shape[a] for a in present_axes(mesh, "activation_batch")]))
+    return vocab <= 2 * tokens.size / batch_shards
 
 
 def _table_layout(copies, mesh: Mesh, logical: tuple):
