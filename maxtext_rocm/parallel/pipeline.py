@@ -64,8 +64,8 @@ from maxtext_rocm.numerics.fp8 import FP8_COLLECTION
 from maxtext_rocm.models.layers import EMBED_TABLE_AXES
 from maxtext_rocm.models.llama import BLOCK_OUTPUT_AXES, TokenEmbedding
 from maxtext_rocm.models.moe import AUX_LOSSES
-from maxtext_rocm.parallel.pipeline_gather import GatheredOnce, moved, per_batch_shard
-from maxtext_rocm.parallel.sharding import present_axes
+from maxtext_rocm.parallel.pipeline_gather import GatheredOnce, per_batch_shard
+from maxtext_rocm.parallel.sharding import constrained_both_ways, present_axes
 from maxtext_rocm.parallel.pipeline_layout import StackLayout
 
 Array = jax.Array
@@ -346,7 +346,7 @@ def embedded_per_stage(embedding: TokenEmbedding, tokens: Array, stages: int, mi
     stored = _table_layout(copies, mesh, ("activation_stage",) + EMBED_TABLE_AXES)
     looked_up_in = (_table_layout(copies, mesh, ("activation_stage", EMBED_TABLE_AXES[0], None))
                     if _lookup_gathers_the_table(embedding, tokens, mesh) else stored)
-    copies = moved(copies, looked_up_in, stored)
+    copies = constrained_both_ways(copies, looked_up_in, stored)
     embedded = jax.vmap(embedding.lookup, spmd_axis_name=STAGE_AXIS)(copies, per_stage)
     split = jax.vmap(functools.partial(split_microbatches, n=microbatches))(embedded)
     return nn.with_logical_constraint(split, ("activation_stage", None) + BLOCK_OUTPUT_AXES)

@@ -37,7 +37,7 @@ import jax
 from flax import linen as nn
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from maxtext_rocm.parallel.sharding import LOGICAL_RULES, rules_without_zero3
+from maxtext_rocm.parallel.sharding import LOGICAL_RULES, constrained_both_ways, rules_without_zero3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,34 +76,12 @@ class GatheredOnce:
         """`params` [S, R, K, ...] gathered; their cotangent (the loop's summed, already
         reduce-scattered gradient) kept in the stored layout: a plain sharding constraint's
         transpose would gather it to the gathered layout, one more all-gather a step."""
-        return moved(params, self.gathered, self.stored)
+        return constrained_both_ways(params, self.gathered, self.stored)
 
     def in_stage(self, stage_params):
         """One stage's gathered block, unchanged; its cotangent in this iteration asked for in the
         stored layout, so that GSPMD reduce-scatters it rather than all-reducing it whole."""
-        return moved(stage_params, None, self.per_stage)
-
-
-def moved(tree, forward, backward):
-    """`tree` constrained to the `forward` layouts (None: unchanged), its cotangent to the
-    `backward` ones: a sharding constraint with another layout for its transpose."""
-    def constrain(values, layouts):
-        if layouts is None:
-            return values
-        return jax.tree_util.tree_map(jax.lax.with_sharding_constraint, values, layouts)
-
-    @jax.custom_vjp
-    def move(values):
-        return constrain(values, forward)
-
-    def move_forward(values):
-        return move(values), None
-
-    def move_backward(_, cotangent):
-        return (constrain(cotangent, backward),)
-
-    move.defvjp(move_forward, move_backward)
-    return move(tree)
+        return constrained_both_ways(stage_params, None, self.per_stage)
 
 
 def per_batch_shard(loop: Callable, mesh: Mesh, axes: tuple[str, ...]) -> Callable:

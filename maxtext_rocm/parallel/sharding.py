@@ -187,3 +187,27 @@ def check_param_divisibility(model_cfg, axis_sizes: dict[str, int]) -> str | Non
 
 def describe(mesh: Mesh) -> str:
     return " x ".join(f"{a}={s}" for a, s in mesh.shape.items() if s > 1) or "single device"
+
+
+def constrained_both_ways(tree, forward, backward):
+    """`tree` constrained to the `forward` NamedShardings (None: unchanged) and its cotangent to
+    the `backward` ones: a sharding constraint whose transpose lands elsewhere than the forward.
+    A plain constraint's transpose puts the cotangent where the value was put, e.g. a gradient in
+    a gathered layout that one more collective must then shard (parallel/pipeline_gather.py)."""
+    def constrain(values, layouts):
+        if layouts is None:
+            return values
+        return jax.tree_util.tree_map(jax.lax.with_sharding_constraint, values, layouts)
+
+    @jax.custom_vjp
+    def move(values):
+        return constrain(values, forward)
+
+    def move_forward(values):
+        return move(values), None
+
+    def move_backward(_, cotangent):
+        return (constrain(cotangent, backward),)
+
+    move.defvjp(move_forward, move_backward)
+    return move(tree)

@@ -19,6 +19,7 @@ from maxtext_rocm.checkpoint import checksums
 from maxtext_rocm.models.moe import resolve_implementation
 from maxtext_rocm.parallel import context, pipeline, sharding
 from maxtext_rocm.planner import comm as comm_lib
+from maxtext_rocm.planner import comm_minimum
 from maxtext_rocm.planner import estimates
 from maxtext_rocm.planner.hlo_text import optimized_text
 from maxtext_rocm.planner.fit_report import GIB, AnalyticMemory, Compiled, FitReport, Flops, Setup, XlaMemory
@@ -76,20 +77,15 @@ def analyse(cfg, kind: str, n_devices: int, usable: float = 0.92, compile_it: bo
     # Gradients have the trained parameters' shapes, dtypes and shardings; accumulating
     # micro-batches keeps a running sum beside each micro-batch's gradients.
     grads = trained * (2 if cfg.train.grad_accum > 1 else 1)
-    fsdp_sharded = sizes["fsdp"] * sizes["sequence"] * sizes["expert"] > 1
     microbatches = cfg.pipeline.microbatches if sizes["stage"] > 1 else 1
     act = estimates.analytic_activations(cfg, sizes, n_devices, microbatches)
-    act["gathered_weights"] = 2 * estimates.layer_param_bytes(cfg, sizes) if fsdp_sharded else 0.0
+    act.update(estimates.weight_gather_terms(cfg, sizes))
     stages = estimates.per_stage(abstract.params, sizes["stage"]) if sizes["stage"] > 1 else None
     if stages and cfg.pipeline.schedule == "circular" and cfg.pipeline.repeats > 1:
         # The chunk a stage runs changes per iteration, so the loop's autodiff saves its weights
         # (this device's share, 1/R of its slots) once per iteration (parallel/pipeline.py).
         iterations, _ = estimates.loop_shape(cfg.pipeline, cfg.model.n_layers, sizes["stage"], microbatches)
         act["circular chunk weights"] = iterations * stages.layer_param_bytes / cfg.pipeline.repeats
-    if stages and fsdp_sharded and cfg.pipeline.weight_gather == "once":
-        act["gathered stage weights"] = estimates.gathered_stage_weights_bytes(cfg, sizes)
-        if cfg.pipeline.gradient_reduce == "once":
-            act["unreduced stage gradient"] = estimates.unreduced_stage_gradient_bytes(cfg, sizes)
     opt_state = _sharded_bytes(abstract.opt_state)
     fp8_state = _sharded_bytes(abstract.fp8) + _sharded_bytes((abstract.step, abstract.nonfinite_steps))
     memory = AnalyticMemory(
@@ -154,12 +150,8 @@ def analyse(cfg, kind: str, n_devices: int, usable: float = 0.92, compile_it: bo
         flops.compiled_dot_flops = counted["dot_flops"]
         flops.compiled_flops_lower_bound = bool(counted["unknown_trip_count_dot_loops"])
         if comm:
-            repeats = cfg.pipeline.repeats if cfg.pipeline.schedule == "circular" else 1
             report.comm = comm_lib.report(hlo, layout, cfg.model, cfg.train, cfg.precision.policy, kind,
-                                          microbatches, counted, repeats=repeats,
-                                          stage_recompute=cfg.pipeline.schedule == "gpipe_recompute",
-                                          weight_gather=cfg.pipeline.weight_gather,
-                                          gradient_reduce=cfg.pipeline.gradient_reduce)
+                                          microbatches, counted, comm_minimum.pipeline_options(cfg.pipeline))
     checksum_temp = memory.checkpoint_checksum_temp_bytes = _checksum_temp_bytes(abstract, mesh)
     if checksum_temp is not None:  # between steps, at a save: the state and the checksum's temporaries
         report.fits = report.fits and memory.state_bytes + checksum_temp <= setup.usable_bytes

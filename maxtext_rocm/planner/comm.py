@@ -307,18 +307,13 @@ def link_seconds(bytes_by_link: dict[str, float], kind: str) -> float:
 
 
 def report(hlo_text: str, layout: MeshLayout, model_cfg, train_cfg, policy: str, kind: str,
-           microbatches: int = 1, measured: dict | None = None, repeats: int = 1,
-           stage_recompute: bool = False, weight_gather: str = "per_iteration",
-           gradient_reduce: str = "per_iteration") -> dict:
+           microbatches: int = 1, measured: dict | None = None, pipeline: dict | None = None) -> dict:
     """The measured collectives of a compiled train step beside the layout's analytic minimum
-    (`microbatches`, `repeats`, `stage_recompute`, `weight_gather`, `gradient_reduce`: a
-    pipeline's, under mesh stage > 1, as comm_minimum.minimum takes them; `measured`: account()'s
-    result if at hand)."""
+    (`microbatches` and `pipeline` (comm_minimum.pipeline_options): a pipeline's, under mesh
+    stage > 1; `measured`: account()'s result if at hand)."""
     measured = dict(measured or account(hlo_text, layout))
     sizes = dict(zip(layout.axis_names, (i * d for i, d in zip(layout.ici_sizes, layout.dcn_sizes))))
-    least = comm_minimum.minimum(model_cfg, train_cfg, policy, sizes, microbatches=microbatches, repeats=repeats,
-                                 stage_recompute=stage_recompute, weight_gather=weight_gather,
-                                 gradient_reduce=gradient_reduce)
+    least = comm_minimum.minimum(model_cfg, train_cfg, policy, sizes, microbatches=microbatches, **(pipeline or {}))
     least_by_link = {"ICI": 0.0, "DCN": 0.0}
     for term in least["terms"]:
         axes = [a for a in term["axes"].split(",") if a in layout.axis_names]

@@ -119,6 +119,13 @@ def _params(m, t: int, E: int) -> tuple[float, float]:
     return (attention + 3 * m.d_model * m.mlp_dim) / t, 0.0
 
 
+def pipeline_options(pipeline_cfg) -> dict:
+    """minimum()'s pipeline keywords as a run's `pipeline` config sets them."""
+    return {"repeats": pipeline_cfg.repeats if pipeline_cfg.schedule == "circular" else 1,
+            "stage_recompute": pipeline_cfg.schedule == "gpipe_recompute",
+            "weight_gather": pipeline_cfg.weight_gather, "gradient_reduce": pipeline_cfg.gradient_reduce}
+
+
 def minimum(model_cfg, train_cfg, policy: str, sizes: dict[str, int], param_bytes: int = GRAD_BYTES,
             microbatches: int = 1, repeats: int = 1, stage_recompute: bool = False,
             weight_gather: str = "per_iteration", gradient_reduce: str = "per_iteration") -> dict:

@@ -127,6 +127,20 @@ def unreduced_stage_gradient_bytes(cfg, axis_sizes) -> float:
     return gathered_stage_weights_bytes(cfg, axis_sizes) / (1.0 if cfg.precision.policy == "fp32" else 1.5)
 
 
+def weight_gather_terms(cfg, axis_sizes) -> dict[str, float]:
+    """The activation terms of gathered weights, for the fit check and --plan alike: one layer's
+    weights and gradient gathered at a time under ZeRO-3 ("gathered_weights", 0 without it), and
+    under a pipeline the once-options' stage held whole ("gathered stage weights", "unreduced stage
+    gradient", present only when set)."""
+    zero3 = axis_sizes["fsdp"] * axis_sizes["sequence"] * axis_sizes["expert"] > 1
+    terms = {"gathered_weights": 2 * layer_param_bytes(cfg, axis_sizes) if zero3 else 0.0}
+    if axis_sizes["stage"] > 1 and zero3 and cfg.pipeline.weight_gather == "once":
+        terms["gathered stage weights"] = gathered_stage_weights_bytes(cfg, axis_sizes)
+        if cfg.pipeline.gradient_reduce == "once":
+            terms["unreduced stage gradient"] = unreduced_stage_gradient_bytes(cfg, axis_sizes)
+    return terms
+
+
 @dataclasses.dataclass
 class StageSplit:
     """Per-device parameter bytes of one pipeline stage, split over `stage` or replicated over it."""

@@ -210,11 +210,7 @@ def estimate(cfg, layout: Layout, kind: str, n_devices: int, usable: float) -> C
     sizes = _sizes(layout)
     M = layout.microbatches if layout.stages > 1 else 1
     act = estimates.analytic_activations(trial, sizes, n_devices, M)
-    gathered = 2 * estimates.layer_param_bytes(trial, sizes) if sizes["fsdp"] * sizes["sequence"] * sizes["expert"] > 1 else 0
-    if layout.stages > 1 and gathered and trial.pipeline.weight_gather == "once":  # analysis.py's terms
-        gathered += estimates.gathered_stage_weights_bytes(trial, sizes)
-        if trial.pipeline.gradient_reduce == "once":
-            gathered += estimates.unreduced_stage_gradient_bytes(trial, sizes)
+    gathered = sum(estimates.weight_gather_terms(trial, sizes).values())
     memory = state_bytes(trial.model, sizes, trial.train.grad_accum) + sum(act.values()) + gathered
     usable_bytes = TARGETS[kind] * GIB * usable
     return Candidate(layout=layout, memory_bytes=memory, usable_bytes=usable_bytes, fits=memory <= usable_bytes,
@@ -243,10 +239,7 @@ def compute_seconds(cfg, sizes, n_devices: int, microbatches: int, kind: str) ->
 def minimum_seconds(cfg, sizes, microbatches: int, kind: str, layout: Layout) -> float:
     """The layout's communication minimum in the GPU's dtypes at the target's link bandwidths."""
     least = comm_minimum.minimum(cfg.model, cfg.train, cfg.precision.policy, sizes, microbatches=microbatches,
-                                 repeats=cfg.pipeline.repeats if cfg.pipeline.schedule == "circular" else 1,
-                                 stage_recompute=layout.schedule == "gpipe_recompute",
-                                 weight_gather=cfg.pipeline.weight_gather,
-                                 gradient_reduce=cfg.pipeline.gradient_reduce)
+                                 **comm_minimum.pipeline_options(cfg.pipeline))
     dcn = {a for a, _ in layout.dcn}
     links = {"ICI": 0.0, "DCN": 0.0}
     for term in least["terms"]:
