@@ -270,6 +270,18 @@ def test_bad_pipeline_settings_are_one_sentence_before_compiling(overrides, mess
         check_run(cfg, device_count=8)
 
 
+def test_gradient_reduce_once_is_refused_on_a_jax_whose_xla_aborts_it(monkeypatch):
+    """jax 0.12.0.1's lowering of its nested shard_maps makes XLA abort the compile (config/checks.py)."""
+    from maxtext_rocm.config import checks
+
+    monkeypatch.setattr(checks, "installed_jax", lambda: (0, 12, 0))
+    cfg = llama(**dict(SINGLE, **{"mesh.ici.stage": 2, "mesh.ici.fsdp": 4}), **{
+        "pipeline.gradient_reduce": "once", "pipeline.weight_gather": "once"})
+    with pytest.raises(config_lib.ConfigError, match=r"pipeline.gradient_reduce='once' does not run with jax "
+                                                     r"0.12.0 .*; set pipeline.gradient_reduce='per_iteration'"):
+        check_run(cfg, device_count=8)
+
+
 @pytest.mark.parametrize("mode", [pytest.param("ring", marks=pytest.mark.slow), "all_gather"])
 def test_context_parallelism_inside_the_stages_matches_one_device(mode, one_device, devices, tmp_path):
     """stage=2 x sequence=2 x fsdp=2: each stage's attention runs context.py's shard_map over

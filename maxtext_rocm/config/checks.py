@@ -333,10 +333,21 @@ def _validate_gradient_reduce(cfg) -> None:
         (cfg.precision.policy == "fp8", "precision.policy='fp8' (its scales come from amaxes over the whole batch)"),
         (any(s != 1 for s in sequence), f"mesh.ici.sequence={sequence[0]}, mesh.dcn.sequence={sequence[1]} "
                                         "(context parallelism's own exchange)"),
+        # Its shard_map over the batch axes holds the stages' own shard_maps over `stage`; jax 0.12's
+        # lowering names the nested manual axes out of mesh order and XLA aborts the compile
+        # ("Manual axes must be sorted by mesh axis index", jax 0.12.0.1). jax 0.10 runs it.
+        (installed_jax() >= (0, 11), f"jax {'.'.join(map(str, installed_jax()))} (XLA aborts compiling its "
+                                     "nested shard_maps there; it runs on jax 0.10)"),
     ]
     for refused, what in refusals:
         _require(not refused, f"pipeline.gradient_reduce='once' does not run with {what}; "
                               "set pipeline.gradient_reduce='per_iteration'")
+
+
+def installed_jax() -> tuple[int, ...]:
+    """The installed jax's version as numbers, read without importing jax."""
+    from importlib.metadata import version
+    return tuple(int(part) for part in version("jax").split(".")[:3] if part.isdigit())
 
 
 # At most this many microbatches per stage under auto: GPipe's bubble (S-1)/(M+S-1) is ~47% at

@@ -90,7 +90,8 @@ def defaults() -> ml_collections.ConfigDict:
         # "once" (with weight_gather "once"): the loop runs on each batch shard's rows, manual over
         # the batch axes, so each device sums its own weight gradient over the iterations and it is
         # reduce-scattered once a step, after the loop; at the memory of that sum, the stage's
-        # gradient whole in fp32. Dense models, no fp8, mesh sequence 1.
+        # gradient whole in fp32. Dense models, no fp8, mesh sequence 1, jax 0.10 (jax 0.12's XLA
+        # aborts its nested shard_maps: refused there).
         gradient_reduce="per_iteration",
     )
     cfg.precision = dict(
