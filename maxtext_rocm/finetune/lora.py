@@ -108,15 +108,17 @@ def to_compute_dtype(base, dtype):
 
 
 def apply_model(model, params, batch: dict, *, frozen=None, fp8_state=None, dropout_key=None,
-                return_hidden: bool = False):
+                return_hidden: bool = False, loss=None):
     """model.apply on a batch with the variables of a plain or a LoRA run (`frozen`: the base, then
     `params` are the adapters), its fp8 state and the adapters' dropout key; (output, aux
-    collections with the MoE router losses)."""
+    collections with the MoE router losses). `loss`: a StackLoss, for a model whose layer stack
+    runs it (the output is then (objective, sums))."""
     variables = model_variables(params, frozen)
     if fp8_state:
         variables[FP8_COLLECTION] = fp8_state
     return model.apply(variables, batch["inputs"], batch.get("positions"), batch.get("segment_ids"),
-                       return_hidden=return_hidden, mutable=[moe.AUX_LOSSES],
+                       return_hidden=return_hidden, **({} if loss is None else {"loss": loss}),
+                       mutable=[moe.AUX_LOSSES],
                        rngs=None if dropout_key is None else {"dropout": dropout_key})
 
 

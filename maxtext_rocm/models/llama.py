@@ -90,10 +90,34 @@ class TokenEmbedding(NamedTuple):
     lookup: Callable
 
 
+class StackLoss(NamedTuple):
+    """The step's objective on the final norm's output, for a Decoder whose `layer_stack` runs it
+    per microbatch (its `runs_the_loss`: pipeline.schedule="1f1b"). of_rows(head_weight,
+    vocab_axis, hidden [b, seq, d], rows) -> (the objective summed over the rows' tokens, {name:
+    sums}); `rows` {name: [B, ...]} (targets, weights); of_sown(aux collections) -> the objective's
+    share from what the layers sowed, linear in it (the router losses)."""
+
+    rows: dict
+    of_rows: Callable
+    of_sown: Callable
+
+
+class Tail(NamedTuple):
+    """What follows the stack, as a pure function for a `layer_stack` that runs it per microbatch:
+    apply(variables, hidden [b, seq, d], rows) -> (objective, sums), the final norm and a
+    StackLoss's of_rows through the LM head; `rows` and `of_sown` are the StackLoss's."""
+
+    variables: dict  # {"final_norm": its params, "head": the head's weight (the table, if tied)}
+    rows: dict
+    apply: Callable
+    of_sown: Callable
+
+
 class Decoder(nn.Module):
     """Embedding -> n_layers blocks -> final norm -> LM head. Returns logits [batch, seq, vocab],
     or with `return_hidden` the final norm's output [batch, seq, d_model] for
-    maxtext_rocm/numerics/cross_entropy.py, which applies the head itself (see lm_head_weight)."""
+    maxtext_rocm/numerics/cross_entropy.py, which applies the head itself (see lm_head_weight),
+    or with `loss` (a StackLoss, for a layer_stack that runs the loss) (objective, sums)."""
 
     cfg: "ml_collections.FrozenConfigDict"  # noqa: F821 - cfg.model
     policy: Policy
@@ -109,13 +133,17 @@ class Decoder(nn.Module):
 
     @nn.compact
     def __call__(self, tokens: Array, positions: Array | None = None,
-                 segment_ids: Array | None = None, return_hidden: bool = False) -> Array:
+                 segment_ids: Array | None = None, return_hidden: bool = False, loss: StackLoss | None = None):
         m = self.cfg
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
         embed = Embed(m.vocab_size, m.d_model, m.embed_init_std, self.policy, name="embed")
         stacked_elsewhere = (m.scan_layers and self.layer_stack is not None and not self.decode
                              and not self.is_initializing())
+        runs_the_loss = stacked_elsewhere and getattr(self.layer_stack, "runs_the_loss", False)
+        if runs_the_loss != (loss is not None):
+            raise ValueError("Decoder(loss=...) goes with a layer_stack that runs the loss per microbatch "
+                             f"(pipeline.schedule='1f1b'), and only with one; loss given: {loss is not None}")
         if not stacked_elsewhere:
             x = _embedded(embed, tokens)
 
@@ -147,10 +175,13 @@ class Decoder(nn.Module):
                 # bound module cannot be called inside the strategy's jax transforms).
                 unbound = Embed(m.vocab_size, m.d_model, m.embed_init_std, self.policy, parent=None)
                 embedding = TokenEmbedding(embed.variables, functools.partial(_looked_up, unbound))
-                x, sown = self.layer_stack(stack, scanned, embedding, tokens, positions, segment_ids)
+                tail = {} if loss is None else {"tail": self._tail(loss)}
+                x, sown = self.layer_stack(stack, scanned, embedding, tokens, positions, segment_ids, **tail)
                 for collection, tree in sown.items():
                     if self.is_mutable_collection(collection):
                         self.put_variable(collection, "layers_pipelined", tree)
+                if loss is not None:
+                    return x  # (objective, sums): the stack ran the final norm, the head and the loss
         else:
             for i in range(m.n_layers):
                 x, _ = block(m, self.policy, self.decode, self.expert_exchange, self.context_attention,
@@ -166,6 +197,18 @@ class Decoder(nn.Module):
             head_policy = self.policy if self.policy.fp8_lm_head else without_fp8(self.policy)
             logits = Dense((m.d_model,), (m.vocab_size,), ("embed", "vocab"), head_policy, name="lm_head")(x)
         return nn.with_logical_constraint(logits, ("activation_batch", "activation_length", "activation_vocab"))
+
+    def _tail(self, loss: StackLoss) -> Tail:
+        """The final norm, the head and `loss` as one pure function of their variables (read from
+        this module's, which apply() was given)."""
+        params = self.variables["params"]
+        head, vocab_axis = lm_head_weight(params, self.cfg)
+        norm = RMSNorm(self.cfg.norm_eps, self.policy, parent=None)
+
+        def apply(variables, hidden, rows):
+            normed = norm.apply({"params": variables["final_norm"]}, hidden)
+            return loss.of_rows(variables["head"], vocab_axis, normed, rows)
+        return Tail({"final_norm": params["final_norm"], "head": head}, loss.rows, apply, loss.of_sown)
 
 
 def _embedded(embed: Embed, tokens: Array) -> Array:

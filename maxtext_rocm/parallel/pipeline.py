@@ -49,7 +49,7 @@ any parameter replicated over `stage` needs.
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -103,6 +103,17 @@ def layer_stack(pipeline_cfg, model_cfg, mesh: Mesh, loop: Callable | None = Non
     """The Decoder's `layer_stack` strategy for `mesh` (models/llama.py), or None where the mesh
     has one stage and the layers run in order on every device. `loop`: another loop for `_loop`'s
     contract (pipeline_recompute.loop under pipeline.schedule="gpipe_recompute"); None: `_loop`."""
+    schedule = schedule_for(pipeline_cfg, model_cfg, mesh)
+    if schedule is None:
+        return None
+    return functools.partial(pipelined, schedule=schedule, loop=loop,
+                             gather_once=pipeline_cfg.weight_gather == "once",
+                             reduce_once=pipeline_cfg.gradient_reduce == "once")
+
+
+def schedule_for(pipeline_cfg, model_cfg, mesh: Mesh) -> "Schedule | None":
+    """The stages' schedule for `mesh` (GPipe's order, or Circular's with repeats), or None
+    where the mesh has one stage."""
     stages = mesh.shape.get(STAGE_AXIS, 1)
     if stages <= 1:
         return None
@@ -110,10 +121,7 @@ def layer_stack(pipeline_cfg, model_cfg, mesh: Mesh, loop: Callable | None = Non
         raise ConfigError(f"model.n_layers={model_cfg.n_layers} leaves some of mesh stage={stages} x "
                           f"pipeline.repeats={pipeline_cfg.repeats} virtual stages without a layer")
     layout = StackLayout(model_cfg.n_layers, stages, pipeline_cfg.repeats)
-    schedule = (GPipe if layout.repeats == 1 else Circular)(layout, _resolved(pipeline_cfg), mesh)
-    return functools.partial(pipelined, schedule=schedule, loop=loop,
-                             gather_once=pipeline_cfg.weight_gather == "once",
-                             reduce_once=pipeline_cfg.gradient_reduce == "once")
+    return (GPipe if layout.repeats == 1 else Circular)(layout, _resolved(pipeline_cfg), mesh)
 
 
 def resolve_microbatches(cfg, mesh: Mesh) -> None:
@@ -249,25 +257,13 @@ def pipelined(layers: nn.Module, make_layers: Callable, embedding: TokenEmbeddin
     `gather_once`: the stages' weights gathered before the loop, not in it (pipeline_gather.py);
     `reduce_once`: and their gradient reduced after it (pipeline_gather.per_batch_shard).
     Returns (y, {AUX_LOSSES: what the real layers sowed on real microbatches})."""
-    variables = dict(layers.variables)
-    extra = set(variables) - {"params", FP8_COLLECTION}
-    if extra:
-        raise ConfigError(f"the pipeline cannot carry the layers' {', '.join(sorted(extra))} state yet; "
-                          "use mesh stage=1")
-    layout, microbatches = schedule.layout, schedule.microbatches
-    stages, repeats, slots = layout.stages, layout.repeats, layout.per_chunk
-    # Storage [S R K, ...] -> [S, R, K, ...]: device s holds its R chunks, its own shard (a reshape
-    # of the sharded axis; no data moves). Without padding or repeats storage is model order.
-    stored = jax.tree_util.tree_map(lambda p: p.reshape(stages, repeats, slots, *p.shape[1:]), variables)
-    params, fp8_state = stored["params"], stored.get(FP8_COLLECTION)
+    stack = stage_stack(layers, make_layers, schedule)
+    layout, microbatches, params = schedule.layout, schedule.microbatches, stack.params
     # fp8 delayed scaling: one copy of the state per iteration, so that each use's update (its
     # cotangent) stays apart and the real ones combine as grad_accum's micro-batches do.
-    fp8_per_iteration = None if fp8_state is None else _fan_out(fp8_state, _uses(layout, microbatches))
-    real = jnp.asarray(layout.real)
-    padded = bool(layout.empty)
-    chunk_layers = make_layers(1 if padded else slots, parent=None)
-    staged = embedded_per_stage(embedding, tokens, stages, microbatches, schedule.mesh)  # [S, M, mb, seq, d]
-    gathered = (GatheredOnce.of(chunk_layers, staged[0, 0], positions, segment_ids, schedule.mesh)
+    fp8_per_iteration = None if stack.fp8_state is None else _fan_out(stack.fp8_state, _uses(layout, microbatches))
+    staged = embedded_per_stage(embedding, tokens, layout.stages, microbatches, schedule.mesh)  # [S, M, mb, seq, d]
+    gathered = (GatheredOnce.of(stack.chunk_layers, staged[0, 0], positions, segment_ids, schedule.mesh)
                 if gather_once else None)
     if gathered is not None:
         params = gathered.before_loop(params)
@@ -275,9 +271,39 @@ def pipelined(layers: nn.Module, make_layers: Callable, embedding: TokenEmbeddin
     if reduce_once:  # each device sums its own gradient; nothing to ask of each iteration's
         loop = per_batch_shard(loop, schedule.mesh, present_axes(schedule.mesh, "activation_batch"))
         gathered = None
-    run_stage = functools.partial(_run_stage, chunk_layers, padded, schedule.pick_chunk, gathered)
-    y, sown = loop(schedule, run_stage, params, fp8_per_iteration, real, staged, positions, segment_ids)
+    run_stage = functools.partial(_run_stage, stack.chunk_layers, stack.padded, schedule.pick_chunk, gathered)
+    y, sown = loop(schedule, run_stage, params, fp8_per_iteration, stack.real, staged, positions, segment_ids)
     return y, {AUX_LOSSES: jax.tree_util.tree_map(functools.partial(_real_work, layout, microbatches), sown)}
+
+
+class StageStack(NamedTuple):
+    """The scanned layers' variables as the stages run them: `params` and `fp8_state` (None
+    without delayed fp8 scaling) viewed [S, R, K, ...]; `real` [S, R, K] (False: an empty slot);
+    `chunk_layers`, an unbound scan that runs one chunk (one slot at a time where some are empty:
+    `padded`)."""
+    params: object
+    fp8_state: object
+    real: Array
+    padded: bool
+    chunk_layers: nn.Module
+
+
+def stage_stack(layers: nn.Module, make_layers: Callable, schedule: Schedule) -> StageStack:
+    """The bound scanned `layers` (whose variables are the stored [S R K, ...] arrays) as
+    `schedule`'s stages run them; `make_layers(length, parent=None)` makes an unbound scan."""
+    variables = dict(layers.variables)
+    extra = set(variables) - {"params", FP8_COLLECTION}
+    if extra:
+        raise ConfigError(f"the pipeline cannot carry the layers' {', '.join(sorted(extra))} state yet; "
+                          "use mesh stage=1")
+    layout = schedule.layout
+    # Storage [S R K, ...] -> [S, R, K, ...]: device s holds its R chunks, its own shard (a reshape
+    # of the sharded axis; no data moves). Without padding or repeats storage is model order.
+    stored = jax.tree_util.tree_map(
+        lambda p: p.reshape(layout.stages, layout.repeats, layout.per_chunk, *p.shape[1:]), variables)
+    padded = bool(layout.empty)
+    return StageStack(stored["params"], stored.get(FP8_COLLECTION), jnp.asarray(layout.real), padded,
+                      make_layers(1 if padded else layout.per_chunk, parent=None))
 
 
 def _loop(schedule: Schedule, run_stage: Callable, params, fp8_per_iteration, real: Array,

@@ -58,13 +58,18 @@ def model_for_mesh(cfg, policy, mesh, platform: str | None = None, model_cfg=Non
     never sees the mesh itself. `model_cfg`: the model group to build from, when it differs from
     `cfg.model` (the planner's CPU stand-ins for GPU kernels); the strategies read `cfg.model`."""
     from maxtext_rocm.models import build_model
-    from maxtext_rocm.parallel import context, experts, pipeline, pipeline_recompute
+    from maxtext_rocm.parallel import context, experts, pipeline, pipeline_1f1b, pipeline_recompute
 
-    # gpipe_recompute is GPipe's schedule with its own backward loop, which imports pipeline.py's pieces.
-    loop = pipeline_recompute.loop if cfg.pipeline.schedule == "gpipe_recompute" else None
+    # gpipe_recompute is GPipe's schedule with its own backward loop, which imports pipeline.py's
+    # pieces; 1f1b runs the loss inside its own loop.
+    if cfg.pipeline.schedule == "1f1b":
+        layer_stack = pipeline_1f1b.layer_stack(cfg.pipeline, cfg.model, mesh)
+    else:
+        loop = pipeline_recompute.loop if cfg.pipeline.schedule == "gpipe_recompute" else None
+        layer_stack = pipeline.layer_stack(cfg.pipeline, cfg.model, mesh, loop=loop)
     return build_model(model_cfg or cfg.model, policy,
                        expert_exchange=experts.expert_exchange(cfg.model, mesh, platform),
-                       layer_stack=pipeline.layer_stack(cfg.pipeline, cfg.model, mesh, loop=loop),
+                       layer_stack=layer_stack,
                        context_attention=context.context_attention(cfg.model, mesh))
 
 

@@ -24,7 +24,7 @@ from maxtext_rocm.numerics import cross_entropy, fp8
 from maxtext_rocm.numerics.fp8 import FP8_COLLECTION
 from maxtext_rocm.models import moe
 from maxtext_rocm.models.layers import ADAPTERS
-from maxtext_rocm.models.llama import lm_head_weight
+from maxtext_rocm.models.llama import StackLoss, lm_head_weight
 from maxtext_rocm.trainer.optimizer import build_optimizer, learning_rate
 from maxtext_rocm.parallel import loss
 
@@ -103,9 +103,12 @@ def summed_loss(params, model: nn.Module, batch: Batch, z_loss_weight: float, fp
     """The objective summed (not averaged) over tokens, and the sums the metrics need. Under LoRA
     `params` are the adapters and `frozen` the base; `dropout_key` turns the adapters' dropout on."""
     fused = fused_head_loss(model.cfg, model.policy.fp8_lm_head)
+    weights = batch["weights"].astype(jnp.float32)
+    tokens = jnp.sum(weights)
+    if runs_the_loss(model):
+        return _summed_loss_in_the_stack(params, model, batch, z_loss_weight, fp8_state, frozen, dropout_key, tokens)
     out, aux = lora.apply_model(model, params, batch, frozen=frozen, fp8_state=fp8_state, dropout_key=dropout_key,
                                 return_hidden=fused)
-    weights = batch["weights"].astype(jnp.float32)
     if fused:
         head_weight, vocab_axis = lm_head_weight(frozen or params, model.cfg)
         objective, sums = loss.head_loss(  # on a mesh, each device on its own tokens (parallel/loss.py)
@@ -115,12 +118,39 @@ def summed_loss(params, model: nn.Module, batch: Batch, z_loss_weight: float, fp
         ce, log_z = token_losses(out, batch["targets"])
         sums = {"ce": jnp.sum(ce * weights), "z_loss": jnp.sum(jnp.square(log_z) * weights)}
         objective = sums["ce"] + z_loss_weight * sums["z_loss"]
-    tokens = jnp.sum(weights)
-    # MoE router losses (zero for dense models) are means over this batch; times its token count
-    # they average over micro-batches like the rest once divided by the global token count.
-    router = {name: value * tokens for name, value in moe.router_losses(aux).items()}
+    router = _router_sums(aux, tokens)
     sums.update(tokens=tokens, **router)
     return objective + moe.weighted_router_loss(router, model.cfg), sums
+
+
+def _router_sums(aux, tokens: Array) -> dict:
+    """MoE router losses (zero for dense models) are means over this batch; times its token count
+    they average over micro-batches like the rest once divided by the global token count."""
+    return {name: value * tokens for name, value in moe.router_losses(aux).items()}
+
+
+def runs_the_loss(model: nn.Module) -> bool:
+    """Whether the model's layer stack runs the loss itself, per microbatch (pipeline.schedule="1f1b")."""
+    return getattr(model.layer_stack, "runs_the_loss", False)
+
+
+def _summed_loss_in_the_stack(params, model: nn.Module, batch: Batch, z_loss_weight: float, fp8_state, frozen,
+                              dropout_key, tokens: Array):
+    """summed_loss's contract where the layer stack runs the fused head loss per microbatch: the
+    model returns the objective, its router losses' share included (models/llama.py, StackLoss)."""
+    def of_rows(head_weight, vocab_axis, hidden, rows):
+        return loss.head_loss(hidden, head_weight, rows["targets"], rows["weights"], vocab_axis=vocab_axis,
+                              z_loss_weight=z_loss_weight,
+                              chunk=cross_entropy.chunk_length(hidden.shape[1], model.cfg.loss_chunk_len))
+
+    def of_sown(aux):
+        return moe.weighted_router_loss(_router_sums(aux, tokens), model.cfg)
+
+    rows = {"targets": batch["targets"], "weights": batch["weights"].astype(jnp.float32)}
+    (objective, sums), aux = lora.apply_model(model, params, batch, frozen=frozen, fp8_state=fp8_state,
+                                              dropout_key=dropout_key, loss=StackLoss(rows, of_rows, of_sown))
+    sums = dict(sums, tokens=tokens, **_router_sums(aux, tokens))
+    return objective, sums
 
 
 def split_micro_batches(batch: Batch, n: int, rows_together: int = 1) -> Batch:

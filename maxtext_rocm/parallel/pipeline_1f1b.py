@@ -1,0 +1,363 @@
+"""pipeline.schedule="1f1b": each stage runs a microbatch's backward as soon as its cotangent
+arrives, so a stage holds the layer residuals of at most 2S - 1 microbatches, not every
+iteration's (legend: pipeline.py).
+
+A microbatch's backward can start before the others' forwards end only if its loss exists by
+then, so this schedule takes the step's objective with it: the Decoder hands it a `Tail` (the
+final norm, the LM head and the fused loss with this microbatch's targets, a pure function of its
+variables; models/llama.py) and the schedule returns the objective, not the stack's output. The
+whole of it is one `custom_vjp` whose forward runs the schedule, computing the objective and every
+gradient, and whose backward scales them by the objective's cotangent.
+
+The schedule is lockstep, as an SPMD program is: in iteration t stage s runs the forward of
+microbatch t - s and the backward of microbatch t - (2S - 2 - s). Between them, in the same
+iteration, the last stage's output goes to the tail (microbatch t - S + 1), whose cotangent starts
+that microbatch's backward on the last stage at once; every other stage's backward takes the
+cotangent the stage after it sent in the previous iteration (a collective-permute s + 1 -> s).
+Three loops, so that nothing runs that only the bubble would use:
+
+- warm-up, t < S - 1: forwards only (no cotangent has reached any stage yet);
+- steady, M iterations: a forward, the tail, a backward;
+- cool-down, S - 1 iterations: backwards only.
+
+(S-1) F + M (F + B) + (S-1) B: GPipe's time, bubble (S-1)/(M+S-1), without gpipe_recompute's
+third forward. Memory: stage s holds microbatch m from its forward (t = m + s) to its backward
+(t = m + 2S - 2 - s), 2(S - s) - 1 microbatches, 2S - 1 on the first stage; every stage keeps a
+buffer of min(2S - 1, M) slots (the stages are one vmapped program). GPipe's autodiff keeps
+M + S - 1 iterations' residuals, the bubble's included. Standard (asynchronous) 1F1B holds S on
+its first stage because a backward there takes two forward's time; in lockstep each iteration
+is one forward and one backward, and a microbatch's cotangent needs S - 1 iterations to come back.
+
+What a microbatch's backward needs from its forward is taken from the forward's own `jax.vjp`:
+its residuals are flattened, and those that are not an input of the stage (weights, positions,
+segments, which the backward supplies again) are written to the microbatch's slot. So a slot
+holds exactly what model.remat lets a layer keep, once per layer. Under model.remat="none" the
+stage is checkpointed with "save_dots"'s policy (every matmul's output kept, elementwise work
+recomputed): without it the residuals would include values that depend on the weights alone (a
+weight cast to bf16, the fused gate-up kernel), a copy of the stage's weights per slot.
+
+Router losses and fp8 delayed state: the layers' sown router losses enter the objective
+linearly (means times a weight), so their cotangent is known before the loop (`Tail.of_sown`'s
+gradient) and each backward takes its own. The fp8 state's updates arrive from each backward as
+its cotangent and merge over the real (stage, microbatch) uses as fp8.combine_updates merges
+micro-batches; a slot no real layer uses keeps its state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import linen as nn
+from jax.sharding import Mesh
+
+from maxtext_rocm.models.llama import REMAT_POLICIES, Tail, TokenEmbedding
+from maxtext_rocm.models.moe import AUX_LOSSES
+from maxtext_rocm.numerics import fp8
+from maxtext_rocm.numerics.fp8 import FP8_COLLECTION
+from maxtext_rocm.parallel.pipeline import (
+    STAGE_AXIS, STATE_AXES, TOKEN_AXES, GPipe, _from_stage, _is_first, _permute, _real_work, _run_stage, _shift,
+    embedded_per_stage, schedule_for, split_microbatches, stage_stack)
+from maxtext_rocm.parallel.pipeline_gather import GatheredOnce
+from maxtext_rocm.parallel.pipeline_recompute import SAVED_AXES, _read, _write
+
+Array = jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class OneFOneB:
+    """The Decoder's `layer_stack` strategy under pipeline.schedule="1f1b": it takes the Decoder's
+    `Tail` and returns ((objective, sums), {AUX_LOSSES: what the real layers sowed}) instead of
+    the stack's output (models/llama.py). `remat`: model.remat."""
+
+    schedule: GPipe
+    remat: str
+    gather_once: bool = False
+    runs_the_loss = True  # the Decoder hands it the Tail
+
+    def __call__(self, layers: nn.Module, make_layers: Callable, embedding: TokenEmbedding, tokens: Array,
+                 positions: Array, segment_ids: Array | None, *, tail: Tail):
+        schedule = self.schedule
+        stack = stage_stack(layers, make_layers, schedule)
+        staged = embedded_per_stage(embedding, tokens, schedule.stages, schedule.microbatches, schedule.mesh)
+        gathered = GatheredOnce.of(stack.chunk_layers, staged[0, 0], positions, segment_ids, schedule.mesh)
+        run_stage = functools.partial(_run_stage, stack.chunk_layers, stack.padded, schedule.pick_chunk, None)
+        if self.remat == "none":  # see the module's docstring: no residual may depend on the weights alone
+            run_stage = jax.checkpoint(run_stage, policy=REMAT_POLICIES["save_dots"], static_argnums=(2,))
+        split = functools.partial(split_microbatches, n=schedule.microbatches)
+        rows = jax.tree_util.tree_map(split, tail.rows)
+        pos_in, seg_in = (None if a is None else split(a) for a in (positions, segment_ids))
+        loop = _Loop(schedule, run_stage, stack.real, tail.apply, gathered if self.gather_once else None,
+                     gathered.stored)
+        sown_shape = loop.sown_shape(stack.params, stack.fp8_state, staged, pos_in, seg_in)
+        sown_cotangent = _sown_cotangent(tail.of_sown, sown_shape, schedule)
+        objective, sums, sown = _pipelined_objective(loop)(
+            stack.params, stack.fp8_state, staged, tail.variables, rows, pos_in, seg_in, sown_cotangent)
+        kept = jax.tree_util.tree_map(functools.partial(_real_work, schedule.layout, schedule.microbatches), sown)
+        kept = jax.lax.stop_gradient(kept)  # its share of the objective is in `objective` already
+        return (objective + tail.of_sown({AUX_LOSSES: kept}), sums), {AUX_LOSSES: kept}
+
+
+def _sown_cotangent(of_sown: Callable, sown_shape, schedule: GPipe):
+    """[S, M + S - 1, K, ...]: the objective's derivative by each layer's sown value in each
+    forward iteration (zero in the bubble), rows per stage: `of_sown` is linear, so its gradient at
+    zero is its gradient everywhere."""
+    def share(sown):
+        kept = jax.tree_util.tree_map(functools.partial(_real_work, schedule.layout, schedule.microbatches), sown)
+        return of_sown({AUX_LOSSES: kept})
+    zeros = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), sown_shape)
+    return jax.tree_util.tree_map(lambda a: jnp.swapaxes(a, 0, 1), jax.grad(share)(zeros))
+
+
+def _pipelined_objective(loop: "_Loop") -> Callable:
+    """objective(params, fp8_state, staged, tail_variables, rows, pos_in, seg_in, sown_cotangent)
+    -> (objective, sums, sown [M + S - 1, S, K, ...]), differentiable in params, staged and the
+    tail's variables (and the fp8 state: its updates)."""
+
+    @jax.custom_vjp
+    def objective(params, fp8_state, staged, tail_variables, rows, pos_in, seg_in, sown_cotangent):
+        result = loop.run(params, fp8_state, staged, tail_variables, rows, pos_in, seg_in, sown_cotangent,
+                          with_backward=False)
+        return result.objective, result.sums, result.sown
+
+    def forward(params, fp8_state, staged, tail_variables, rows, pos_in, seg_in, sown_cotangent):
+        result = loop.run(params, fp8_state, staged, tail_variables, rows, pos_in, seg_in, sown_cotangent,
+                          with_backward=True)
+        grads = (result.d_params, result.d_fp8, result.d_staged, result.d_tail)
+        return (result.objective, result.sums, result.sown), grads
+
+    def backward(grads, cotangents):
+        d_params, d_fp8, d_staged, d_tail = grads
+        g = cotangents[0]  # the objective's; the sums and sown values are reported, not differentiated
+        times_g = functools.partial(jax.tree_util.tree_map, lambda d: (d * g).astype(d.dtype))
+        # fp8: the state's update, whatever the objective's cotangent (numerics/fp8.py).
+        return times_g(d_params), d_fp8, times_g(d_staged), times_g(d_tail), None, None, None, None
+
+    objective.defvjp(forward, backward)
+    return objective
+
+
+class _Result(NamedTuple):
+    objective: Array
+    sums: dict
+    sown: object  # [M + S - 1, S, K, ...] per leaf, GPipe's layout (pipeline._real_work reads it)
+    d_params: object
+    d_fp8: object
+    d_staged: Array
+    d_tail: object
+
+
+class _Pullback(NamedTuple):
+    """How a stage's forward `jax.vjp` is rebuilt for its backward: the pullback's tree, and for
+    each of its leaves the index of the stage input it is (weights, positions, segments, which
+    the backward supplies), or None (a residual, kept in the microbatch's slot)."""
+    treedef: object
+    source: tuple
+
+
+class _Loop:
+    """The schedule's three loops (module docstring) for `schedule` [GPipe's stages and
+    microbatches], `run_stage` (pipeline._run_stage's contract), `real` [S, 1, K] (False: an empty
+    slot) and the tail's `apply`. `gathered`: a GatheredOnce when pipeline.weight_gather="once";
+    `stored`: the weights' stored NamedShardings, the gradient's layout in every iteration."""
+
+    def __init__(self, schedule: GPipe, run_stage: Callable, real: Array, tail_apply: Callable,
+                 gathered: GatheredOnce | None, stored):
+        self.schedule, self.mesh = schedule, schedule.mesh
+        self.stages, self.microbatches = schedule.stages, schedule.microbatches
+        self.slots = min(2 * self.stages - 1, self.microbatches)
+        self.run_stage, self.real, self.tail_apply = run_stage, real, tail_apply
+        self.gathered, self.stored = gathered, stored
+        self.pullback: _Pullback | None = None  # set by the first trace of a stage's forward
+
+    # One stage's work (vmapped over the stages)
+
+    def _stage(self, stage_vars, stage_real, h, pos, seg):
+        return self.run_stage(stage_vars, stage_real, 0, h, pos, seg)  # GPipe: each device's one chunk
+
+    def _forward_keeping(self, stage_vars, stage_real, h, pos, seg):
+        """(out, sown, the residuals to keep): one stage's forward under jax.vjp."""
+        (out, sown), pull = jax.vjp(lambda v, x: self._stage(v, stage_real, x, pos, seg), stage_vars, h)
+        leaves, treedef = jax.tree_util.tree_flatten(pull)
+        inputs = self._inputs(stage_vars, stage_real, pos, seg)
+        source = tuple(next((j for j, known in enumerate(inputs) if leaf is known), None) for leaf in leaves)
+        if self.pullback is None:
+            self.pullback = _Pullback(treedef, source)
+        elif source != self.pullback.source:  # every trace of the same stage must agree
+            raise AssertionError("a stage's forward kept different residuals in two traces")
+        return out, sown, [leaf for leaf, j in zip(leaves, source) if j is None]
+
+    def _backward(self, stage_vars, stage_real, kept, pos, seg, d_out, d_sown):
+        """(the variables' cotangents, the input's): one stage's pullback, rebuilt from its slot."""
+        inputs, residuals = self._inputs(stage_vars, stage_real, pos, seg), iter(kept)
+        leaves = [next(residuals) if j is None else inputs[j] for j in self.pullback.source]
+        return jax.tree_util.tree_unflatten(self.pullback.treedef, leaves)((d_out, d_sown))
+
+    @staticmethod
+    def _inputs(stage_vars, stage_real, pos, seg) -> list:
+        return [*jax.tree_util.tree_leaves(stage_vars), stage_real, pos, *([] if seg is None else [seg])]
+
+    # The schedule
+
+    def _micro(self, t, lag):
+        """Each stage's microbatch (stage s: t - s - lag(s), clamped) and whether it is real."""
+        work = t - lag
+        return jnp.clip(work, 0, self.microbatches - 1), (work >= 0) & (work < self.microbatches)
+
+    def _tokens(self, pos_in, seg_in, micro):
+        pos = nn.with_logical_constraint(jnp.take(pos_in, micro, axis=0), TOKEN_AXES)
+        seg = None if seg_in is None else nn.with_logical_constraint(jnp.take(seg_in, micro, axis=0), TOKEN_AXES)
+        return pos, seg
+
+    def _variables(self, params, fp8_state):
+        return {"params": params} if fp8_state is None else {"params": params, FP8_COLLECTION: fp8_state}
+
+    def sown_shape(self, params, fp8_state, staged, pos_in, seg_in):
+        """The sown values' shapes, [M + S - 1, S, K, ...] (nothing is computed)."""
+        def one(params, fp8_state, staged, pos_in, seg_in):
+            pos, seg = self._tokens(pos_in, seg_in, jnp.zeros((self.stages,), jnp.int32))
+            run = jax.vmap(self._stage, spmd_axis_name=STAGE_AXIS)
+            _, sown = run(self._variables(params, fp8_state), self.real, staged[:, 0], pos, seg)
+            return sown
+        per_iteration = jax.eval_shape(one, params, fp8_state, staged, pos_in, seg_in)
+        n = self.microbatches + self.stages - 1
+        return jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct((n, *s.shape), s.dtype), per_iteration)
+
+    def run(self, params, fp8_state, staged, tail_variables, rows, pos_in, seg_in, sown_cotangent, *,
+            with_backward: bool) -> _Result:
+        S, M, mesh = self.stages, self.microbatches, self.mesh
+        stage_ids = np.arange(S)
+        if self.gathered is not None:
+            params = jax.tree_util.tree_map(jax.lax.with_sharding_constraint, params, self.gathered.gathered)
+        stage_vars = self._variables(params, fp8_state)
+        forward_keeping = jax.vmap(self._forward_keeping, spmd_axis_name=STAGE_AXIS)
+        forward_only = jax.vmap(self._stage, spmd_axis_name=STAGE_AXIS)
+        backward = jax.vmap(self._backward, spmd_axis_name=STAGE_AXIS)
+        per_stage_read, per_stage_write = (jax.vmap(f, spmd_axis_name=STAGE_AXIS) for f in (_read, _write))
+        is_last = (stage_ids == S - 1).reshape(-1, 1, 1, 1)
+
+        def per_stage(mask, tree):  # tree's leaves [S, ...] where mask [S], zeros elsewhere
+            return jax.tree_util.tree_map(
+                lambda a: jnp.where(mask.reshape(-1, *(1,) * (a.ndim - 1)), a, jnp.zeros_like(a)), tree)
+
+        def forward_step(carry, t):
+            micro, real_work = self._micro(t, stage_ids)
+            fresh = jax.lax.dynamic_index_in_dim(staged, jnp.minimum(t, M - 1), axis=1, keepdims=False)
+            h = nn.with_logical_constraint(_shift(carry["out"], fresh, mesh), STATE_AXES)
+            pos, seg = self._tokens(pos_in, seg_in, micro)
+            if not with_backward:
+                out, sown = forward_only(stage_vars, self.real, h, pos, seg)
+            else:
+                out, sown, kept = forward_keeping(stage_vars, self.real, h, pos, seg)
+                carry["slots"] = [per_stage_write(buffer, leaf, micro % self.slots, real_work)
+                                  for buffer, leaf in zip(carry["slots"], kept)]
+            carry["out"] = nn.with_logical_constraint(out, STATE_AXES)
+            return carry, sown
+
+        def tail_step(carry, t):
+            """The last stage's output of microbatch t - S + 1 through the tail; its cotangent."""
+            micro = t - (S - 1)
+            y = _from_stage(carry["out"], S - 1, mesh)  # the last stage's row, on every stage
+            rows_now = jax.tree_util.tree_map(lambda r: jax.lax.dynamic_index_in_dim(r, micro, 0, False), rows)
+            if with_backward:
+                (objective, sums), pull = jax.vjp(lambda v, x: self.tail_apply(v, x, rows_now), tail_variables, y)
+            else:
+                (objective, sums), pull = self.tail_apply(tail_variables, y, rows_now), None
+            carry["objective"] = carry["objective"] + objective
+            carry["sums"] = jax.tree_util.tree_map(jnp.add, carry["sums"], sums)
+            if pull is None:
+                return carry, None
+            d_tail, d_y = pull((jnp.ones_like(objective), jax.tree_util.tree_map(jnp.zeros_like, sums)))
+            carry["d_tail"] = jax.tree_util.tree_map(jnp.add, carry["d_tail"], d_tail)
+            return carry, d_y
+
+        def backward_step(carry, t, d_y):
+            """Stage s differentiates microbatch t - (2S - 2 - s); the last stage from `d_y`."""
+            micro, real_work = self._micro(t, 2 * S - 2 - stage_ids)
+            from_next = _permute(carry["d_h"], mesh, [(s + 1, s) for s in range(S - 1)])
+            d_out = from_next if d_y is None else jnp.where(is_last, jnp.broadcast_to(d_y, from_next.shape), from_next)
+            d_out = nn.with_logical_constraint(per_stage(real_work, d_out), STATE_AXES)
+            # Forward iteration of each stage's microbatch: m + s (GPipe's, in which sown_cotangent is laid out).
+            d_sown = jax.tree_util.tree_map(lambda c: per_stage_read(c, micro + stage_ids), sown_cotangent)
+            d_sown = per_stage(real_work, d_sown)
+            kept = [per_stage_read(buffer, micro % self.slots) for buffer in carry["slots"]]
+            pos, seg = self._tokens(pos_in, seg_in, micro)
+            d_vars, d_h = backward(stage_vars, self.real, kept, pos, seg, d_out, d_sown)
+            # A clamped microbatch's slot holds another's residuals (or none): its results are dropped.
+            d_vars, d_h = per_stage(real_work, d_vars), per_stage(real_work, d_h)
+            carry["d_params"] = jax.tree_util.tree_map(
+                jax.lax.with_sharding_constraint,
+                jax.tree_util.tree_map(lambda a, d: a + d.astype(a.dtype), carry["d_params"], d_vars["params"]),
+                self.stored)
+            if fp8_state is not None:
+                uses = real_work.reshape(-1, 1, 1) & self.real  # [S, 1, K]: a real layer on a real microbatch
+                carry["d_fp8"] = _merged(carry["d_fp8"], d_vars[FP8_COLLECTION], uses)
+            carry["d_h"] = nn.with_logical_constraint(d_h, STATE_AXES)
+            carry["d_first"] = per_stage_write(carry["d_first"], carry["d_h"], micro, real_work)
+            return carry
+
+        def warm_up(carry, t):
+            return forward_step(carry, t)
+
+        def steady(carry, t):
+            carry, sown = forward_step(carry, t)
+            carry, d_y = tail_step(carry, t)
+            if with_backward:
+                carry = backward_step(carry, t, d_y)
+            return carry, sown
+
+        def cool_down(carry, t):
+            return backward_step(carry, t, None), None
+
+        activations = jnp.zeros((S, *staged.shape[2:]), staged.dtype)
+        first_rows = jax.tree_util.tree_map(lambda r: r[0], rows)
+        sums_shape = jax.eval_shape(lambda v, x: self.tail_apply(v, x, first_rows)[1], tail_variables, staged[0, 0])
+        carry = {"out": activations, "objective": jnp.zeros((), jnp.float32),
+                 "sums": jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), sums_shape)}
+        if with_backward:
+            kept_shapes = jax.eval_shape(lambda *a: forward_keeping(*a)[2], stage_vars, self.real, staged[:, 0],
+                                         *self._tokens(pos_in, seg_in, jnp.zeros((S,), jnp.int32)))
+            carry.update(
+                slots=[jnp.zeros((s.shape[0], self.slots, *s.shape[1:]), s.dtype) for s in kept_shapes],
+                d_h=activations, d_first=nn.with_logical_constraint(jnp.zeros_like(staged), SAVED_AXES),
+                d_params=jax.tree_util.tree_map(jnp.zeros_like, params),
+                d_tail=jax.tree_util.tree_map(jnp.zeros_like, tail_variables),
+                d_fp8=None if fp8_state is None else fp8.merge_identity(fp8_state))
+        carry, sown_warm = jax.lax.scan(warm_up, carry, jnp.arange(S - 1))
+        carry, sown_steady = jax.lax.scan(steady, carry, jnp.arange(S - 1, M + S - 1))
+        sown = jax.tree_util.tree_map(lambda a, b: jnp.concatenate([a, b]), sown_warm, sown_steady)
+        if not with_backward:
+            return _Result(carry["objective"], carry["sums"], sown, None, None, None, None)
+        carry, _ = jax.lax.scan(cool_down, carry, jnp.arange(M + S - 1, M + 2 * S - 2))
+        # Stage 0's input cotangents are the embeddings'; the other stages' rows are no input's.
+        d_first = carry["d_first"]
+        d_staged = nn.with_logical_constraint(jnp.where(_is_first(d_first), d_first, jnp.zeros_like(d_first)),
+                                              SAVED_AXES)
+        d_fp8 = None
+        if fp8_state is not None:  # a slot no real layer used keeps its state
+            used = self.schedule.layout.real  # numpy: [S, 1, K]
+            d_fp8 = jax.tree_util.tree_map(
+                lambda new, old: jnp.where(used.reshape(*used.shape, *(1,) * (old.ndim - used.ndim)), new, old),
+                carry["d_fp8"], fp8_state)
+        return _Result(carry["objective"], carry["sums"], sown, carry["d_params"], d_fp8, d_staged, carry["d_tail"])
+
+
+def _merged(combined, update, uses: Array):
+    """fp8.combine_updates of `combined` and one backward's `update` [S, 1, K, ...] where `uses`
+    [S, 1, K] (a real layer on a real microbatch), `combined` elsewhere."""
+    merged = fp8.combine_updates(combined, update)
+    return jax.tree_util.tree_map(
+        lambda new, old: jnp.where(uses.reshape(*uses.shape, *(1,) * (old.ndim - uses.ndim)), new, old),
+        merged, combined)
+
+
+def layer_stack(pipeline_cfg, model_cfg, mesh: Mesh) -> OneFOneB | None:
+    """pipeline.layer_stack's counterpart under pipeline.schedule="1f1b"; None on one stage."""
+    schedule = schedule_for(pipeline_cfg, model_cfg, mesh)
+    if schedule is None:
+        return None
+    return OneFOneB(schedule, model_cfg.remat, gather_once=pipeline_cfg.weight_gather == "once")
