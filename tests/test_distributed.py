@@ -248,6 +248,11 @@ MIXTRAL = "configs/tiny_mixtral.py:fp32"
     pytest.param(TINY, ["--config.mesh.dcn.stage=2", "--config.mesh.ici.fsdp=4", "--config.pipeline.schedule=gpipe_recompute"],
                  ["--config.mesh.ici.stage=2", "--config.mesh.ici.fsdp=4", "--config.pipeline.schedule=gpipe_recompute"],
                  id="dcn_stage2_ici_fsdp4_gpipe_recompute", marks=pytest.mark.slow),
+    # 1f1b (parallel/pipeline_1f1b.py): the loss runs inside the pipeline, each microbatch's
+    # backward as its cotangent crosses back between the processes.
+    pytest.param(TINY, ["--config.mesh.dcn.stage=2", "--config.mesh.ici.fsdp=4", "--config.pipeline.schedule=1f1b"],
+                 ["--config.mesh.ici.stage=2", "--config.mesh.ici.fsdp=4", "--config.pipeline.schedule=1f1b"],
+                 id="dcn_stage2_ici_fsdp4_1f1b"),
     # Dropless MoE with its expert exchange across the processes (all-to-alls over gloo) and FSDP
     # within each: the default moe_impl, 8 experts, 4 per process.
     pytest.param(MIXTRAL, ["--config.mesh.dcn.expert=2", "--config.mesh.ici.fsdp=4"],

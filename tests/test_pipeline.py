@@ -263,6 +263,12 @@ def test_storage_order_puts_each_devices_chunks_in_its_block(layers, stages, rep
     ({"pipeline.gradient_reduce": "once", "pipeline.weight_gather": "once", "model.family": "mixtral",
       "model.n_experts": 4, "model.experts_per_token": 2}, r"does not run with model.n_experts=4 .*; set "
                                                            r"pipeline.gradient_reduce='per_iteration'"),
+    ({"pipeline.schedule": "1f1b", "model.loss_chunk_len": 0}, r"pipeline.schedule='1f1b' does not run with "
+                                                               r"model.loss_chunk_len=0 .*; use pipeline.schedule='gpipe'"),
+    ({"pipeline.schedule": "1f1b", "precision.fp8_lm_head": True}, r"'1f1b' does not run with precision.fp8_lm_head"),
+    ({"pipeline.schedule": "1f1b", "pipeline.weight_gather": "once", "pipeline.gradient_reduce": "once"},
+     r"pipeline.schedule='1f1b' does not run with pipeline.gradient_reduce='once'"),
+    ({"pipeline.schedule": "1f1b", "pipeline.repeats": 2}, r"pipeline.repeats=2 needs a circular schedule"),
 ])
 def test_bad_pipeline_settings_are_one_sentence_before_compiling(overrides, message):
     cfg = llama(**dict(SINGLE, **{"mesh.ici.stage": 2, "mesh.ici.fsdp": 4}), **overrides)

@@ -10,7 +10,7 @@ import pytest
 
 from maxtext_rocm.train import Trainer
 
-from helpers import assert_close, loss_and_grads
+from helpers import assert_close, initial_run, loss_and_grads
 from test_pipeline import SINGLE, llama, mixtral, on_mesh, one_device  # noqa: F401 - a fixture
 
 ONE_F_ONE_B = {"pipeline.schedule": "1f1b"}
@@ -95,3 +95,36 @@ def test_1f1b_fp8_delayed_scaling_trains_like_gpipe(devices, tmp_path):
     # Adam's update is the gradient's sign where it is small: a bf16 rounding in the head's
     # gradient, summed per microbatch here, moves such a weight by up to lr (4e-5 of 0.3 here).
     assert_close(*(jax.tree_util.tree_map(np.asarray, r.state.params) for r in runs[::-1]), scale=1e-3)
+
+
+def _temp_bytes(cfg, devices) -> int:
+    """The compiled gradient program's temporaries per device (compile only, nothing runs)."""
+    from maxtext_rocm.trainer.step import gradients
+
+    run = initial_run(cfg, devices)
+    fn = jax.jit(lambda p, b: gradients(p, run.model, b, cfg.train.grad_accum, cfg.train.z_loss_weight))
+    with run.sharding_rules():
+        compiled = fn.lower(run.state.params, run.batch(0)).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+
+@pytest.mark.slow  # four compilations
+@pytest.mark.parametrize("remat, seq_len", [("none", 32), ("full", 256)])
+def test_1f1b_keeps_at_most_2s_minus_1_microbatches_where_gpipe_keeps_every_iteration(remat, seq_len, devices,
+                                                                                       tmp_path):
+    """stage=2 x fsdp=4, 8 layers, one sequence per batch shard per microbatch: from 2 to 8
+    microbatches GPipe's temporaries grow with M + S - 1 iterations' residuals; 1f1b's slots stop
+    at 2S - 1 = 3, so past them only the stage inputs and their cotangents grow (one activation
+    per microbatch, not a stage's residuals). Under remat "full" a layer keeps only its input, so
+    the sequences are longer for the residuals to outweigh the rest."""
+    temp = {}
+    for schedule in ("gpipe", "1f1b"):
+        for micro in (2, 8):
+            cfg = on_mesh(llama, {"stage": 2, "fsdp": 4}, tmp_path / f"{schedule}{micro}", **{
+                "model.n_layers": 8, "model.remat": remat, "pipeline.schedule": schedule, "train.seq_len": seq_len,
+                "pipeline.microbatches": micro, "train.per_device_batch_size": micro // 2})
+            temp[schedule, micro] = _temp_bytes(cfg, devices)
+    gpipe_growth, one_f_one_b_growth = (temp[s, 8] - temp[s, 2] for s in ("gpipe", "1f1b"))
+    assert one_f_one_b_growth < 0.5 * gpipe_growth, temp
+    if remat == "none":  # under "full" the rest (attention's scores, the head) dominates at this size
+        assert temp["1f1b", 8] < 0.75 * temp["gpipe", 8], temp

@@ -106,6 +106,7 @@ def validate(cfg: ml_collections.ConfigDict, device_count: int | None = None,
 
     _validate_pipeline(cfg.pipeline)
     _validate_gradient_reduce(cfg)
+    _validate_1f1b(cfg)
 
     p = cfg.precision
     _one_of("precision.policy", p.policy, PRECISION_POLICIES)
@@ -342,6 +343,26 @@ def _validate_gradient_reduce(cfg) -> None:
     for refused, what in refusals:
         _require(not refused, f"pipeline.gradient_reduce='once' does not run with {what}; "
                               "set pipeline.gradient_reduce='per_iteration'")
+
+
+def _validate_1f1b(cfg) -> None:
+    """pipeline.schedule="1f1b" runs the fused head loss inside the pipeline, per microbatch
+    (parallel/pipeline_1f1b.py): what has no such loss, or reduces over the batch otherwise, is refused."""
+    if cfg.pipeline.schedule != "1f1b":
+        return
+    m = cfg.model
+    refusals = [
+        (m.loss_chunk_len <= 0, f"model.loss_chunk_len={m.loss_chunk_len} (it runs the fused, chunked head loss; "
+                                "use a chunk length > 0)"),
+        (not m.tie_embeddings and cfg.precision.fp8_lm_head,
+         "precision.fp8_lm_head=True (an fp8 head keeps the model's own head, not the fused loss)"),
+        (cfg.train.get("objective", "lm") != "lm",
+         f"train.objective={cfg.train.objective!r} (a per-pair objective needs every row's value first)"),
+        (cfg.pipeline.gradient_reduce != "per_iteration", "pipeline.gradient_reduce='once'"),
+    ]
+    for refused, what in refusals:
+        _require(not refused, f"pipeline.schedule='1f1b' does not run with {what}; "
+                              "use pipeline.schedule='gpipe' or 'gpipe_recompute'")
 
 
 def installed_jax() -> tuple[int, ...]:

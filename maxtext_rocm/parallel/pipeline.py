@@ -412,7 +412,13 @@ def _run_stage(chunk_layers: nn.Module, padded: bool, pick_chunk: Callable, gath
     if gathered is not None:
         stage_vars = {**stage_vars, "params": gathered.in_stage(stage_vars["params"])}
     chunk_vars = jax.tree_util.tree_map(lambda a: pick_chunk(a, repeat), stage_vars)
-    chunk_real = pick_chunk(stage_real, repeat)
+    return run_chunk(chunk_layers, padded, chunk_vars, pick_chunk(stage_real, repeat), h, pos, seg)
+
+
+def run_chunk(chunk_layers: nn.Module, padded: bool, chunk_vars, chunk_real: Array, h: Array, pos: Array,
+              seg: Array | None):
+    """One chunk of layers (chunk_vars {collection: [K, ...]}, chunk_real [K]) run on `h`; returns
+    (h, what its layers sowed)."""
     if not padded:
         (h, _), sown = chunk_layers.apply(chunk_vars, h, pos, seg, mutable=[AUX_LOSSES])
         return h, sown

@@ -60,8 +60,8 @@ from maxtext_rocm.models.moe import AUX_LOSSES
 from maxtext_rocm.numerics import fp8
 from maxtext_rocm.numerics.fp8 import FP8_COLLECTION
 from maxtext_rocm.parallel.pipeline import (
-    STAGE_AXIS, STATE_AXES, TOKEN_AXES, GPipe, _from_stage, _is_first, _permute, _real_work, _run_stage, _shift,
-    embedded_per_stage, schedule_for, split_microbatches, stage_stack)
+    STAGE_AXIS, STATE_AXES, TOKEN_AXES, GPipe, _from_stage, _is_first, _permute, _real_work, _shift,
+    embedded_per_stage, run_chunk, schedule_for, split_microbatches, stage_stack)
 from maxtext_rocm.parallel.pipeline_gather import GatheredOnce
 from maxtext_rocm.parallel.pipeline_recompute import SAVED_AXES, _read, _write
 
@@ -85,13 +85,13 @@ class OneFOneB:
         stack = stage_stack(layers, make_layers, schedule)
         staged = embedded_per_stage(embedding, tokens, schedule.stages, schedule.microbatches, schedule.mesh)
         gathered = GatheredOnce.of(stack.chunk_layers, staged[0, 0], positions, segment_ids, schedule.mesh)
-        run_stage = functools.partial(_run_stage, stack.chunk_layers, stack.padded, schedule.pick_chunk, None)
+        chunk = functools.partial(run_chunk, stack.chunk_layers, stack.padded)
         if self.remat == "none":  # see the module's docstring: no residual may depend on the weights alone
-            run_stage = jax.checkpoint(run_stage, policy=REMAT_POLICIES["save_dots"], static_argnums=(2,))
+            chunk = jax.checkpoint(chunk, policy=REMAT_POLICIES["save_dots"])
         split = functools.partial(split_microbatches, n=schedule.microbatches)
         rows = jax.tree_util.tree_map(split, tail.rows)
         pos_in, seg_in = (None if a is None else split(a) for a in (positions, segment_ids))
-        loop = _Loop(schedule, run_stage, stack.real, tail.apply, gathered if self.gather_once else None,
+        loop = _Loop(schedule, chunk, stack.real, tail.apply, gathered if self.gather_once else None,
                      gathered.stored)
         sown_shape = loop.sown_shape(stack.params, stack.fp8_state, staged, pos_in, seg_in)
         sown_cotangent = _sown_cotangent(tail.of_sown, sown_shape, schedule)
@@ -165,25 +165,29 @@ class _Loop:
     slot) and the tail's `apply`. `gathered`: a GatheredOnce when pipeline.weight_gather="once";
     `stored`: the weights' stored NamedShardings, the gradient's layout in every iteration."""
 
-    def __init__(self, schedule: GPipe, run_stage: Callable, real: Array, tail_apply: Callable,
+    def __init__(self, schedule: GPipe, chunk: Callable, real: Array, tail_apply: Callable,
                  gathered: GatheredOnce | None, stored):
         self.schedule, self.mesh = schedule, schedule.mesh
         self.stages, self.microbatches = schedule.stages, schedule.microbatches
         self.slots = min(2 * self.stages - 1, self.microbatches)
-        self.run_stage, self.real, self.tail_apply = run_stage, real, tail_apply
+        self.chunk, self.real, self.tail_apply = chunk, real, tail_apply
         self.gathered, self.stored = gathered, stored
         self.pullback: _Pullback | None = None  # set by the first trace of a stage's forward
 
     # One stage's work (vmapped over the stages)
 
     def _stage(self, stage_vars, stage_real, h, pos, seg):
-        return self.run_stage(stage_vars, stage_real, 0, h, pos, seg)  # GPipe: each device's one chunk
+        """One stage's forward: its one chunk (GPipe's order) on `h`; (out, sown)."""
+        return self.chunk(_only_chunk(stage_vars), stage_real[0], h, pos, seg)
 
     def _forward_keeping(self, stage_vars, stage_real, h, pos, seg):
-        """(out, sown, the residuals to keep): one stage's forward under jax.vjp."""
-        (out, sown), pull = jax.vjp(lambda v, x: self._stage(v, stage_real, x, pos, seg), stage_vars, h)
+        """(out, sown, the residuals to keep): one stage's forward under jax.vjp. The chunk is
+        taken out of the stage's [1, K, ...] block first, so that the weights the pullback keeps
+        are the chunk itself, which _backward supplies again, not a slice of it made inside."""
+        chunk_vars, chunk_real = _only_chunk(stage_vars), stage_real[0]
+        (out, sown), pull = jax.vjp(lambda v, x: self.chunk(v, chunk_real, x, pos, seg), chunk_vars, h)
         leaves, treedef = jax.tree_util.tree_flatten(pull)
-        inputs = self._inputs(stage_vars, stage_real, pos, seg)
+        inputs = self._inputs(chunk_vars, chunk_real, pos, seg)
         source = tuple(next((j for j, known in enumerate(inputs) if leaf is known), None) for leaf in leaves)
         if self.pullback is None:
             self.pullback = _Pullback(treedef, source)
@@ -192,14 +196,17 @@ class _Loop:
         return out, sown, [leaf for leaf, j in zip(leaves, source) if j is None]
 
     def _backward(self, stage_vars, stage_real, kept, pos, seg, d_out, d_sown):
-        """(the variables' cotangents, the input's): one stage's pullback, rebuilt from its slot."""
-        inputs, residuals = self._inputs(stage_vars, stage_real, pos, seg), iter(kept)
+        """(the stage variables' cotangents [1, K, ...], the input's): one stage's pullback,
+        rebuilt from its slot."""
+        chunk_vars, chunk_real = _only_chunk(stage_vars), stage_real[0]
+        inputs, residuals = self._inputs(chunk_vars, chunk_real, pos, seg), iter(kept)
         leaves = [next(residuals) if j is None else inputs[j] for j in self.pullback.source]
-        return jax.tree_util.tree_unflatten(self.pullback.treedef, leaves)((d_out, d_sown))
+        d_vars, d_h = jax.tree_util.tree_unflatten(self.pullback.treedef, leaves)((d_out, d_sown))
+        return jax.tree_util.tree_map(lambda d: d[None], d_vars), d_h
 
     @staticmethod
-    def _inputs(stage_vars, stage_real, pos, seg) -> list:
-        return [*jax.tree_util.tree_leaves(stage_vars), stage_real, pos, *([] if seg is None else [seg])]
+    def _inputs(chunk_vars, chunk_real, pos, seg) -> list:
+        return [*jax.tree_util.tree_leaves(chunk_vars), chunk_real, pos, *([] if seg is None else [seg])]
 
     # The schedule
 
@@ -344,6 +351,11 @@ class _Loop:
                 lambda new, old: jnp.where(used.reshape(*used.shape, *(1,) * (old.ndim - used.ndim)), new, old),
                 carry["d_fp8"], fp8_state)
         return _Result(carry["objective"], carry["sums"], sown, carry["d_params"], d_fp8, d_staged, carry["d_tail"])
+
+
+def _only_chunk(stage_vars):
+    """A stage's [1, K, ...] block (GPipe: one chunk per device) as its chunk [K, ...]."""
+    return jax.tree_util.tree_map(lambda a: a[0], stage_vars)
 
 
 def _merged(combined, update, uses: Array):

@@ -76,7 +76,8 @@ more in its backward, so everything a forward sends is sent once more per microb
 (the layer and expert weights gathered again; the sequence term's K/V gathers), n_t -> n_t+2 (the
 forward's two all-reduces per layer), n_e -> n_e+2 (dispatch and combine). The minimum of that
 algorithm, as remat's recompute is counted in the terms above; comparing it with GPipe's says
-what the schedule costs in bytes.
+what the schedule costs in bytes. pipeline.schedule="1f1b" (parallel/pipeline_1f1b.py) gathers a
+stage's weights again in each microbatch's backward, as remat does: g = 2 under remat "none" too.
 Under pipeline.weight_gather="once" (parallel/pipeline_gather.py) the stage's weights are gathered
 once per pipeline run, in the parameters' dtype (4 bytes on the GPU too), and their gradient
 reduce-scattered once per microbatch (A*M), or once per run under pipeline.gradient_reduce="once":
@@ -123,12 +124,14 @@ def pipeline_options(pipeline_cfg) -> dict:
     """minimum()'s pipeline keywords as a run's `pipeline` config sets them."""
     return {"repeats": pipeline_cfg.repeats if pipeline_cfg.schedule == "circular" else 1,
             "stage_recompute": pipeline_cfg.schedule == "gpipe_recompute",
+            "backward_gathers": pipeline_cfg.schedule == "1f1b",
             "weight_gather": pipeline_cfg.weight_gather, "gradient_reduce": pipeline_cfg.gradient_reduce}
 
 
 def minimum(model_cfg, train_cfg, policy: str, sizes: dict[str, int], param_bytes: int = GRAD_BYTES,
             microbatches: int = 1, repeats: int = 1, stage_recompute: bool = False,
-            weight_gather: str = "per_iteration", gradient_reduce: str = "per_iteration") -> dict:
+            weight_gather: str = "per_iteration", gradient_reduce: str = "per_iteration",
+            backward_gathers: bool = False) -> dict:
     """The minimum bytes per device per step: {"terms": [...], "cpu_bytes", "gpu_bytes"}, each term
     with its mesh axes, CPU-dtype and GPU-dtype bytes, and its formula with the numbers put in.
     Under a pipeline (sizes["stage"] = P > 1, `microbatches` M, a circular schedule's `repeats` R,
@@ -148,7 +151,9 @@ def minimum(model_cfg, train_cfg, policy: str, sizes: dict[str, int], param_byte
     kv = m.n_kv_heads * m.head_dim
     P_l, P_e = _params(m, t, E)
     again = 1 if stage_recompute and P > 1 else 0  # gpipe_recompute's second forward of each stage
-    g = (1 if m.remat == "none" else 2) + again
+    # 1f1b (`backward_gathers`): a microbatch's backward runs iterations after its forward, so
+    # its stage's weights are gathered again for it whatever model.remat keeps.
+    g = (1 if m.remat == "none" and not (backward_gathers and P > 1) else 2) + again
     n_t = (5 if m.remat == "full" else 4) + 2 * again
     n_e = (4 if m.remat == "none" else 5) + 2 * again
     moe = m.n_experts > 1

@@ -20,7 +20,13 @@ order without differentiating the loop and recomputes each stage per microbatch 
     + T*d*c                             the last stage's outputs (docs/figures.md, "Pipelines:
                                         recomputing stages against gpipe": 70B, 4 stages, M=16,
                                         remat full: 43.5 GB against XLA:CPU's 46.4)
-and one more forward of the stack in FLOPs (stage_recompute_flops).
+and one more forward of the stack in FLOPs (stage_recompute_flops). pipeline.schedule="1f1b"
+(parallel/pipeline_1f1b.py) keeps each microbatch's residuals from its forward to its backward in
+W = min(2S - 1, M) slots and runs the head per microbatch:
+    W*K*saved/M + 2*layer_all/M         (remat "none": saved as under "save_dots", its stage checkpoint)
+    + 2*T*d*c                           the embeddings and their cotangents, per microbatch
+    + logits/M (+ the head's gradient, whole)
+with GPipe's FLOPs.
 Under a pipeline remat "minimal" keeps what it keeps without one: the stages run
 as a vmap, so every projection gains the stage axis as a batch dimension, and the policy finds them
 by the names Policy.dot_general gives them (precision.py) rather than by their batch dimensions.
@@ -76,11 +82,13 @@ def analytic_activations(cfg, axis_sizes: dict[str, int], n_devices: int, microb
     layer_all = T * c * (4 * d + 2 * q + kv + 3 * f) + S * (4 + c)
     minimal = T * c * (2 * d + q + kv + 2 * f) + T * d * c
     remat = m.remat
-    saved = {"full": T * d * c, "minimal": minimal, "save_dots": minimal + S * 4 + T * q * c,
-             "none": layer_all}[remat]
+    saved_by = {"full": T * d * c, "minimal": minimal, "save_dots": minimal + S * 4 + T * q * c, "none": layer_all}
+    saved = saved_by[remat]
+    head_gradient = 0.0
     if fused_head_loss(m, cfg.precision.policy == "fp8" and cfg.precision.fp8_lm_head):
         chunk = cross_entropy.chunk_length(s, m.loss_chunk_len)
-        logits = T * chunk / s * V / t * (c + 8) + 4 * d * V / t
+        head_gradient = 4 * d * V / t
+        logits = T * chunk / s * V / t * (c + 8) + head_gradient
     else:
         logits = T * V / t * (c + 8)
     if S_p <= 1:
@@ -93,6 +101,14 @@ def analytic_activations(cfg, axis_sizes: dict[str, int], n_devices: int, microb
         # outputs; the backward holds one microbatch's residuals of the stage's K layers at a time.
         return {"layers": K * saved / M + 2 * layer_all / M, "stage inputs": T * d * c,
                 "pipeline loop": T * d * c, "logits": logits}
+    if cfg.pipeline.schedule == "1f1b":
+        # min(2S - 1, M) microbatches' residuals of the K layers in the stage's slots (remat
+        # "none": the stage checkpointed with save_dots's policy), the embeddings and their
+        # cotangents per microbatch, and the head and loss run on one microbatch at a time.
+        slots = min(2 * S_p - 1, M)
+        kept = saved_by["save_dots"] if remat == "none" else saved
+        return {"layers": slots * K * kept / M + 2 * layer_all / M, "stage inputs": 2 * T * d * c,
+                "logits": (logits - head_gradient) / M + head_gradient}
     return {"layers": I * (K * saved / M + T_mb * d * c) + 2 * layer_all / M,
             "pipeline loop": I * T_mb * d * c, "logits": logits}
 

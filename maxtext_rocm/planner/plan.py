@@ -7,8 +7,9 @@ Three steps, cheapest first:
    fsdp and, on one node, stage over a node's GPUs (ICI); data, fsdp and stage over the nodes
    (DCN); under stage, the microbatches that split a batch shard evenly, as many as the stages or
    more (the bubble (S-1)/(M+S-1)), and each schedule of SCHEDULES: GPipe, whose activations grow
-   with the loop's M + S - 1 iterations, or gpipe_recompute, which keeps one stage input per
-   microbatch for one more forward of the stack; and each remat policy;
+   with the loop's M + S - 1 iterations, 1f1b, which keeps at most 2S - 1 microbatches' for the
+   same FLOPs, or gpipe_recompute, which keeps one stage input per microbatch for one more forward
+   of the stack; and each remat policy;
 2. estimate (`estimate`) each one without building the model: per device, the state from the
    parameter counts and the layout's shardings (fp32 parameters, Adam's two moments, gradients;
    compile.py's exact figure replaces it for those compiled), the activations of
@@ -49,7 +50,10 @@ MFU = 0.5  # the compute figure's assumed model FLOPs utilization
 MAX_MICROBATCH_CHOICES = 3
 # The pipeline schedules a plan weighs, cheapest compute first. Circular is left out: it would
 # need pipeline.repeats chosen as well, and its chunk weights saved per iteration (estimates.py).
-SCHEDULES = ("gpipe", "gpipe_recompute")
+# gpipe and 1f1b run the same FLOPs (1f1b keeps at most 2S - 1 microbatches' residuals where
+# gpipe keeps M + S - 1 iterations'), gpipe_recompute one more forward of the stack. A schedule
+# the config refuses (1f1b without the fused head loss) is dropped with the layout's other refusals.
+SCHEDULES = ("gpipe", "1f1b", "gpipe_recompute")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -269,7 +273,8 @@ def rank_key(c: Candidate):
 
 def _recompute_key(c: Candidate):
     """The fewest FLOPs first (remat policies and gpipe_recompute's stage recompute only add
-    forwards), ties (none and save_dots) to the earlier policy, then to GPipe."""
+    forwards), ties (none and save_dots) to the earlier policy, then to the earlier schedule
+    (GPipe, then 1f1b)."""
     return c.compute_s, REMAT_ORDER.index(c.layout.remat), SCHEDULES.index(c.layout.schedule)
 
 
