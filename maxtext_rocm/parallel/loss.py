@@ -75,7 +75,13 @@ def head_loss(hidden: Array, weight: Array, targets: Array, weights: Array, *, v
         return jax.lax.psum((objective, sums), token_axes) if token_axes else (objective, sums)
 
     return jax.shard_map(local, mesh=mesh, in_specs=(PartitionSpec(batch, length, None), head, tokens, tokens),
-                         out_specs=PartitionSpec())(hidden, weight, targets, weights)
+                         out_specs=PartitionSpec(), axis_names=_auto_axes(mesh))(hidden, weight, targets, weights)
+
+
+def _auto_axes(mesh) -> frozenset:
+    """The mesh axes a shard_map here is manual over: all but those an enclosing shard_map already
+    is (pipeline.schedule="1f1b" runs the loss inside one manual over `stage`)."""
+    return frozenset(mesh.axis_names) - frozenset(getattr(mesh, "manual_axes", ()))
 
 
 def row_sums(hidden: Array, weight: Array, targets: Array, weights: Array, *, vocab_axis: int,
@@ -102,7 +108,7 @@ def row_sums(hidden: Array, weight: Array, targets: Array, weights: Array, *, vo
         return jax.lax.psum(sums, length) if length else sums  # a row's positions over `sequence`
 
     return jax.shard_map(local, mesh=mesh, in_specs=(PartitionSpec(batch, length, None), head, tokens, tokens),
-                         out_specs=PartitionSpec(batch))(hidden, weight, targets, weights)
+                         out_specs=PartitionSpec(batch), axis_names=_auto_axes(mesh))(hidden, weight, targets, weights)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))

@@ -53,14 +53,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
-from jax.sharding import Mesh
+from jax.sharding import Mesh, PartitionSpec as P
 
 from maxtext_rocm.models.llama import REMAT_POLICIES, Tail, TokenEmbedding
 from maxtext_rocm.models.moe import AUX_LOSSES
 from maxtext_rocm.numerics import fp8
 from maxtext_rocm.numerics.fp8 import FP8_COLLECTION
 from maxtext_rocm.parallel.pipeline import (
-    STAGE_AXIS, STATE_AXES, TOKEN_AXES, GPipe, _from_stage, _is_first, _permute, _real_work, _shift,
+    STAGE_AXIS, STATE_AXES, TOKEN_AXES, GPipe, _is_first, _nested, _permute, _real_work, _shift,
     embedded_per_stage, run_chunk, schedule_for, split_microbatches, stage_stack)
 from maxtext_rocm.parallel.pipeline_gather import GatheredOnce
 from maxtext_rocm.parallel.pipeline_recompute import SAVED_AXES, _read, _write
@@ -266,27 +266,23 @@ class _Loop:
             return carry, sown
 
         def tail_step(carry, t):
-            """The last stage's output of microbatch t - S + 1 through the tail; its cotangent."""
+            """The last stage's output of microbatch t - S + 1 through the tail, on that stage; the
+            cotangent it sends back [S, mb, seq, d] (zeros on the other stages)."""
             micro = t - (S - 1)
-            y = _from_stage(carry["out"], S - 1, mesh)  # the last stage's row, on every stage
             rows_now = jax.tree_util.tree_map(lambda r: jax.lax.dynamic_index_in_dim(r, micro, 0, False), rows)
-            if with_backward:
-                (objective, sums), pull = jax.vjp(lambda v, x: self.tail_apply(v, x, rows_now), tail_variables, y)
-            else:
-                (objective, sums), pull = self.tail_apply(tail_variables, y, rows_now), None
+            objective, sums, d_tail, d_y = self._tail_on_last_stage(carry["out"], tail_variables, rows_now,
+                                                                    with_backward)
             carry["objective"] = carry["objective"] + objective
             carry["sums"] = jax.tree_util.tree_map(jnp.add, carry["sums"], sums)
-            if pull is None:
-                return carry, None
-            d_tail, d_y = pull((jnp.ones_like(objective), jax.tree_util.tree_map(jnp.zeros_like, sums)))
-            carry["d_tail"] = jax.tree_util.tree_map(jnp.add, carry["d_tail"], d_tail)
+            if with_backward:
+                carry["d_tail"] = jax.tree_util.tree_map(jnp.add, carry["d_tail"], d_tail)
             return carry, d_y
 
         def backward_step(carry, t, d_y):
             """Stage s differentiates microbatch t - (2S - 2 - s); the last stage from `d_y`."""
             micro, real_work = self._micro(t, 2 * S - 2 - stage_ids)
             from_next = _permute(carry["d_h"], mesh, [(s + 1, s) for s in range(S - 1)])
-            d_out = from_next if d_y is None else jnp.where(is_last, jnp.broadcast_to(d_y, from_next.shape), from_next)
+            d_out = from_next if d_y is None else jnp.where(is_last, d_y, from_next)
             d_out = nn.with_logical_constraint(per_stage(real_work, d_out), STATE_AXES)
             # Forward iteration of each stage's microbatch: m + s (GPipe's, in which sown_cotangent is laid out).
             d_sown = jax.tree_util.tree_map(lambda c: per_stage_read(c, micro + stage_ids), sown_cotangent)
@@ -323,8 +319,8 @@ class _Loop:
         activations = jnp.zeros((S, *staged.shape[2:]), staged.dtype)
         first_rows = jax.tree_util.tree_map(lambda r: r[0], rows)
         sums_shape = jax.eval_shape(lambda v, x: self.tail_apply(v, x, first_rows)[1], tail_variables, staged[0, 0])
-        carry = {"out": activations, "objective": jnp.zeros((), jnp.float32),
-                 "sums": jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), sums_shape)}
+        carry = {"out": activations, "objective": jnp.zeros((S,), jnp.float32),
+                 "sums": jax.tree_util.tree_map(lambda s: jnp.zeros((S, *s.shape), s.dtype), sums_shape)}
         if with_backward:
             kept_shapes = jax.eval_shape(lambda *a: forward_keeping(*a)[2], stage_vars, self.real, staged[:, 0],
                                          *self._tokens(pos_in, seg_in, jnp.zeros((S,), jnp.int32)))
@@ -332,13 +328,15 @@ class _Loop:
                 slots=[jnp.zeros((s.shape[0], self.slots, *s.shape[1:]), s.dtype) for s in kept_shapes],
                 d_h=activations, d_first=nn.with_logical_constraint(jnp.zeros_like(staged), SAVED_AXES),
                 d_params=jax.tree_util.tree_map(jnp.zeros_like, params),
-                d_tail=jax.tree_util.tree_map(jnp.zeros_like, tail_variables),
+                d_tail=jax.tree_util.tree_map(lambda v: jnp.zeros((S, *v.shape), v.dtype), tail_variables),
                 d_fp8=None if fp8_state is None else fp8.merge_identity(fp8_state))
         carry, sown_warm = jax.lax.scan(warm_up, carry, jnp.arange(S - 1))
         carry, sown_steady = jax.lax.scan(steady, carry, jnp.arange(S - 1, M + S - 1))
         sown = jax.tree_util.tree_map(lambda a, b: jnp.concatenate([a, b]), sown_warm, sown_steady)
+        # Each stage's share (only the last one's is not zero): one sum over `stage` a step.
+        objective, sums = carry["objective"].sum(0), jax.tree_util.tree_map(lambda a: a.sum(0), carry["sums"])
         if not with_backward:
-            return _Result(carry["objective"], carry["sums"], sown, None, None, None, None)
+            return _Result(objective, sums, sown, None, None, None, None)
         carry, _ = jax.lax.scan(cool_down, carry, jnp.arange(M + S - 1, M + 2 * S - 2))
         # Stage 0's input cotangents are the embeddings'; the other stages' rows are no input's.
         d_first = carry["d_first"]
@@ -350,7 +348,39 @@ class _Loop:
             d_fp8 = jax.tree_util.tree_map(
                 lambda new, old: jnp.where(used.reshape(*used.shape, *(1,) * (old.ndim - used.ndim)), new, old),
                 carry["d_fp8"], fp8_state)
-        return _Result(carry["objective"], carry["sums"], sown, carry["d_params"], d_fp8, d_staged, carry["d_tail"])
+        d_tail = jax.tree_util.tree_map(lambda a: a.sum(0), carry["d_tail"])
+        return _Result(objective, sums, sown, carry["d_params"], d_fp8, d_staged, d_tail)
+
+    def _tail_on_last_stage(self, out, tail_variables, rows, with_backward: bool):
+        """The tail on the last stage's row of `out` [S, mb, seq, d], run by that stage alone: a
+        shard_map manual over `stage` whose `cond` on the stage's index skips it elsewhere, so the
+        output never leaves the last stage and the head's FLOPs are not repeated. Returns
+        (objective [S], sums {name: [S]}, the tail variables' cotangents [S, ...], the output's
+        cotangent [S, mb, seq, d]), stage-sharded, zeros on the other stages (None for the
+        cotangents without `with_backward`)."""
+        last = self.stages - 1
+
+        def local(block, variables, rows):
+            y = block[0]
+
+            def run(_):
+                if not with_backward:
+                    return self.tail_apply(variables, y, rows)
+                (objective, sums), pull = jax.vjp(lambda v, x: self.tail_apply(v, x, rows), variables, y)
+                d_tail, d_y = pull((jnp.ones_like(objective), jax.tree_util.tree_map(jnp.zeros_like, sums)))
+                return objective, sums, d_tail, d_y
+
+            shapes = jax.eval_shape(run, None)
+            skip = lambda _: jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)  # noqa: E731
+            result = jax.lax.cond(jax.lax.axis_index(STAGE_AXIS) == last, run, skip, None)
+            return jax.tree_util.tree_map(lambda a: a[None], result)
+
+        # check_vma off: the tail's own shard_map (parallel/loss.py) nests inside this one, as
+        # the layers' do inside the stages' vmap (varying.check_vma).
+        result = jax.shard_map(local, mesh=_nested(self.mesh), in_specs=(P(STAGE_AXIS), P(), P()),
+                               out_specs=P(STAGE_AXIS), axis_names=frozenset({STAGE_AXIS}), check_vma=False)(
+            out, tail_variables, rows)
+        return result if with_backward else (*result, None, None)
 
 
 def _only_chunk(stage_vars):

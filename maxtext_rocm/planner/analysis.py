@@ -80,7 +80,7 @@ def analyse(cfg, kind: str, n_devices: int, usable: float = 0.92, compile_it: bo
     microbatches = cfg.pipeline.microbatches if sizes["stage"] > 1 else 1
     act = estimates.analytic_activations(cfg, sizes, n_devices, microbatches)
     act.update(estimates.weight_gather_terms(cfg, sizes))
-    stages = estimates.per_stage(abstract.params, sizes["stage"]) if sizes["stage"] > 1 else None
+    stages = estimates.per_stage(abstract.params, sizes["stage"], cfg.pipeline.schedule) if sizes["stage"] > 1 else None
     if stages and cfg.pipeline.schedule == "circular" and cfg.pipeline.repeats > 1:
         # The chunk a stage runs changes per iteration, so the loop's autodiff saves its weights
         # (this device's share, 1/R of its slots) once per iteration (parallel/pipeline.py).

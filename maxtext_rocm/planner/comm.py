@@ -370,8 +370,8 @@ def format_report(r: dict) -> str:
                      "forward and cotangents back, once per pass round the stages; the loop's idle iterations also "
                      f"move the bubble's): collective-permutes {st['permute_bytes'] / MIB:.2f} MiB, other collectives "
                      f"{st['other_bytes'] / MIB:.2f} MiB (once a step, as the embedding and LM head are replicated over "
-                     "`stage`: the final outputs to every stage, the embedding table's gradient summed "
-                     "over the stages' lookups)")
+                     "`stage`: the embedding table's gradient summed over the stages' lookups, and the final outputs "
+                     "to every stage or, under 1f1b, the last stage's head gradient to the others)")
     lines.append(f"time at {r['target']} link bandwidth ({name} {intra:g} GB/s, NIC {inter:g} GB/s per GPU "
                  f"per direction): measured {r['measured_seconds'] * 1e3:.3f} ms, minimum "
                  f"{r['minimum_seconds'] * 1e3:.3f} ms per step (bytes / bandwidth, no overlap, no latency)")

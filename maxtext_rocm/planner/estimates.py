@@ -167,10 +167,11 @@ class StageSplit:
     note: str  # the report's sentence about them
 
 
-def per_stage(params, stages: int) -> StageSplit:
+def per_stage(params, stages: int, schedule: str = "gpipe") -> StageSplit:
     """Per-device parameter bytes of a pipeline stage, read from the abstract state's shardings: the
     leaves split over `stage` (each stage holds its own share) and the leaves replicated over it
-    (every stage holds them whole, as split by the other axes), named."""
+    (every stage holds them whole, as split by the other axes), named. `schedule`: 1f1b runs the
+    head and loss on the last stage alone."""
     split = replicated = 0
     names = []
     for path, leaf in jax.tree_util.tree_leaves_with_path(params):
@@ -186,8 +187,10 @@ def per_stage(params, stages: int) -> StageSplit:
     return StageSplit(stages=stages, layer_param_bytes=split, other_param_bytes=replicated,
                       replicated_over_stage=names,
                       note=f"{', '.join(names) or 'nothing'} replicated over `stage` (sharding.py maps only the "
-                           "stacked layers' axis to it): every stage holds them, and the head and loss run on every "
-                           "stage's batch shard, so all stages are alike")
+                           "stacked layers' axis to it): every stage holds them, and " + (
+                               "the head and loss run on the last stage alone, within each iteration (the others "
+                               "wait for it, as lockstep stages do)" if schedule == "1f1b" else
+                               "the head and loss run on every stage's batch shard, so all stages are alike"))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -220,12 +223,16 @@ def analytic_device_flops(cfg, axis_sizes: dict[str, int], n_devices: int,
     pipeline's layers x (M + S - 1)/M (the bubble's iterations compute on dropped data; see
     loop_shape for circular schedules and padded stacks), gpipe_recompute's stage recompute
     (stage_recompute_flops, with the same bubble) and its LM
-    head x S (it runs on every stage: see per_stage). None for a MoE model, whose executed FLOPs
+    head x S (it runs on every stage's share of S x the tokens: see per_stage; under 1f1b on the last
+    stage's alone, no less per device of it). None for a MoE model, whose executed FLOPs
     depend on the implementation (capacity slots, every expert on the dense path)."""
     if cfg.model.n_experts > 1:
         return None
     S = axis_sizes.get("stage", 1)
     remat = cfg.model.remat
+    # 1f1b runs the head on the last stage alone: its devices still run it on S x their share of
+    # the tokens (the batch is not split over `stage`), and lockstep, the others wait for it.
+    head_on_last = cfg.pipeline.schedule == "1f1b"
     terms = metrics.executed_flops_per_token(cfg.model, cfg.train.seq_len, remat)
     if cfg.model.attention != "xla":  # the blockwise/flash kernels skip the masked blocks
         terms["masked attention"] = 0.0
@@ -240,4 +247,4 @@ def analytic_device_flops(cfg, axis_sizes: dict[str, int], n_devices: int,
     convention = metrics.train_flops_per_token(cfg.model, cfg.train.seq_len) * tokens / n_devices
     return DotFlops(terms=per_device, total=sum(per_device.values()), convention_per_device=convention,
                     bubble_factor=bubble, remat=remat,
-                    redundant_head=per_device["LM head"] * (S - 1) / S if S > 1 else 0.0)
+                    redundant_head=per_device["LM head"] * (S - 1) / S if S > 1 and not head_on_last else 0.0)
