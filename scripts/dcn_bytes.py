@@ -160,6 +160,12 @@ def groups_of(rest: str, partitions: int) -> list[list[int]]:
     return [list(range(partitions))]
 
 
+def _refuse_if(uncounted: bool, name: str) -> None:
+    if uncounted:
+        raise ValueError(f"{name}: a collective across nodes in a conditional's branch or a loop of unknown trip "
+                         "count is not counted here")
+
+
 def dcn_count(text: str, device_ids: list[int], gpus_per_node: int) -> list[Op]:
     """Every collective of the module that crosses nodes, with its bytes per device per step."""
     comps, entry = _computations(text)
@@ -175,9 +181,7 @@ def dcn_count(text: str, device_ids: list[int], gpus_per_node: int) -> list[Op]:
             kind = opcode.removesuffix("-done")
             if kind not in KINDS or runs.get(comp, 0) == 0:
                 continue
-            if comp in conditional_branches or comp in unknown:
-                raise ValueError(f"{name}: a collective in a conditional's branch or a loop of unknown trip "
-                                 "count is not counted here")
+            uncounted = comp in conditional_branches or comp in unknown
             attributes = rest if not opcode.endswith("-done") else by_name[rest.split(")")[0].strip().lstrip("%")][3]
             op_name = re.search(r'op_name="([^"]*)"', rest)
             arrays = _array_bytes(shape)
@@ -187,13 +191,15 @@ def dcn_count(text: str, device_ids: list[int], gpus_per_node: int) -> list[Op]:
                 pairs = [(int(a), int(b)) for a, b in pairs]
                 if not any(node[a] != node[b] for a, b in pairs):
                     continue
+                _refuse_if(uncounted, name)
                 sends = max(np.bincount([a for a, _ in pairs]))
                 found += [Op(name, comp, kind, dtype, 2, size * sends, runs[comp],
                              op_name.group(1) if op_name else "") for dtype, size in arrays]
                 continue
             groups = groups_of(attributes, partitions)
             if not any(len({node[p] for p in g}) > 1 for g in groups):
-                continue
+                continue  # within a node (a conditional's branch may hold these: 1f1b's tail)
+            _refuse_if(uncounted, name)
             n = max(len(g) for g in groups)
             factor = {"all-gather": (n - 1) / n, "all-reduce": 2 * (n - 1) / n, "all-to-all": (n - 1) / n,
                       "reduce-scatter": n - 1}[kind]

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from maxtext_rocm.models.attention import CACHE, Attention
-from maxtext_rocm.models.layers import ADAPTERS, Dense, Embed, Kernel, RMSNorm, fused_projections
+from maxtext_rocm.models.layers import ADAPTERS, EMBED_TABLE_AXES, Dense, Embed, Kernel, RMSNorm, fused_projections
 from maxtext_rocm.models.moe import AUX_LOSSES
 from maxtext_rocm.numerics.fp8 import FP8_COLLECTION
 from maxtext_rocm.numerics.precision import DOT_WITH_BATCH_AXES, DOT_WITHOUT_BATCH_AXES, Policy, without_fp8
@@ -111,6 +111,7 @@ class Tail(NamedTuple):
     rows: dict
     apply: Callable
     of_sown: Callable
+    axes: dict  # the logical axes of each of `variables`' leaves
 
 
 class Decoder(nn.Module):
@@ -208,7 +209,8 @@ class Decoder(nn.Module):
         def apply(variables, hidden, rows):
             normed = norm.apply({"params": variables["final_norm"]}, hidden)
             return loss.of_rows(variables["head"], vocab_axis, normed, rows)
-        return Tail({"final_norm": params["final_norm"], "head": head}, loss.rows, apply, loss.of_sown)
+        axes = {"final_norm": {"scale": ("norm",)}, "head": EMBED_TABLE_AXES if vocab_axis == 0 else ("embed", "vocab")}
+        return Tail({"final_norm": params["final_norm"], "head": head}, loss.rows, apply, loss.of_sown, axes)
 
 
 def _embedded(embed: Embed, tokens: Array) -> Array:

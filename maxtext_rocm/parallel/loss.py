@@ -33,11 +33,19 @@ Array = jax.Array
 
 
 def _ambient_mesh():
-    """The mesh the step is traced under (`jax.set_mesh`), or None for one device."""
+    """The mesh the step is traced under (`jax.set_mesh`), or None for one device or where an
+    enclosing shard_map is manual over every axis of more than one device (pipeline.schedule="1f1b"
+    runs the loss on each device's rows: parallel/pipeline_1f1b.py)."""
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh is None or mesh.empty or math.prod(mesh.shape.values()) == 1:
+    if mesh is None or mesh.empty or math.prod(mesh.shape[a] for a in _auto_axes(mesh)) == 1:
         return None
     return mesh
+
+
+def _axes_of(mesh, logical: str) -> tuple[str, ...]:
+    """The mesh axes `logical` maps to here: those of more than one device that no enclosing
+    shard_map is already manual over (those are this device's own already)."""
+    return tuple(a for a in sharding.present_axes(mesh, logical) if a in _auto_axes(mesh))
 
 
 def head_loss(hidden: Array, weight: Array, targets: Array, weights: Array, *, vocab_axis: int,
@@ -48,7 +56,7 @@ def head_loss(hidden: Array, weight: Array, targets: Array, weights: Array, *, v
     if mesh is None:
         return cross_entropy.head_loss(hidden, weight, targets, weights, vocab_axis=vocab_axis,
                                        z_loss_weight=z_loss_weight, chunk=chunk)
-    axes = functools.partial(sharding.present_axes, mesh)
+    axes = functools.partial(_axes_of, mesh)
     batch, length, embed, vocab = axes("activation_batch"), axes("activation_length"), axes("embed"), axes("vocab")
     token_axes = batch + length
     tokens = PartitionSpec(batch, length)
@@ -92,7 +100,7 @@ def row_sums(hidden: Array, weight: Array, targets: Array, weights: Array, *, vo
     mesh = _ambient_mesh()
     if mesh is None:
         return cross_entropy.row_sums(hidden, weight, targets, weights, vocab_axis=vocab_axis, chunk=chunk)
-    axes = functools.partial(sharding.present_axes, mesh)
+    axes = functools.partial(_axes_of, mesh)
     batch, length, embed, vocab = axes("activation_batch"), axes("activation_length"), axes("embed"), axes("vocab")
     tokens = PartitionSpec(batch, length)
     head = PartitionSpec(embed, vocab) if vocab_axis == 1 else PartitionSpec(vocab, embed)
