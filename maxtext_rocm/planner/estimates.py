@@ -25,7 +25,8 @@ and one more forward of the stack in FLOPs (stage_recompute_flops). pipeline.sch
 W = min(2S - 1, M) slots and runs the head per microbatch:
     W*K*saved/M + 2*layer_all/M         (remat "none": saved as under "save_dots", its stage checkpoint)
     + 2*T*d*c                           the embeddings and their cotangents, per microbatch
-    + logits/M (+ the head's gradient, whole)
+    + logits/M (+ the head's gradient, whole) + the head gathered once, in fp32 (each device sums
+                                        its own rows' head gradient: the tail runs per device)
 with GPipe's FLOPs.
 Under a pipeline remat "minimal" keeps what it keeps without one: the stages run
 as a vmap, so every projection gains the stage axis as a batch dimension, and the policy finds them
@@ -108,7 +109,7 @@ def analytic_activations(cfg, axis_sizes: dict[str, int], n_devices: int, microb
         slots = min(2 * S_p - 1, M)
         kept = saved_by["save_dots"] if remat == "none" else saved
         return {"layers": slots * K * kept / M + 2 * layer_all / M, "stage inputs": 2 * T * d * c,
-                "logits": (logits - head_gradient) / M + head_gradient}
+                "logits": (logits - head_gradient) / M + head_gradient, "gathered head": 4 * d * V / t}
     return {"layers": I * (K * saved / M + T_mb * d * c) + 2 * layer_all / M,
             "pipeline loop": I * T_mb * d * c, "logits": logits}
 
