@@ -201,7 +201,7 @@ def dump_total(text: str) -> dict:
             return False
         return bool(found) and depth < 13
 
-    def total(comp):
+    def total(comp, phases=frozenset()):
         bytes_, recounted = 0.0, 0
         ops = {o[0]: o for o in comps[comp]}
         for out, shape, opcode, operands, attrs in comps[comp]:
@@ -236,8 +236,13 @@ def dump_total(text: str) -> dict:
             branches = re.search(r"branch_computations=\{([^}]*)\}", attrs)
             callees += [("branch", c.strip().lstrip("%")) for c in branches.group(1).split(",")] if branches else []
             if opcode == "conditional":  # one branch runs: the one that moves the most
-                best = max((total(c) for _, c in callees), default=(0.0, 0))
-                bytes_, recounted = bytes_ + best[0], recounted + best[1]
+                # in K of the N iterations of the loop around it if it is a schedule phase
+                # (pipeline_1f1b.phase_scope: "phase_runs_K_of_N" in its op_name)
+                phase = re.search(r"phase_runs_(\d+)_of_(\d+)", attrs)
+                share = int(phase.group(1)) / int(phase.group(2)) if phase and phase.group(0) not in phases else 1.0
+                inner = phases | {phase.group(0)} if phase else phases
+                best = max((total(c, inner) for _, c in callees), default=(0.0, 0))
+                bytes_, recounted = bytes_ + share * best[0], recounted + share * best[1]
                 continue
             for role, callee in callees:
                 if opcode == "while":
@@ -246,7 +251,7 @@ def dump_total(text: str) -> dict:
                     continue
                 else:
                     times = 1
-                sub_bytes, sub_recounted = total(callee)
+                sub_bytes, sub_recounted = total(callee, phases)
                 bytes_ += times * sub_bytes
                 recounted += times * sub_recounted
         return bytes_, recounted

@@ -87,31 +87,46 @@ def _computations(text: str) -> tuple[dict[str, list[tuple]], str]:
     return comps, entry
 
 
-def _executions(comps: dict, entry: str) -> tuple[dict[str, int], set[str]]:
+def _executions(comps: dict, entry: str) -> tuple[dict[str, int], set[str], set[str]]:
     """How many times each computation runs per step (the trip counts of the loops around it),
-    and the computations inside a loop whose trip count the text does not give."""
+    the computations inside a loop whose trip count the text does not give, and the branches of
+    schedule phases' conditionals (counted as often as their phase runs)."""
     runs: dict[str, int] = defaultdict(int)
     unknown: set[str] = set()
 
-    def visit(name: str, times: int, in_unknown: bool):
+    def visit(name: str, times: int, in_unknown: bool, phases: frozenset = frozenset()):
         runs[name] += times
         if in_unknown:
             unknown.add(name)
         for _, _, opcode, rest in comps[name]:
+            phase = _PHASE.search(rest) if opcode == "conditional" else None
+            if phase and phase.group(0) not in phases and times * int(phase.group(1)) % int(phase.group(2)) == 0:
+                # a schedule phase's conditional runs in K of its loop's N iterations
+                # (parallel/pipeline_1f1b.phase_scope): its branches, K/N of the loop's
+                for callee in _branches(rest):
+                    visit(callee, times * int(phase.group(1)) // int(phase.group(2)), in_unknown,
+                          phases | {phase.group(0)})
+                    phased.add(callee)
+                continue
             if opcode == "while":
                 trips = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', rest)
                 n = int(trips.group(1)) if trips else 1
-                visit(re.search(r"body=%([\w.\-]+)", rest).group(1), times * n, in_unknown or not trips)
-                visit(re.search(r"condition=%([\w.\-]+)", rest).group(1), times * (n + 1), in_unknown or not trips)
+                visit(re.search(r"body=%([\w.\-]+)", rest).group(1), times * n, in_unknown or not trips, phases)
+                visit(re.search(r"condition=%([\w.\-]+)", rest).group(1), times * (n + 1), in_unknown or not trips,
+                      phases)
                 continue
             called = re.findall(r"\bcalls=%([\w.\-]+)", rest) + _branches(rest)
             if opcode == "call":
                 called += re.findall(r"to_apply=%([\w.\-]+)", rest)
             for callee in called:  # every branch of a conditional: dcn_count refuses collectives there
-                visit(callee, times, in_unknown)
+                visit(callee, times, in_unknown, phases)
 
+    phased: set[str] = set()
     visit(entry, 1, False)
-    return runs, unknown
+    return runs, unknown, phased
+
+
+_PHASE = re.compile(r"phase_runs_(\d+)_of_(\d+)")  # a schedule phase's conditional (pipeline_1f1b.phase_scope)
 
 
 def _branches(rest: str) -> list[str]:
@@ -169,11 +184,11 @@ def _refuse_if(uncounted: bool, name: str) -> None:
 def dcn_count(text: str, device_ids: list[int], gpus_per_node: int) -> list[Op]:
     """Every collective of the module that crosses nodes, with its bytes per device per step."""
     comps, entry = _computations(text)
-    runs, unknown = _executions(comps, entry)
+    runs, unknown, phased = _executions(comps, entry)
     partitions = len(device_ids)
     node = [device_ids[p] // gpus_per_node for p in range(partitions)]
     conditional_branches = {callee for ops in comps.values() for _, _, opcode, rest in ops if opcode == "conditional"
-                            for callee in _branches(rest)}
+                            for callee in _branches(rest)} - phased
     found = []
     for comp, instructions in comps.items():
         by_name = {i[0]: i for i in instructions}

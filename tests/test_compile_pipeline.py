@@ -251,3 +251,29 @@ def test_gpipe_recompute_flops_and_activations_against_the_compiled_step(devices
     assert r.memory.analytic_activations_bytes < gpipe.memory.analytic_activations_bytes
     # against XLA:CPU's buffers (measured 0.88 under remat none, 0.71 under full; gpipe 1.34 and 0.70)
     assert 0.5 <= r.compiled.memory.activations_bytes / r.memory.analytic_activations_bytes <= 1.6
+
+
+@pytest.mark.parametrize("remat", ["none", "full"])  # ~5 s each on 2 cores
+def test_1f1b_flops_and_activations_against_the_compiled_step(devices, remat):
+    """1f1b runs gpipe's forwards and backwards (no stage recompute; under remat none its stage
+    checkpoint keeps every matmul's output, recomputing only elementwise work), so the compiled dot
+    FLOPs are gpipe's; the head runs once per device, on the last stage alone, whose devices see the
+    stage's whole batch shard: the analytic head term stays S x a device's share. Its activations
+    are min(2S - 1, M) microbatches' residuals, the embeddings and their cotangents, one
+    microbatch's logits and the gathered head."""
+    cfg = _tiny(2, **{"pipeline.schedule": "1f1b", "pipeline.microbatches": 4, "model.remat": remat})
+    r = compile_lib.analyse(cfg, "mi355x", 8)
+    hand = _by_hand_per_token(remat)
+    tokens, bubble = 16 * 32 / 8, 5 / 4
+    expected = tokens * (hand["layers"] * bubble + hand["head"] * 2)
+    assert r.flops.analytic_dot_flops.total == pytest.approx(expected, rel=1e-12)
+    assert r.flops.compiled_dot_flops == pytest.approx(expected, rel=1e-3)
+    assert r.flops.analytic_dot_flops.redundant_head == 0.0
+    terms = r.memory.analytic_activation_terms_bytes
+    shard = 4 * 32 * 64 * 4  # a batch shard of 4 sequences x 32 tokens, d 64, fp32
+    assert terms["stage inputs"] == 2 * shard and terms["gathered head"] == 4 * 64 * 128
+    gpipe = compile_lib.analyse(_tiny(2, **{"pipeline.microbatches": 4, "model.remat": remat}), "mi355x", 8,
+                                compile_it=False)
+    assert r.memory.analytic_activations_bytes < gpipe.memory.analytic_activations_bytes
+    # against XLA:CPU's buffers
+    assert 0.5 <= r.compiled.memory.activations_bytes / r.memory.analytic_activations_bytes <= 1.6

@@ -48,6 +48,21 @@ def test_1f1b_composes_with_accumulation_remat_and_gathered_weights(mesh, overri
     assert_close(grads, ref_grads)
 
 
+@pytest.mark.slow  # a compilation each
+@pytest.mark.parametrize("mesh, overrides", [
+    ({"stage": 2, "sequence": 2, "fsdp": 2}, {"model.context_parallel": "all_gather"}),
+    ({"stage": 2, "sequence": 2, "fsdp": 2}, {"model.context_parallel": "ring"}),
+    ({"stage": 2, "data": 2, "fsdp": 2}, {}),
+])
+def test_1f1b_composes_with_context_parallelism_and_data(mesh, overrides, one_device, devices, tmp_path):  # noqa: F811
+    """The tail runs manual over `stage` and the batch axes (data, fsdp); `sequence` stays GSPMD's
+    there, and the loss's own shard_map splits the tokens over it."""
+    loss, grads, _ = loss_and_grads(on_mesh(llama, mesh, tmp_path, **ONE_F_ONE_B, **overrides), devices)
+    ref_loss, ref_grads, _ = one_device
+    assert_close(loss, ref_loss)
+    assert_close(grads, ref_grads)
+
+
 @pytest.mark.slow  # about a minute on 2 cores
 @pytest.mark.parametrize("overrides", [{}, {"model.moe_impl": "dropless"}])
 def test_1f1b_mixtral_with_expert_parallelism_matches_one_device(overrides, devices, tmp_path):

@@ -14,13 +14,17 @@ microbatch t - s and the backward of microbatch t - (2S - 2 - s). Between them, 
 iteration, the last stage's output goes to the tail (microbatch t - S + 1), whose cotangent starts
 that microbatch's backward on the last stage at once; every other stage's backward takes the
 cotangent the stage after it sent in the previous iteration (a collective-permute s + 1 -> s).
-Three loops, so that nothing runs that only the bubble would use:
+One loop of M + 2S - 2 iterations in three phases, each part a `cond` on t (the same on every
+device, so XLA runs one branch) so that nothing runs that only the bubble would use:
 
 - warm-up, t < S - 1: forwards only (no cotangent has reached any stage yet);
 - steady, M iterations: a forward, the tail, a backward;
 - cool-down, S - 1 iterations: backwards only.
 
-(S-1) F + M (F + B) + (S-1) B: GPipe's time, bubble (S-1)/(M+S-1), without gpipe_recompute's
+Three loops, one per phase, held more: XLA copied the slot buffers inside the steady loop's body
+(the 8B on 2 stages, remat none: 150.4 against 107.9 GiB of XLA:CPU temporaries). The conds are
+named for the share of the iterations they run (`phase_scope`), which the communication and
+FLOPs counts read. (S-1) F + M (F + B) + (S-1) B: GPipe's time, bubble (S-1)/(M+S-1), without gpipe_recompute's
 third forward. Memory: stage s holds microbatch m from its forward (t = m + s) to its backward
 (t = m + 2S - 2 - s), 2(S - s) - 1 microbatches, 2S - 1 on the first stage; every stage keeps a
 buffer of min(2S - 1, M) slots (the stages are one vmapped program). GPipe's autodiff keeps
@@ -316,18 +320,21 @@ class _Loop:
             carry["d_first"] = per_stage_write(carry["d_first"], carry["d_h"], micro, real_work)
             return carry
 
-        def warm_up(carry, t):
-            return forward_step(carry, t)
-
-        def steady(carry, t):
-            carry, sown = forward_step(carry, t)
-            carry, d_y = tail_step(carry, t)
+        def iteration(carry, t):
+            """Iteration t: a forward while microbatches enter (t < M + S - 1), the tail while the last
+            stage finishes them (S - 1 <= t < M + S - 1), a backward once cotangents arrive
+            (t >= S - 1). Each part is a `cond` on t, the same on every device, so an iteration runs
+            only the parts its phase has."""
+            with phase_scope(M + S - 1, iterations):
+                carry, sown = jax.lax.cond(t < M + S - 1, lambda c: forward_step(c, t),
+                                           lambda c: (c, _zeros(sown_now)), carry)
+            with phase_scope(M, iterations):
+                carry, d_y = jax.lax.cond((t >= S - 1) & (t < M + S - 1), lambda c: tail_step(c, t),
+                                          lambda c: (c, None if d_y_now is None else _zeros(d_y_now)), carry)
             if with_backward:
-                carry = backward_step(carry, t, d_y)
+                with phase_scope(M + S - 1, iterations):
+                    carry = jax.lax.cond(t >= S - 1, lambda c: backward_step(c, t, d_y), lambda c: c, carry)
             return carry, sown
-
-        def cool_down(carry, t):
-            return backward_step(carry, t, None), None
 
         activations = jnp.zeros((S, *staged.shape[2:]), staged.dtype)
         first_rows = jax.tree_util.tree_map(lambda r: r[0], rows)
@@ -345,15 +352,18 @@ class _Loop:
                 d_tail=jax.tree_util.tree_map(lambda v: self._per_tail_device(jnp.zeros((shards, *v.shape), v.dtype)),
                                               tail_variables),
                 d_fp8=None if fp8_state is None else fp8.merge_identity(fp8_state))
-        carry, sown_warm = jax.lax.scan(warm_up, carry, jnp.arange(S - 1))
-        carry, sown_steady = jax.lax.scan(steady, carry, jnp.arange(S - 1, M + S - 1))
-        sown = jax.tree_util.tree_map(lambda a, b: jnp.concatenate([a, b]), sown_warm, sown_steady)
+        sown_now = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype),
+                                          self.sown_shape(params, fp8_state, staged, pos_in, seg_in))
+        d_y_now = jax.ShapeDtypeStruct(activations.shape, activations.dtype) if with_backward else None
+        iterations = M + 2 * S - 2 if with_backward else M + S - 1
+        carry, sown = jax.lax.scan(iteration, carry, jnp.arange(iterations))
+        sown = jax.tree_util.tree_map(lambda a: a[:M + S - 1], sown)  # the forward iterations'
+
         # Each device's share (only the last stage's are not zero): one sum over the stage and the
         # batch axes a step, for the tail's variables a reduction of the head's gradient.
         objective, sums = carry["objective"].sum(0), jax.tree_util.tree_map(lambda a: a.sum(0), carry["sums"])
         if not with_backward:
             return _Result(objective, sums, sown, None, None, None, None)
-        carry, _ = jax.lax.scan(cool_down, carry, jnp.arange(M + S - 1, M + 2 * S - 2))
         # Stage 0's input cotangents are the embeddings'; the other stages' rows are no input's.
         d_first = carry["d_first"]
         d_staged = nn.with_logical_constraint(jnp.where(_is_first(d_first), d_first, jnp.zeros_like(d_first)),
@@ -417,6 +427,18 @@ class _Loop:
                                out_specs=out_specs, axis_names=frozenset(self.tail_axes), check_vma=False)(
             out, tail_variables, rows)
         return result if with_backward else (*result, None, None)
+
+
+def phase_scope(runs: int, of: int):
+    """A name for the `cond` of a schedule phase that runs in `runs` of its loop's `of` iterations.
+    XLA's program shows a conditional inside a loop as running in every iteration; the
+    communication and FLOPs counts (planner/comm.py, scripts/dcn_bytes.py) read this name from the
+    conditional's op_name and count its larger branch `runs` times, not `of`."""
+    return jax.named_scope(f"phase_runs_{runs}_of_{of}")
+
+
+def _zeros(shapes):
+    return jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
 
 def _only_chunk(stage_vars):

@@ -22,7 +22,10 @@ branches):
   config), nested loops multiply; a loop without a known trip count that holds a collective is listed in
   `unknown_trip_count_loops` and its collectives are counted once, so the total is then a lower
   bound (the report says so);
-- of a conditional, the branch that moves the most (an upper bound for the step);
+- of a conditional, the branch that moves the most (an upper bound for the step), in every
+  execution of the computation around it; but a conditional named as a schedule phase that runs
+  in K of its loop's N iterations (`phase_runs_K_of_N` in its op_name: 1f1b's forward, tail and
+  backward, parallel/pipeline_1f1b.phase_scope) counts K/N of them;
 - XLA:CPU has no reduce-scatter pass: an all-reduce (or tuple element of one) whose every use is a
   dynamic-slice to 1/N of it (through bitcasts, copies and fusion parameters) that takes each
   device's own piece (its start a function of the partition id, one piece per device, N different
@@ -64,6 +67,7 @@ from maxtext_rocm.planner.hlo_text import (Computation, Instruction, array_dims,
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute",
                "ragged-all-to-all")
 _TRIP_COUNT = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
+_PHASE = re.compile(r"phase_runs_(\d+)_of_(\d+)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,9 +165,11 @@ class _Walker:
         self.unknown_flops_loops: list[dict] = []  # dots counted once: dot_flops is then a lower bound
         self.slices = SliceCheck(self.computations)
 
-    def walk(self, name: str, executions: int, unknown: bool) -> tuple[list[Collective], float]:
+    def walk(self, name: str, executions: int, unknown: bool, phases: frozenset = frozenset()
+             ) -> tuple[list[Collective], float]:
         """The collectives of computation `name` and what it calls, and their dot/convolution
-        FLOPs, each executed `executions` times."""
+        FLOPs, each executed `executions` times. `phases`: the schedule phases (_PHASE) whose
+        share of the iterations is counted already (a conditional nested in one carries its name too)."""
         comp, found, flops = self.computations[name], [], 0.0
         for inst in comp.instructions.values():
             base = inst.opcode.removesuffix("-done")
@@ -176,9 +182,9 @@ class _Walker:
                 callees = dict(inst.callees())
                 trip = _TRIP_COUNT.search(inst.attributes)
                 n = int(trip.group(1)) if trip else 1
-                inside, inside_flops = self.walk(callees["body"], executions * n, unknown or trip is None)
+                inside, inside_flops = self.walk(callees["body"], executions * n, unknown or trip is None, phases)
                 cond, cond_flops = self.walk(callees["condition"], executions * (n + 1 if trip else 1),
-                                             unknown or trip is None)
+                                             unknown or trip is None, phases)
                 inside += cond
                 # Flagged only if it holds a collective (or, apart, a matmul): a loop of other compute
                 # changes no count (context parallelism's blockwise loops, whose bounds depend on the shard).
@@ -189,13 +195,19 @@ class _Walker:
                     self.unknown_flops_loops.append(loop)
                 found, flops = found + inside, flops + inside_flops + cond_flops
             elif inst.opcode == "conditional":  # one branch runs: each count takes its largest branch
-                branches = [self.walk(c, executions, unknown) for _, c in inst.callees()]
+                runs, inner = executions, phases
+                phase = _PHASE.search(inst.attributes)
+                if phase and phase.group(0) not in phases:
+                    k, n = int(phase.group(1)), int(phase.group(2))
+                    if executions * k % n == 0:  # the conditional is in that loop's body
+                        runs, inner = executions * k // n, phases | {phase.group(0)}
+                branches = [self.walk(c, runs, unknown, inner) for _, c in inst.callees()]
                 found += max((b for b, _ in branches), key=lambda b: sum(c.bytes_per_step for c in b), default=[])
                 flops += max((f for _, f in branches), default=0.0)
             elif inst.opcode not in ("async-done", "async-update"):  # async-start's callee counts once
                 for role, callee in inst.callees():
                     if role != "to_apply" or inst.opcode == "call":  # reducers hold no collectives
-                        inside, inside_flops = self.walk(callee, executions, unknown)
+                        inside, inside_flops = self.walk(callee, executions, unknown, phases)
                         found, flops = found + inside, flops + inside_flops
         return found, flops
 
