@@ -40,6 +40,9 @@ stage is checkpointed with "save_dots"'s policy (every matmul's output kept, ele
 recomputed): without it the residuals would include values that depend on the weights alone (a
 weight cast to bf16, the fused gate-up kernel), a copy of the stage's weights per slot.
 
+The tail runs on the last stage alone, each device on its own rows with the head gathered once
+(pipeline_tail.py).
+
 Router losses and fp8 delayed state: the layers' sown router losses enter the objective
 linearly (means times a weight), so their cotangent is known before the loop (`Tail.of_sown`'s
 gradient) and each backward takes its own. The fp8 state's updates arrive from each backward as
@@ -57,18 +60,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh
 
 from maxtext_rocm.models.llama import REMAT_POLICIES, Tail, TokenEmbedding
 from maxtext_rocm.models.moe import AUX_LOSSES
 from maxtext_rocm.numerics import fp8
 from maxtext_rocm.numerics.fp8 import FP8_COLLECTION
 from maxtext_rocm.parallel.pipeline import (
-    STAGE_AXIS, STATE_AXES, TOKEN_AXES, GPipe, _is_first, _nested, _permute, _real_work, _shift,
+    STAGE_AXIS, STATE_AXES, TOKEN_AXES, GPipe, _is_first, _permute, _real_work, _shift,
     embedded_per_stage, run_chunk, schedule_for, split_microbatches, stage_stack)
 from maxtext_rocm.parallel.pipeline_gather import GatheredOnce
 from maxtext_rocm.parallel.pipeline_recompute import SAVED_AXES, _read, _write
-from maxtext_rocm.parallel.sharding import LOGICAL_RULES, present_axes, rules_without_zero3
+from maxtext_rocm.parallel.pipeline_tail import TailOnLastStage
 
 Array = jax.Array
 
@@ -96,14 +99,8 @@ class OneFOneB:
         split = functools.partial(split_microbatches, n=schedule.microbatches)
         rows = jax.tree_util.tree_map(split, tail.rows)
         pos_in, seg_in = (None if a is None else split(a) for a in (positions, segment_ids))
-        # The tail's variables gathered over the ZeRO-3 axes once, before the loop: each device runs
-        # the tail on its own rows (_tail_on_last_stage), the head whole but for its tensor split.
-        tail_layouts = {name: jax.tree_util.tree_map(
-            lambda axes: NamedSharding(schedule.mesh, nn.logical_to_mesh_axes(axes, rules)),
-            tail.axes, is_leaf=lambda a: isinstance(a, tuple))
-            for name, rules in (("gathered", rules_without_zero3()), ("stored", LOGICAL_RULES))}
-        loop = _Loop(schedule, chunk, stack.real, tail.apply, gathered if self.gather_once else None,
-                     gathered.stored, tail_layouts)
+        loop = _Loop(schedule, chunk, stack.real, TailOnLastStage(tail.apply, tail.axes, schedule.mesh),
+                     gathered if self.gather_once else None, gathered.stored)
         sown_shape = loop.sown_shape(stack.params, stack.fp8_state, staged, pos_in, seg_in)
         sown_cotangent = _sown_cotangent(tail.of_sown, sown_shape, schedule)
         objective, sums, sown = _pipelined_objective(loop)(
@@ -171,22 +168,19 @@ class _Pullback(NamedTuple):
 
 
 class _Loop:
-    """The schedule's three loops (module docstring) for `schedule` [GPipe's stages and
-    microbatches], `run_stage` (pipeline._run_stage's contract), `real` [S, 1, K] (False: an empty
-    slot) and the tail's `apply`. `gathered`: a GatheredOnce when pipeline.weight_gather="once";
-    `stored`: the weights' stored NamedShardings, the gradient's layout in every iteration;
-    `tail_layouts`: the tail variables' NamedShardings, "stored" and "gathered" (without the ZeRO-3
-    axes)."""
+    """The schedule's loop (module docstring) for `schedule` (GPipe's stages and microbatches),
+    `chunk` (pipeline.run_chunk's contract, its layers bound), `real` [S, 1, K] (False: an empty
+    slot) and `tail` (pipeline_tail.py). `gathered`: a GatheredOnce when
+    pipeline.weight_gather="once"; `stored`: the weights' stored NamedShardings, the gradient's
+    layout in every iteration."""
 
-    def __init__(self, schedule: GPipe, chunk: Callable, real: Array, tail_apply: Callable,
-                 gathered: GatheredOnce | None, stored, tail_layouts: dict):
+    def __init__(self, schedule: GPipe, chunk: Callable, real: Array, tail: TailOnLastStage,
+                 gathered: GatheredOnce | None, stored):
         self.schedule, self.mesh = schedule, schedule.mesh
         self.stages, self.microbatches = schedule.stages, schedule.microbatches
         self.slots = min(2 * self.stages - 1, self.microbatches)
-        self.chunk, self.real, self.tail_apply = chunk, real, tail_apply
-        self.gathered, self.stored, self.tail_layouts = gathered, stored, tail_layouts
-        # The tail runs manual over these: the stages and the axes that split the batch's rows.
-        self.tail_axes = (STAGE_AXIS, *present_axes(self.mesh, "activation_batch"))
+        self.chunk, self.real, self.tail = chunk, real, tail
+        self.gathered, self.stored = gathered, stored
         self.pullback: _Pullback | None = None  # set by the first trace of a stage's forward
 
     # One stage's work (vmapped over the stages)
@@ -256,8 +250,7 @@ class _Loop:
         if self.gathered is not None:
             params = jax.tree_util.tree_map(jax.lax.with_sharding_constraint, params, self.gathered.gathered)
         stage_vars = self._variables(params, fp8_state)
-        tail_variables = jax.tree_util.tree_map(jax.lax.with_sharding_constraint, tail_variables,
-                                                self.tail_layouts["gathered"])
+        tail_variables = self.tail.gathered(tail_variables)  # once, before the loop
         forward_keeping = jax.vmap(self._forward_keeping, spmd_axis_name=STAGE_AXIS)
         forward_only = jax.vmap(self._stage, spmd_axis_name=STAGE_AXIS)
         backward = jax.vmap(self._backward, spmd_axis_name=STAGE_AXIS)
@@ -287,8 +280,7 @@ class _Loop:
             cotangent it sends back [S, mb, seq, d] (zeros on the other stages)."""
             micro = t - (S - 1)
             rows_now = jax.tree_util.tree_map(lambda r: jax.lax.dynamic_index_in_dim(r, micro, 0, False), rows)
-            objective, sums, d_tail, d_y = self._tail_on_last_stage(carry["out"], tail_variables, rows_now,
-                                                                    with_backward)
+            objective, sums, d_tail, d_y = self.tail(carry["out"], tail_variables, rows_now, with_backward)
             carry["objective"] = carry["objective"] + objective
             carry["sums"] = jax.tree_util.tree_map(jnp.add, carry["sums"], sums)
             if with_backward:
@@ -338,10 +330,10 @@ class _Loop:
 
         activations = jnp.zeros((S, *staged.shape[2:]), staged.dtype)
         first_rows = jax.tree_util.tree_map(lambda r: r[0], rows)
-        sums_shape = jax.eval_shape(lambda v, x: self.tail_apply(v, x, first_rows)[1], tail_variables, staged[0, 0])
-        shards = int(np.prod([mesh.shape[a] for a in self.tail_axes]))  # the tail's partial sums, one per device
-        carry = {"out": activations, "objective": jnp.zeros((shards,), jnp.float32),
-                 "sums": jax.tree_util.tree_map(lambda s: jnp.zeros((shards, *s.shape), s.dtype), sums_shape)}
+        sums_shape = jax.eval_shape(lambda v, x: self.tail.apply(v, x, first_rows)[1], tail_variables, staged[0, 0])
+        devices = self.tail.devices  # the tail's partial sums, one per device
+        carry = {"out": activations, "objective": jnp.zeros((devices,), jnp.float32),
+                 "sums": jax.tree_util.tree_map(lambda s: jnp.zeros((devices, *s.shape), s.dtype), sums_shape)}
         if with_backward:
             kept_shapes = jax.eval_shape(lambda *a: forward_keeping(*a)[2], stage_vars, self.real, staged[:, 0],
                                          *self._tokens(pos_in, seg_in, jnp.zeros((S,), jnp.int32)))
@@ -349,8 +341,7 @@ class _Loop:
                 slots=[jnp.zeros((s.shape[0], self.slots, *s.shape[1:]), s.dtype) for s in kept_shapes],
                 d_h=activations, d_first=nn.with_logical_constraint(jnp.zeros_like(staged), SAVED_AXES),
                 d_params=jax.tree_util.tree_map(jnp.zeros_like, params),
-                d_tail=jax.tree_util.tree_map(lambda v: self._per_tail_device(jnp.zeros((shards, *v.shape), v.dtype)),
-                                              tail_variables),
+                d_tail=jax.tree_util.tree_map(self.tail.zeros, tail_variables),
                 d_fp8=None if fp8_state is None else fp8.merge_identity(fp8_state))
         sown_now = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype),
                                           self.sown_shape(params, fp8_state, staged, pos_in, seg_in))
@@ -374,59 +365,8 @@ class _Loop:
             d_fp8 = jax.tree_util.tree_map(
                 lambda new, old: jnp.where(used.reshape(*used.shape, *(1,) * (old.ndim - used.ndim)), new, old),
                 carry["d_fp8"], fp8_state)
-        d_tail = jax.tree_util.tree_map(self._reduced, carry["d_tail"], self.tail_layouts["stored"])
+        d_tail = self.tail.reduced(carry["d_tail"])
         return _Result(objective, sums, sown, carry["d_params"], d_fp8, d_staged, d_tail)
-
-    def _reduced(self, per_device: Array, stored: NamedSharding) -> Array:
-        """The sum of a tail variable's per-device cotangents [S x batch shards, ...], reduced over
-        the batch axes into its stored layout first (a reduce-scatter over fsdp) and then over
-        `stage` (an all-reduce of that shard), not all-reduced whole over both at once."""
-        per_stage = per_device.reshape(self.stages, -1, *per_device.shape[1:]).sum(1)
-        per_stage = jax.lax.with_sharding_constraint(per_stage, NamedSharding(self.mesh, P(STAGE_AXIS, *stored.spec)))
-        return jax.lax.with_sharding_constraint(per_stage.sum(0), stored)
-
-    def _per_tail_device(self, a: Array) -> Array:
-        """`a` [devices of the tail's axes, ...] laid out one row per device, the rest as GSPMD likes."""
-        spec = P(self.tail_axes, *(P.UNCONSTRAINED,) * (a.ndim - 1))
-        return jax.lax.with_sharding_constraint(a, NamedSharding(self.mesh, spec))
-
-    def _tail_on_last_stage(self, out, tail_variables, rows, with_backward: bool):
-        """The tail on the last stage's row of `out` [S, mb, seq, d], run by that stage alone and
-        by each of its devices on its own rows: a shard_map manual over `stage` and the batch axes
-        whose `cond` on the stage's index skips it elsewhere. So the output never leaves the last
-        stage, the head's FLOPs are not repeated, and the head (gathered before the loop) is
-        neither gathered again nor its gradient reduced per microbatch: each device sums its own.
-        Returns (objective [devices], sums {name: [devices]}, the tail variables' cotangents
-        [devices, ...], each device's unreduced share; the output's cotangent [S, mb, seq, d]),
-        zeros off the last stage (None for the cotangents without `with_backward`)."""
-        last, batch = self.stages - 1, self.tail_axes[1:]
-
-        def local(block, variables, rows):
-            y = block[0]
-
-            def run(_):
-                if not with_backward:
-                    return self.tail_apply(variables, y, rows)
-                (objective, sums), pull = jax.vjp(lambda v, x: self.tail_apply(v, x, rows), variables, y)
-                d_tail, d_y = pull((jnp.ones_like(objective), jax.tree_util.tree_map(jnp.zeros_like, sums)))
-                return objective, sums, d_tail, d_y[None]
-
-            shapes = jax.eval_shape(run, None)
-            skip = lambda _: jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)  # noqa: E731
-            result = jax.lax.cond(jax.lax.axis_index(STAGE_AXIS) == last, run, skip, None)
-            if not with_backward:
-                return jax.tree_util.tree_map(lambda a: a[None], result)
-            objective, sums, d_tail, d_y = result
-            return (*jax.tree_util.tree_map(lambda a: a[None], (objective, sums, d_tail)), d_y)
-
-        per_device = P(self.tail_axes)
-        out_specs = (per_device, per_device) + ((per_device, P(STAGE_AXIS, batch)) if with_backward else ())
-        # check_vma off: the tail's own shard_map (parallel/loss.py) nests inside this one, as
-        # the layers' do inside the stages' vmap (varying.check_vma).
-        result = jax.shard_map(local, mesh=_nested(self.mesh), in_specs=(P(STAGE_AXIS, batch), P(), P(batch)),
-                               out_specs=out_specs, axis_names=frozenset(self.tail_axes), check_vma=False)(
-            out, tail_variables, rows)
-        return result if with_backward else (*result, None, None)
 
 
 def phase_scope(runs: int, of: int):
