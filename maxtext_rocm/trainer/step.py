@@ -104,9 +104,8 @@ def summed_loss(params, model: nn.Module, batch: Batch, z_loss_weight: float, fp
     `params` are the adapters and `frozen` the base; `dropout_key` turns the adapters' dropout on."""
     fused = fused_head_loss(model.cfg, model.policy.fp8_lm_head)
     weights = batch["weights"].astype(jnp.float32)
-    tokens = jnp.sum(weights)
     if runs_the_loss(model):
-        return _summed_loss_in_the_stack(params, model, batch, z_loss_weight, fp8_state, frozen, dropout_key, tokens)
+        return _summed_loss_in_the_stack(params, model, batch, weights, z_loss_weight, fp8_state, frozen, dropout_key)
     out, aux = lora.apply_model(model, params, batch, frozen=frozen, fp8_state=fp8_state, dropout_key=dropout_key,
                                 return_hidden=fused)
     if fused:
@@ -118,6 +117,7 @@ def summed_loss(params, model: nn.Module, batch: Batch, z_loss_weight: float, fp
         ce, log_z = token_losses(out, batch["targets"])
         sums = {"ce": jnp.sum(ce * weights), "z_loss": jnp.sum(jnp.square(log_z) * weights)}
         objective = sums["ce"] + z_loss_weight * sums["z_loss"]
+    tokens = jnp.sum(weights)
     router = _router_sums(aux, tokens)
     sums.update(tokens=tokens, **router)
     return objective + moe.weighted_router_loss(router, model.cfg), sums
@@ -134,8 +134,8 @@ def runs_the_loss(model: nn.Module) -> bool:
     return getattr(model.layer_stack, "runs_the_loss", False)
 
 
-def _summed_loss_in_the_stack(params, model: nn.Module, batch: Batch, z_loss_weight: float, fp8_state, frozen,
-                              dropout_key, tokens: Array):
+def _summed_loss_in_the_stack(params, model: nn.Module, batch: Batch, weights: Array, z_loss_weight: float,
+                              fp8_state, frozen, dropout_key):
     """summed_loss's contract where the layer stack runs the fused head loss per microbatch: the
     model returns the objective, its router losses' share included (models/llama.py, StackLoss)."""
     def of_rows(head_weight, vocab_axis, hidden, rows):
@@ -146,7 +146,8 @@ def _summed_loss_in_the_stack(params, model: nn.Module, batch: Batch, z_loss_wei
     def of_sown(aux):
         return moe.weighted_router_loss(_router_sums(aux, tokens), model.cfg)
 
-    rows = {"targets": batch["targets"], "weights": batch["weights"].astype(jnp.float32)}
+    tokens = jnp.sum(weights)
+    rows = {"targets": batch["targets"], "weights": weights}
     (objective, sums), aux = lora.apply_model(model, params, batch, frozen=frozen, fp8_state=fp8_state,
                                               dropout_key=dropout_key, loss=StackLoss(rows, of_rows, of_sown))
     sums = dict(sums, tokens=tokens, **_router_sums(aux, tokens))
