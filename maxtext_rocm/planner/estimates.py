@@ -22,8 +22,9 @@ order without differentiating the loop and recomputes each stage per microbatch 
                                         remat full: 43.5 GB against XLA:CPU's 46.4)
 and one more forward of the stack in FLOPs (stage_recompute_flops). pipeline.schedule="1f1b"
 (parallel/pipeline_1f1b.py) keeps each microbatch's residuals from its forward to its backward in
-W = min(2S - 1, M) slots and runs the head per microbatch:
-    W*K*saved/M + 2*layer_all/M         (remat "none": saved as under "save_dots", its stage checkpoint)
+W = min(2S - 1, M) slots, two more in flight (the forward's before it is written, the slot the
+backward reads), and runs the head per microbatch:
+    (W+2)*K*saved/M + 2*layer_all/M     (remat "none": saved as under "save_dots", its stage checkpoint)
     + 2*T*d*c                           the embeddings and their cotangents, per microbatch
     + logits/M (+ the head's gradient, whole) + the head gathered once, in fp32 (each device sums
                                         its own rows' head gradient: the tail runs per device)
@@ -106,7 +107,9 @@ def analytic_activations(cfg, axis_sizes: dict[str, int], n_devices: int, microb
         # min(2S - 1, M) microbatches' residuals of the K layers in the stage's slots (remat
         # "none": the stage checkpointed with save_dots's policy), the embeddings and their
         # cotangents per microbatch, and the head and loss run on one microbatch at a time.
-        slots = min(2 * S_p - 1, M)
+        # Beside the slots, two microbatches' residuals in flight: the forward's, made before they
+        # are written to their slot, and the slot the backward reads (XLA materialises both).
+        slots = min(2 * S_p - 1, M) + 2
         kept = saved_by["save_dots"] if remat == "none" else saved
         return {"layers": slots * K * kept / M + 2 * layer_all / M, "stage inputs": 2 * T * d * c,
                 "logits": (logits - head_gradient) / M + head_gradient, "gathered head": 4 * d * V / t}
