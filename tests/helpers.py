@@ -110,3 +110,15 @@ class KeyValueStore:
             if not self.cond.wait_for(lambda: key in self.data, timeout_ms / 1000):
                 raise TimeoutError(key)
             return self.data[key]
+
+
+def temporaries_bytes(cfg, devices) -> int:
+    """The compiled gradient program's temporaries per device (compile only, nothing runs)."""
+    from maxtext_rocm.trainer.step import gradients
+
+    run = initial_run(cfg, devices)
+    fn = jax.jit(lambda p, b: gradients(p, run.model, b, cfg.train.grad_accum, cfg.train.z_loss_weight))
+    with run.sharding_rules():
+        compiled = fn.lower(run.state.params, run.batch(0)).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
