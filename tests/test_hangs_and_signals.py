@@ -47,6 +47,24 @@ def wait_for_line(process: subprocess.Popen, marker: str, timeout: float = 240) 
     raise AssertionError(f"no {marker!r} within {timeout} s")
 
 
+def wait_until_armed(pid: int, timeout: float = 30) -> None:
+    """Until the process catches SIGTERM (the start-up handlers are armed, jax not yet imported):
+    Python catches SIGINT from the start, SIGTERM only once armed. A fixed sleep instead raced a
+    warm machine's imports, and the run directory existed when the signal came (a local CI run,
+    2026-12-02)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with open(f"/proc/{pid}/status") as status:
+            caught = int(next(line for line in status if line.startswith("SigCgt:")).split()[1], 16)
+        if caught >> (signal.SIGTERM - 1) & 1:
+            # startup_signals.arm sets SIGTERM's handler, then SIGINT's, then starts its thread:
+            # microseconds, against the imports' hundreds of milliseconds that follow
+            time.sleep(0.05)
+            return
+        time.sleep(0.002)
+    raise AssertionError(f"the start-up signal handlers were not armed within {timeout} s")
+
+
 # ----------------------------------------------------------------------------------------------
 # Signals before the training loop
 
@@ -56,7 +74,7 @@ def test_a_signal_during_the_imports_exits_with_one_line(tmp_path, sig):
     process = subprocess.Popen([sys.executable, "-m", "maxtext_rocm.train", "configs/tiny_llama.py", *SMALL,
                                 f"--config.output_dir={tmp_path / 'run'}"], cwd=REPO,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    time.sleep(1.0)  # importing jax and flax takes longer than this on any machine these tests run on
+    wait_until_armed(process.pid)  # maxtext_rocm/__init__.py arms the start-up handlers before jax loads
     process.send_signal(sig)
     out, err = process.communicate(timeout=30)
     assert process.returncode == 128 + sig, err
