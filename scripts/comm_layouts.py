@@ -140,11 +140,45 @@ def dump_total(text: str) -> dict:
     def operand_names(o):
         return [x.strip().lstrip("%") for x in o[3].split(",")]
 
+    def tuple_element(comp, value):
+        """(tuple, index) where `value` is an element of a tuple: a get-tuple-element, or newer XLA's
+        operand shorthand `%tuple#index` (jax 0.12); None otherwise."""
+        if "#" in value:
+            base, index = value.rsplit("#", 1)
+            return base, int(index)
+        o = next((x for x in comps[comp] if x[0] == value), None)
+        if o is not None and o[2] == "get-tuple-element":
+            return operand_names(o)[0], int(re.search(r"index=(\d+)", o[4]).group(1))
+        return None
+
+    def elements_of(comp, out, count):
+        """The names by which `out`'s tuple elements are used: its get-tuple-elements (or the
+        `%out#i` shorthand where it has none)."""
+        named = [[o[0] for o in comps[comp] if o[2] == "get-tuple-element" and o[3].strip() == f"%{out}"
+                  and re.search(rf"\bindex={i}\b", o[4] or "")] for i in range(count)]
+        return [names or [f"{out}#{i}"] for i, names in enumerate(named)]
+
     def of_the_device(comp, value, callers=(), depth=0):
         """'device' if `value` is computed from partition-id (or replica-id) and constants alone,
         'constant' if from constants alone, None otherwise (a loop counter, a parameter, data)."""
+        if depth > 64:
+            return None
+        element = tuple_element(comp, value)
+        if element is not None:
+            base, index = element
+            source = next(x for x in comps[comp] if x[0] == base)
+            if source[2] == "tuple":
+                return of_the_device(comp, operand_names(source)[index], callers, depth + 1)
+            loops = [(c, x) for c in comps for x in comps[c] if x[2] == "while" and f"body=%{comp}" in (x[4] or "")]
+            root = next(x for x in comps[comp] if x[0] == roots[comp])
+            kept = tuple_element(comp, operand_names(root)[index]) if root[2] == "tuple" else None
+            if source[2] != "parameter" or len(loops) != 1 or kept != (source[0], index):
+                return None  # not a value the loop passes through unchanged
+            outer, loop = loops[0]
+            init = next(x for x in comps[outer] if x[0] == operand_names(loop)[0])
+            return of_the_device(outer, operand_names(init)[index], (), depth + 1) if init[2] == "tuple" else None
         o = next((x for x in comps[comp] if x[0] == value), None)
-        if o is None or depth > 64:
+        if o is None:
             return None
         if o[2] in ("partition-id", "replica-id"):
             return "device"
@@ -159,20 +193,6 @@ def dump_total(text: str) -> dict:
         if o[2] == "fusion":
             callee = re.search(r"calls=%(\S+?)[,\s]", o[4] + " ").group(1)
             return of_the_device(callee, roots[callee], ((comp, o[0]), *callers), depth + 1)
-        if o[2] == "get-tuple-element":
-            index = int(re.search(r"index=(\d+)", o[4]).group(1))
-            source = next(x for x in comps[comp] if x[0] == operand_names(o)[0])
-            if source[2] == "tuple":
-                return of_the_device(comp, operand_names(source)[index], callers, depth + 1)
-            loops = [(c, x) for c in comps for x in comps[c] if x[2] == "while" and f"body=%{comp}" in (x[4] or "")]
-            root = next(x for x in comps[comp] if x[0] == roots[comp])
-            kept = next((x for x in comps[comp] if x[0] == operand_names(root)[index]), None) if root[2] == "tuple" else None
-            if source[2] != "parameter" or len(loops) != 1 or kept is None or kept[2] != "get-tuple-element" \
-                    or operand_names(kept)[0] != source[0] or not re.search(rf"index={index}\b", kept[4]):
-                return None  # not a value the loop passes through unchanged
-            outer, loop = loops[0]
-            init = next(x for x in comps[outer] if x[0] == operand_names(loop)[0])
-            return of_the_device(outer, operand_names(init)[index], (), depth + 1) if init[2] == "tuple" else None
         kinds = {of_the_device(comp, name, callers, depth + 1) for name in operand_names(o) if name}
         return None if None in kinds or not kinds else "device" if "device" in kinds else "constant"
 
@@ -223,9 +243,7 @@ def dump_total(text: str) -> dict:
                 for i, size in enumerate(sizes):
                     element_kind = kind
                     if kind == "all-reduce" and n > 1:
-                        values = [out] if len(sizes) == 1 else [
-                            o[0] for o in comps[comp] if o[2] == "get-tuple-element"
-                            and o[3].strip() == f"%{out}" and re.search(rf"\bindex={i}\b", o[4] or "")]
+                        values = [out] if len(sizes) == 1 else elements_of(comp, out, len(sizes))[i]
                         elements = _elements(shape) if len(sizes) == 1 else _elements(_ARRAY.findall(shape)[i])
                         if values and all(only_sliced(comp, v, elements / n) for v in values):
                             element_kind, recounted = "reduce-scatter", recounted + 1

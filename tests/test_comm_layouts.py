@@ -18,11 +18,6 @@ def _comm_layouts():
 DENSE_LAYOUTS = [name for name in _comm_layouts().LAYOUTS if not name.startswith("MoE") and "stage" not in name]
 
 
-# On jax 0.12 the script's separate parser recognises none of the sliced all-reduces that comm.py
-# counts as reduce-scatters (data=2 x fsdp=4: 0 of 28), so the two totals differ there; comm.py's own
-# figure still meets the minimum (1.0000007x). Not mended yet: the parser, not the program.
-@pytest.mark.xfail(NEWER_JAX, reason="scripts/comm_layouts.py's parser misses jax 0.12's sliced all-reduces",
-                   strict=False)
 @pytest.mark.parametrize("name", [name if name == "data=2 x fsdp=4" else pytest.param(name, marks=pytest.mark.slow)
                                   for name in DENSE_LAYOUTS])
 def test_dense_layouts_move_at_most_a_tenth_over_their_minimum(name, monkeypatch):
@@ -75,8 +70,7 @@ def test_a_1f1b_pipeline_moves_its_bubbles_permutes_and_the_heads_gradient_once(
     name = "stage=2 x fsdp=4, 1f1b, once, M=16"
     row = layouts.run_layout(name, layouts.LAYOUTS[name], "h100:8")
     assert "error" not in row, row
-    if not NEWER_JAX:  # the script's separate parser misses jax 0.12's sliced all-reduces (above)
-        assert row["dump_bytes"] == pytest.approx(row["measured_bytes"], rel=1e-9), row
+    assert row["dump_bytes"] == pytest.approx(row["measured_bytes"], rel=1e-9), row
     stages, microbatches = 2, 16
     assert row["stage_permute_bytes"] == pytest.approx(
         (microbatches + stages - 1) / microbatches * row["by_axes"]["stage"]["minimum_bytes"], rel=1e-6)
