@@ -9,7 +9,7 @@ import types
 import pytest
 
 from conftest import small_config
-from maxtext_rocm.planner import plan
+from maxtext_rocm.planner import estimates, plan
 from maxtext_rocm.planner import report as compile_cli
 
 TINY = ["--config.model.vocab_size=128", "--config.model.d_model=64", "--config.model.n_layers=2",
@@ -46,9 +46,12 @@ def test_pipelines_get_microbatches_that_split_a_batch_shard():
     cfg = small_config(**{"train.per_device_batch_size": 2})
     staged = plan.Layout(ici=(("fsdp", 4),), dcn=(("stage", 2),), microbatches=0, remat="full")
     # 2 x 8 sequences over 4 fsdp shards: 4 per shard, so 2 or 4 microbatches (at least the 2 stages),
-    # each under every schedule
-    assert [(x.microbatches, x.schedule) for x in plan.with_microbatches(staged, cfg, 8)] == [
-        (m, s) for m in (2, 4) for s in ("gpipe", "1f1b", "gpipe_recompute")]
+    # each under every schedule, the fsdp-sharded stage's weights gathered per microbatch and once
+    assert [(x.microbatches, x.schedule, x.weight_gather) for x in plan.with_microbatches(staged, cfg, 8)] == [
+        (m, s, g) for m in (2, 4) for s in ("gpipe", "1f1b", "gpipe_recompute") for g in ("per_iteration", "once")]
+    # without a ZeRO-3 axis there is nothing to gather
+    tensor_only = plan.Layout(ici=(("tensor", 4),), dcn=(("stage", 2),), microbatches=0, remat="full")
+    assert {x.weight_gather for x in plan.with_microbatches(tensor_only, cfg, 8)} == {"per_iteration"}
     flat = plan.Layout(ici=(("fsdp", 8),), dcn=(), microbatches=0, remat="full")
     assert plan.with_microbatches(flat, cfg, 8) == [flat]
     assert plan.bubble(cfg, plan.with_microbatches(staged, cfg, 8)[0]) == pytest.approx(1 / 3)  # (S-1)/(M+S-1)
@@ -113,6 +116,26 @@ def test_a_memory_bound_pipeline_picks_gpipe_recompute_and_says_so():
     assert "--config.pipeline.schedule=gpipe_recompute" in recompute.layout.overrides()
 
 
+def test_stage_weights_gathered_once_cost_their_memory_and_save_their_gathers():
+    """pipeline.weight_gather="once": the same compute, the stage's weights held whole (the fit
+    check's "gathered stage weights") for fewer bytes moved. Both forms stay in the plan, so the
+    per-microbatch one is there if the gathered weights do not fit once compiled; the row and the
+    command say which."""
+    cfg = small_config(**{"train.per_device_batch_size": 8, "train.seq_len": 256})
+    staged = plan.Layout(ici=(("fsdp", 4),), dcn=(("stage", 2),), microbatches=16, remat="full", schedule="1f1b")
+    each, once = (plan.estimate(cfg, dataclasses.replace(staged, weight_gather=g), "mi300x", 8, 0.92)
+                  for g in plan.WEIGHT_GATHERS)
+    held = estimates.gathered_stage_weights_bytes(plan.apply(cfg, once.layout), plan._sizes(once.layout))
+    assert held > 0 and once.memory_bytes == pytest.approx(each.memory_bytes + held, rel=1e-12)
+    assert once.compute_s == each.compute_s and once.comm_s < each.comm_s
+    assert plan.prune([each, once]) == sorted([each, once], key=plan.rank_key)
+    once.fits = False
+    assert plan.prune([each, once]) == [each]
+    assert "1f1b, 16 microbatches, stage weights gathered once" in once.layout.describe()
+    assert "--config.pipeline.weight_gather=once" in once.layout.overrides()
+    assert not any("weight_gather" in flag for flag in each.layout.overrides())
+
+
 def test_plan_compiles_at_most_max_compiles_and_reranks_on_what_it_measured():
     cfg = small_config(**{"train.per_device_batch_size": 2})
     calls = []
@@ -138,6 +161,7 @@ def test_plan_compiles_at_most_max_compiles_and_reranks_on_what_it_measured():
     (["--config.mesh.ici.fsdp=2"], "drop --config.mesh.ici.fsdp"),
     (["--config.model.remat=full"], "drop --config.model.remat"),
     (["--config.pipeline.schedule=gpipe"], "drop --config.pipeline.schedule"),
+    (["--config.pipeline.weight_gather=once"], "drop --config.pipeline.weight_gather"),
     (["--max-compiles=-1"], "--max-compiles"),
 ])
 def test_flags_plan_cannot_take_are_refused(flags, says, capsys):

@@ -9,7 +9,9 @@ Three steps, cheapest first:
    more (the bubble (S-1)/(M+S-1)), and each schedule of SCHEDULES: GPipe, whose activations grow
    with the loop's M + S - 1 iterations, 1f1b, which keeps at most 2S - 1 microbatches' for the
    same FLOPs, or gpipe_recompute, which keeps one stage input per microbatch for one more forward
-   of the stack; and each remat policy;
+   of the stack; where the stage's weights are ZeRO-3 sharded, each gathered per microbatch and
+   once a step (pipeline.weight_gather: fewer bytes for the stage's weights held whole); and each
+   remat policy;
 2. estimate (`estimate`) each one without building the model: per device, the state from the
    parameter counts and the layout's shardings (fp32 parameters, Adam's two moments, gradients;
    compile.py's exact figure replaces it for those compiled), the activations of
@@ -17,7 +19,9 @@ Three steps, cheapest first:
    the bubble's iterations, estimates.analytic_device_flops) at 50% of the target's peak, and the
    layout's communication minimum (planner/comm_minimum.py, GPU dtypes) at the target's link
    bandwidths (comm.LINKS: ICI and DCN one after the other, no overlap). Each mesh keeps its
-   least-recomputing remat policy and schedule that fits; what does not fit is dropped;
+   least-recomputing remat policy and schedule that fits, once per weight gathering (so a layout
+   whose gathered weights do not fit once compiled leaves its per-microbatch form ranked); what
+   does not fit is dropped;
 3. compile the best few (`--max-compiles`, default 4): the real train step on fake devices
    (analysis.analyse with --comm), whose exact state and activation estimate decide the fit and
    whose measured collectives replace the minimum (scaled to GPU dtypes by the minimum's own
@@ -54,6 +58,10 @@ MAX_MICROBATCH_CHOICES = 3
 # gpipe keeps M + S - 1 iterations'), gpipe_recompute one more forward of the stack. A schedule
 # the config refuses (1f1b without the fused head loss) is dropped with the layout's other refusals.
 SCHEDULES = ("gpipe", "1f1b", "gpipe_recompute")
+# pipeline.weight_gather choices a plan weighs where the stage's weights are ZeRO-3 sharded.
+# gradient_reduce="once" is left out: refused under 1f1b, MoE, fp8 and context parallelism, and on
+# jax 0.11 and later, so a plan would differ by the installed jax.
+WEIGHT_GATHERS = ("per_iteration", "once")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +73,7 @@ class Layout:
     microbatches: int  # 0 without a pipeline
     remat: str
     schedule: str = "gpipe"  # pipeline.schedule; meaningless without a pipeline
+    weight_gather: str = "per_iteration"  # pipeline.weight_gather; likewise
 
     @property
     def stages(self) -> int:
@@ -78,6 +87,8 @@ class Layout:
         if self.stages > 1:
             flags += [f"--config.pipeline.schedule={self.schedule}",
                       f"--config.pipeline.microbatches={self.microbatches}"]
+            if self.weight_gather != "per_iteration":
+                flags.append(f"--config.pipeline.weight_gather={self.weight_gather}")
         return flags + [f"--config.model.remat={self.remat}"]
 
     def describe(self) -> str:
@@ -86,6 +97,8 @@ class Layout:
             parts.append(f"dcn {' x '.join(f'{a}={n}' for a, n in self.dcn)}")
         if self.stages > 1:
             parts.append(f"{self.schedule}, {self.microbatches} microbatches")
+            if self.weight_gather == "once":
+                parts.append("stage weights gathered once")
         return ", ".join(parts) + f", remat {self.remat}"
 
 
@@ -152,9 +165,10 @@ def enumerate_layouts(model_cfg, train_cfg, nodes: int, gpus: int) -> list[Layou
 
 
 def with_microbatches(layout: Layout, cfg, n_devices: int) -> list[Layout]:
-    """A pipelined layout once per microbatch count worth trying and schedule (SCHEDULES): counts
-    that split a batch shard's sequences evenly, at least as many as the stages where the batch
-    allows (fewer idle the stages most of the step), the smallest few."""
+    """A pipelined layout once per microbatch count worth trying, schedule (SCHEDULES) and, where
+    a stage's weights are ZeRO-3 sharded (fsdp, sequence or expert), weight gathering
+    (WEIGHT_GATHERS): counts that split a batch shard's sequences evenly, at least as many as the
+    stages where the batch allows (fewer idle the stages most of the step), the smallest few."""
     S = layout.stages
     if S <= 1:
         return [layout]
@@ -164,8 +178,10 @@ def with_microbatches(layout: Layout, cfg, n_devices: int) -> list[Layout]:
     shards = sizes.get("data", 1) * sizes.get("fsdp", 1) * sizes.get("expert", 1)
     sequences = cfg.train.per_device_batch_size * n_devices // (cfg.train.grad_accum * shards)
     choices = [k for k in _divisors(sequences) if k >= S] or [max(_divisors(sequences))]
-    return [dataclasses.replace(layout, microbatches=k, schedule=schedule)
-            for k in choices[:MAX_MICROBATCH_CHOICES] for schedule in SCHEDULES]
+    zero3 = sizes.get("fsdp", 1) * sizes.get("sequence", 1) * sizes.get("expert", 1) > 1
+    gathers = WEIGHT_GATHERS if zero3 else WEIGHT_GATHERS[:1]
+    return [dataclasses.replace(layout, microbatches=k, schedule=schedule, weight_gather=gather)
+            for k in choices[:MAX_MICROBATCH_CHOICES] for schedule in SCHEDULES for gather in gathers]
 
 
 def apply(cfg, layout: Layout):
@@ -178,6 +194,7 @@ def apply(cfg, layout: Layout):
     if layout.stages > 1:
         trial.pipeline.microbatches = layout.microbatches
         trial.pipeline.schedule = layout.schedule
+        trial.pipeline.weight_gather = layout.weight_gather
     return trial
 
 
@@ -279,13 +296,15 @@ def _recompute_key(c: Candidate):
 
 
 def prune(candidates: list[Candidate]) -> list[Candidate]:
-    """The fitting candidates, each mesh (and microbatch count) at its least-recomputing remat
-    policy and schedule that fits (more recompute on the same mesh only adds compute), best first."""
+    """The fitting candidates, each mesh (and microbatch count, and weight gathering) at its
+    least-recomputing remat policy and schedule that fits (more recompute on the same mesh only
+    adds compute), best first. Both weight gatherings stay: the stage's weights held whole may not
+    fit once compiled, and then the per-microbatch form is the mesh's row."""
     best = {}
     for c in candidates:
         if not c.fits:
             continue
-        key = (c.layout.ici, c.layout.dcn, c.layout.microbatches)
+        key = (c.layout.ici, c.layout.dcn, c.layout.microbatches, c.layout.weight_gather)
         if key not in best or _recompute_key(c) < _recompute_key(best[key]):
             best[key] = c
     return sorted(best.values(), key=rank_key)

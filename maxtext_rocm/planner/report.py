@@ -80,7 +80,7 @@ from maxtext_rocm.planner import plan as plan_lib
 PLAN_COMPILES = 4  # --plan's default --max-compiles: the few best by the estimate
 # What --plan chooses itself, so a flag that sets it contradicts the question.
 PLAN_CHOOSES = ("--config.mesh.", "--config.pipeline.microbatches", "--config.pipeline.schedule",
-                "--config.model.remat")
+                "--config.pipeline.weight_gather", "--config.model.remat")
 
 USAGE = ("usage: python -m maxtext_rocm.compile CONFIG.py[:VARIANT] --target=KIND:N|KIND:NODESxGPUS "
          f"[--search] [--comm] [--plan] [--max-compiles=K] [--usable=0.92] [--json OUT] [--config.KEY=VALUE ...]; "
@@ -95,7 +95,8 @@ def plan_refusal(options: dict, overrides: list[str]) -> str | None:
                 "or drop --plan to check one layout")
     chosen = [o.split("=", 1)[0] for o in overrides if o.startswith(PLAN_CHOOSES)]
     if chosen:
-        return ("--plan chooses the mesh, the pipeline's microbatches and schedule, and the remat policy itself; "
+        return ("--plan chooses the mesh, the pipeline's microbatches, schedule and weight gathering, and the remat "
+                "policy itself; "
                 f"drop {chosen[0]}, or drop --plan to check that layout")
     if options["max-compiles"] is not None and (not options["max-compiles"].isdigit()):
         return f"--max-compiles={options['max-compiles']!r} is not valid; use a whole number of compiles, 0 or more"
