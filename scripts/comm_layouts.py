@@ -58,7 +58,7 @@ LAYOUTS = {
         "--config.pipeline.weight_gather=once", "--config.pipeline.gradient_reduce=once",
         "--config.pipeline.microbatches=16", "--config.train.per_device_batch_size=8"],
     # 1f1b (parallel/pipeline_1f1b.py), the weights gathered once, 16 microbatches: the head and
-    # loss on the last stage alone, its gradient summed over `stage` once a step
+    # loss on the last stage alone, the table stored on the first stage and the head on the last
     "stage=2 x fsdp=4, 1f1b, once, M=16": DENSE + mesh(stage=2, fsdp=4) + [
         "--config.pipeline.schedule=1f1b", "--config.pipeline.weight_gather=once",
         "--config.pipeline.microbatches=16", "--config.train.per_device_batch_size=8"],

@@ -58,13 +58,14 @@ def test_a_pipeline_gathering_once_moves_its_fsdp_minimum_and_the_bubbles_permut
 
 
 @pytest.mark.slow  # one more compile of the issue's dimensions (~30 s)
-def test_a_1f1b_pipeline_moves_its_bubbles_permutes_and_the_heads_gradient_once(monkeypatch):
+def test_a_1f1b_pipeline_moves_its_bubbles_permutes_and_its_stages_own_weights(monkeypatch):
     """stage=2 x fsdp=4 under 1f1b with the stage's weights gathered once, 16 microbatches: the
     head and loss run on the last stage alone, each device on its rows with the head gathered
     once, so the stack's output never crosses `stage` and the head moves once a step, not once per
-    microbatch (5.45x the minimum before that). What is left over the minimum (1.14x, measured
-    2026-12-02): the per-iteration reduce-scatters of the bubble's iterations, and the head's and
-    the table's gradients summed over `stage` once a step (both replicated over it)."""
+    microbatch (5.45x the minimum before that); the table is stored on the first stage and the
+    head on the last, so neither gradient is summed over `stage` (1.14x before that). What is left
+    over the minimum (1.04x, measured 2026-12-03): the per-iteration reduce-scatters of the
+    backward's S - 1 bubble iterations and the bubble's permutes."""
     layouts = _comm_layouts()
     monkeypatch.chdir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     name = "stage=2 x fsdp=4, 1f1b, once, M=16"
@@ -74,5 +75,6 @@ def test_a_1f1b_pipeline_moves_its_bubbles_permutes_and_the_heads_gradient_once(
     stages, microbatches = 2, 16
     assert row["stage_permute_bytes"] == pytest.approx(
         (microbatches + stages - 1) / microbatches * row["by_axes"]["stage"]["minimum_bytes"], rel=1e-6)
-    assert row["ratio"] <= 1.15, row
-
+    # over `stage` only the permutes and the final norm's scale (d_model floats)
+    assert row["by_axes"]["stage"]["measured_bytes"] <= row["stage_permute_bytes"] + 4 * 256 * 2
+    assert row["ratio"] <= 1.10, row

@@ -5,12 +5,65 @@ stacks): the schedule that runs the loss inside the pipeline composes with weigh
 tied embeddings, context parallelism and data, and keeps at most 2S - 1 microbatches' layer
 residuals per stage where GPipe's autodiff keeps every iteration's."""
 
+import jax
+import numpy as np
 import pytest
 
-from helpers import assert_close, loss_and_grads, temporaries_bytes
+from helpers import assert_close, assert_trees_close, initial_run, loss_and_grads, temporaries_bytes
+from maxtext_rocm.train import Trainer
 from test_pipeline import SINGLE, llama, on_mesh, one_device  # noqa: F401 - a fixture
 
 ONE_F_ONE_B = {"pipeline.schedule": "1f1b"}
+
+
+def test_1f1b_stores_the_table_on_the_first_stage_and_the_head_on_the_last(one_device, devices,  # noqa: F811
+                                                                           tmp_path):
+    """[S, ...] over `stage`, the owner's row the weight and the others zero, so each stage's
+    gradient is its own and none is summed over `stage` (pipeline_layout.owns_the_ends): the
+    gradients' other rows stay zero, and in model order the state is one device's."""
+    loss, grads, run = loss_and_grads(on_mesh(llama, {"stage": 4, "fsdp": 2}, tmp_path, **ONE_F_ONE_B), devices)
+    ref_loss, ref_grads, ref_params = one_device
+    assert_close(loss, ref_loss)
+    assert_close(grads, ref_grads)
+    for name, owner in (("embed", 0), ("lm_head", 3)):
+        (stored,) = jax.tree_util.tree_leaves(run.state.params[name])
+        assert stored.shape[0] == 4 and stored.sharding.spec[0] == "stage"
+        rows, gradient_rows = np.asarray(stored), np.asarray(jax.tree_util.tree_leaves(run.stored_grads[name])[0])
+        others = [s for s in range(4) if s != owner]
+        assert not np.any(rows[others]) and not np.any(gradient_rows[others]) and np.any(gradient_rows[owner])
+    assert_trees_close(jax.tree_util.tree_map(np.asarray, run.storage_order.params_to_canonical(run.state.params)),
+                       ref_params, atol=0)
+
+
+def test_a_tied_table_stays_replicated_over_stage(devices, tmp_path):
+    """A tied table is the tail's head too, read on the first stage and the last."""
+    run = initial_run(on_mesh(llama, {"stage": 2, "fsdp": 4}, tmp_path, **ONE_F_ONE_B,
+                              **{"model.tie_embeddings": True}), devices)
+    (table,) = jax.tree_util.tree_leaves(run.state.params["embed"])
+    assert table.ndim == 2 and "stage" not in jax.tree_util.tree_leaves(tuple(table.sharding.spec))
+    assert run.storage_order is None  # 4 layers on 2 stages: model order throughout
+
+
+@pytest.mark.slow  # three trainers compiled
+def test_checkpoints_cross_between_model_order_and_the_ends_on_their_stages(devices, tmp_path):
+    """A 1f1b run (table and head stored per stage, their moments too) writes step 2 in model
+    order; fsdp=8 resumes it to 1f1b's next loss, writes step 4, and 1f1b resumes that."""
+    steps = {"checkpoint.every": 2, "train.steps": 8}
+    quiet = dict(devices=devices, log=lambda *_: None)
+    piped = Trainer(on_mesh(llama, {"stage": 2, "fsdp": 4}, tmp_path, **steps, **ONE_F_ONE_B), **quiet)
+    assert piped.storage_order is not None
+    piped.run(2)
+    next_loss = float(piped.step()["loss"])
+
+    flat = Trainer(on_mesh(llama, {"fsdp": 8}, tmp_path, **steps), **quiet)
+    assert flat.step_count == 2
+    assert_close(float(flat.step()["loss"]), next_loss)
+    flat.run(1)  # step 4, saved
+    after = float(flat.step()["loss"])
+
+    again = Trainer(on_mesh(llama, {"stage": 2, "fsdp": 4}, tmp_path, **steps, **ONE_F_ONE_B), **quiet)
+    assert again.step_count == 4
+    assert_close(float(again.step()["loss"]), after)
 
 
 @pytest.mark.slow  # a compilation each

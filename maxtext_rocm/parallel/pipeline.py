@@ -351,7 +351,7 @@ def _loop(schedule: Schedule, run_stage: Callable, params, fp8_per_iteration, re
 
 
 def embedded_per_stage(embedding: TokenEmbedding, tokens: Array, stages: int, microbatches: int,
-                       mesh: Mesh) -> Array:
+                       mesh: Mesh, tables_per_stage: bool = False) -> Array:
     """[S, M, mb, seq, d]: each stage's own lookup of the whole batch's `tokens` [B, seq], split
     into microbatches, sharded over `stage`; only stage 0's is read. Looked up where it is used,
     the embeddings never cross `stage`: their cotangent (stage 0's row, zeros elsewhere) goes into
@@ -359,12 +359,16 @@ def embedded_per_stage(embedding: TokenEmbedding, tokens: Array, stages: int, mi
     over `stage`, its gradient is summed over it in any case). Embedding the batch once and sending
     each stage a copy instead cost the batch's embeddings over `stage` twice: an all-gather of
     the rows (XLA split the lookup over the otherwise idle axis) and the copies' cotangent summed
-    by an all-reduce (docs/figures.md, "The stage axis's bytes, counted twice")."""
+    by an all-reduce (docs/figures.md, "The stage axis's bytes, counted twice").
+    `tables_per_stage`: the table is stored [S, vocab, d_model], stage 0's row the table
+    (pipeline_layout.owns_the_ends), so each stage looks up in its own row and the gradient needs
+    no sum over `stage`."""
     per_stage = nn.with_logical_constraint(jnp.broadcast_to(tokens[None], (stages, *tokens.shape)), TOKEN_AXES)
     # A copy of the table per stage too, each stage's gradient its own [vocab, d_model] until one
     # sum over the copies. Passed unbatched instead, the table's gradient was one scatter over all
     # stages' rows, which XLA summed whole over `stage` (fsdp times the bytes of the table's shard).
-    copies = jax.tree_util.tree_map(lambda a: jnp.broadcast_to(a[None], (stages, *a.shape)), embedding.variables)
+    copies = embedding.variables if tables_per_stage else jax.tree_util.tree_map(
+        lambda a: jnp.broadcast_to(a[None], (stages, *a.shape)), embedding.variables)
     # Each copy's gradient is asked for in the stored layout, so each stage reduce-scatters its own
     # before the sum over `stage` adds shards. The lookup reads the copy as stored (d_model split
     # over fsdp: the looked-up rows are exchanged, as without a pipeline) or gathered over the
@@ -389,7 +393,7 @@ def _lookup_gathers_the_table(embedding: TokenEmbedding, tokens: Array, mesh: Me
     tensor = mesh.shape.get("tensor", 1)
     if tensor > 1:
         return True
-    vocab = jax.tree_util.tree_leaves(embedding.variables)[0].shape[0]
+    vocab = jax.tree_util.tree_leaves(embedding.variables)[0].shape[-2]  # [(S,) vocab, d_model]
     batch_shards = int(np.prod([mesh.shape[a] for a in present_axes(mesh, "activation_batch")]))
     return vocab <= 2 * tokens.size / batch_shards
 

@@ -41,7 +41,8 @@ recomputed): without it the residuals would include values that depend on the we
 weight cast to bf16, the fused gate-up kernel), a copy of the stage's weights per slot.
 
 The tail runs on the last stage alone, each device on its own rows with the head gathered once
-(pipeline_tail.py).
+(pipeline_tail.py). With untied embeddings the table is stored on the first stage and the head on
+the last, a row per stage (pipeline_layout.owns_the_ends), so neither gradient crosses `stage`.
 
 Router losses and fp8 delayed state: the layers' sown router losses enter the objective
 linearly (means times a weight), so their cotangent is known before the loop (`Tail.of_sown`'s
@@ -70,6 +71,7 @@ from maxtext_rocm.parallel.pipeline import (
     STAGE_AXIS, STATE_AXES, TOKEN_AXES, GPipe, _is_first, _permute, _real_work, _shift,
     embedded_per_stage, run_chunk, schedule_for, split_microbatches, stage_stack)
 from maxtext_rocm.parallel.pipeline_gather import GatheredOnce
+from maxtext_rocm.parallel.pipeline_layout import owns_the_ends
 from maxtext_rocm.parallel.pipeline_recompute import SAVED_AXES, _read, _write
 from maxtext_rocm.parallel.pipeline_tail import TailOnLastStage
 
@@ -85,13 +87,17 @@ class OneFOneB:
     schedule: GPipe
     remat: str
     gather_once: bool = False
+    # The embedding table stored on the first stage and the head on the last (pipeline_layout.py's
+    # owns_the_ends): their variables come [S, ...], each stage its own row.
+    ends_on_their_stages: bool = False
     runs_the_loss = True  # the Decoder hands it the Tail
 
     def __call__(self, layers: nn.Module, make_layers: Callable, embedding: TokenEmbedding, tokens: Array,
                  positions: Array, segment_ids: Array | None, *, tail: Tail):
         schedule = self.schedule
         stack = stage_stack(layers, make_layers, schedule)
-        staged = embedded_per_stage(embedding, tokens, schedule.stages, schedule.microbatches, schedule.mesh)
+        staged = embedded_per_stage(embedding, tokens, schedule.stages, schedule.microbatches, schedule.mesh,
+                                    tables_per_stage=self.ends_on_their_stages)
         gathered = GatheredOnce.of(stack.chunk_layers, staged[0, 0], positions, segment_ids, schedule.mesh)
         chunk = functools.partial(run_chunk, stack.chunk_layers, stack.padded)
         if self.remat == "none":  # see the module's docstring: no residual may depend on the weights alone
@@ -99,7 +105,9 @@ class OneFOneB:
         split = functools.partial(split_microbatches, n=schedule.microbatches)
         rows = jax.tree_util.tree_map(split, tail.rows)
         pos_in, seg_in = (None if a is None else split(a) for a in (positions, segment_ids))
-        loop = _Loop(schedule, chunk, stack.real, TailOnLastStage(tail.apply, tail.axes, schedule.mesh),
+        owned = {"final_norm": jax.tree_util.tree_map(lambda _: False, tail.variables["final_norm"]),
+                 "head": self.ends_on_their_stages}
+        loop = _Loop(schedule, chunk, stack.real, TailOnLastStage(tail.apply, tail.axes, schedule.mesh, owned),
                      gathered if self.gather_once else None, gathered.stored)
         sown_shape = loop.sown_shape(stack.params, stack.fp8_state, staged, pos_in, seg_in)
         sown_cotangent = _sown_cotangent(tail.of_sown, sown_shape, schedule)
@@ -330,7 +338,8 @@ class _Loop:
 
         activations = jnp.zeros((S, *staged.shape[2:]), staged.dtype)
         first_rows = jax.tree_util.tree_map(lambda r: r[0], rows)
-        sums_shape = jax.eval_shape(lambda v, x: self.tail.apply(v, x, first_rows)[1], tail_variables, staged[0, 0])
+        sums_shape = jax.eval_shape(lambda v, x: self.tail.apply(self.tail.local(v), x, first_rows)[1],
+                                    tail_variables, staged[0, 0])
         devices = self.tail.devices  # the tail's partial sums, one per device
         carry = {"out": activations, "objective": jnp.zeros((devices,), jnp.float32),
                  "sums": jax.tree_util.tree_map(lambda s: jnp.zeros((devices, *s.shape), s.dtype), sums_shape)}
@@ -341,7 +350,7 @@ class _Loop:
                 slots=[jnp.zeros((s.shape[0], self.slots, *s.shape[1:]), s.dtype) for s in kept_shapes],
                 d_h=activations, d_first=nn.with_logical_constraint(jnp.zeros_like(staged), SAVED_AXES),
                 d_params=jax.tree_util.tree_map(jnp.zeros_like, params),
-                d_tail=jax.tree_util.tree_map(self.tail.zeros, tail_variables),
+                d_tail=self.tail.zeros(tail_variables),
                 d_fp8=None if fp8_state is None else fp8.merge_identity(fp8_state))
         sown_now = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype),
                                           self.sown_shape(params, fp8_state, staged, pos_in, seg_in))
@@ -395,9 +404,10 @@ def _merged(combined, update, uses: Array):
         merged, combined)
 
 
-def layer_stack(pipeline_cfg, model_cfg, mesh: Mesh) -> OneFOneB | None:
+def layer_stack(cfg, mesh: Mesh) -> OneFOneB | None:
     """pipeline.layer_stack's counterpart under pipeline.schedule="1f1b"; None on one stage."""
-    schedule = schedule_for(pipeline_cfg, model_cfg, mesh)
+    schedule = schedule_for(cfg.pipeline, cfg.model, mesh)
     if schedule is None:
         return None
-    return OneFOneB(schedule, model_cfg.remat, gather_once=pipeline_cfg.weight_gather == "once")
+    return OneFOneB(schedule, cfg.model.remat, gather_once=cfg.pipeline.weight_gather == "once",
+                    ends_on_their_stages=owns_the_ends(cfg, mesh))

@@ -13,13 +13,25 @@ boundaries (a jitted reshape/transpose/pad), never per step: moving weights ever
 defeat a pipeline over slow links. Checkpoints hold model order only, so they restore across any
 stage count, schedule or padding.
 
+Under pipeline.schedule="1f1b" (which alone runs the LM head inside the pipeline) with untied
+embeddings, the embedding table is stored on the first stage and the head on the last
+(`owns_the_ends`): each as [S, ...] over `stage`, the owner's row the weight and the other rows
+zero, their optimizer moments likewise. Replicated over `stage` instead, each weight's gradient
+(nonzero on its owner only) was summed over `stage` once a step, an all-reduce of its shard:
+stage=2 x fsdp=4, M=16 moved 1.14x its minimum, stored so 1.04x (docs/figures.md). The other
+rows cost what replication did (a row per device), no stage reads them, and their gradients and
+moments stay zero. The model never sees it: it creates and checkpoints [vocab, d_model] and
+[d_model, vocab], and its 1f1b path hands the stored variables to the strategy without applying
+them (pipeline_1f1b.py, pipeline_tail.py, pipeline.embedded_per_stage).
+
 Words: "the layer stack" is always the scanned layers' arrays, [n_layers, ...] in model order (a
 leading "layers" axis); `StackLayout` is where its rows sit in storage; a `StateConverter` moves a
-state between the two orders.
+state between the two orders (and the ends between their stages' rows and model order).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -28,8 +40,11 @@ import numpy as np
 from flax import linen as nn
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from maxtext_rocm.models.layers import EMBED_TABLE_AXES
+
 LAYERS = "layers"  # the stacked layers' logical axis (models/llama.py, sharding.py)
 STAGE_AXIS = "stage"
+HEAD_AXES = ("embed", "vocab")  # the untied LM head's kernel (models/llama.py)
 
 
 class StackLayout:
@@ -107,46 +122,116 @@ def layer_flags(logical_specs):
                                   is_leaf=lambda s: isinstance(s, P))
 
 
-def _map_layer_leaves(fn, tree, flags):
-    """`fn` on each leaf that `flags` marks as a layer leaf; the others as they are."""
-    return jax.tree_util.tree_map(lambda x, is_layer: fn(x) if is_layer else x, tree, flags)
+NOT_OWNED = -1
+
+
+def stage_owners(logical_specs, stages: int | None):
+    """Each leaf's owning stage where the ends are on their stages (`stages` given): 0 for the embedding
+    table's leaves (parameters and moments), stages - 1 for the LM head's, NOT_OWNED for the rest
+    and for every leaf where `stages` is None."""
+    def owner(spec) -> int:
+        if stages is None:
+            return NOT_OWNED
+        return {EMBED_TABLE_AXES: 0, HEAD_AXES: stages - 1}.get(tuple(spec), NOT_OWNED)
+    return jax.tree_util.tree_map(owner, logical_specs, is_leaf=lambda s: isinstance(s, P))
+
+
+def owns_the_ends(cfg, mesh) -> bool:
+    """Whether the run stores the embedding table on the first stage and the LM head on the last
+    (the module's docstring): under pipeline.schedule="1f1b", which alone runs the head inside the
+    pipeline, with untied embeddings (a tied table is read at both ends). LoRA, whose frozen base
+    is not converted, does not run under a pipeline (config/checks.py)."""
+    return (mesh.shape.get(STAGE_AXIS, 1) > 1 and cfg.model.scan_layers and cfg.pipeline.schedule == "1f1b"
+            and not cfg.model.tie_embeddings)
+
+
+def owned_to_storage(x: jax.Array, owner: int, stages: int) -> jax.Array:
+    """[...] -> [S, ...]: `x` in its owner's row, zeros in the others' (which no stage reads, and
+    whose gradients and moments stay zero)."""
+    mine = (jnp.arange(stages) == owner).reshape(stages, *(1,) * x.ndim)
+    return jnp.where(mine, x[None], jnp.zeros((), x.dtype))
 
 
 class _Conversion:
-    """One direction for one tree: a program over the layer leaves alone (the others are passed
-    through as they are, not copied) that lays each out as `out_shardings` says."""
+    """One direction for one tree: a program over the converted leaves alone (`fns`, one per leaf,
+    None for a leaf passed through as it is, not copied) that lays each out as `out_shardings` says."""
 
-    def __init__(self, fn, flags, out_shardings):
-        self.flags = jax.tree_util.tree_leaves(flags)
-        picked = [s for s, is_layer in zip(jax.tree_util.tree_leaves(out_shardings), self.flags) if is_layer]
-        self.program = jax.jit(lambda xs: [fn(x) for x in xs], out_shardings=picked)
+    def __init__(self, fns, out_shardings):
+        self.fns = fns
+        picked = [s for s, fn in zip(jax.tree_util.tree_leaves(out_shardings), fns) if fn is not None]
+        converting = [fn for fn in fns if fn is not None]
+        self.program = jax.jit(lambda xs: [fn(x) for fn, x in zip(converting, xs)], out_shardings=picked)
 
     def __call__(self, tree):
         leaves, treedef = jax.tree_util.tree_flatten(tree)
-        converted = iter(self.program([x for x, is_layer in zip(leaves, self.flags) if is_layer]))
-        return treedef.unflatten([next(converted) if is_layer else x for x, is_layer in zip(leaves, self.flags)])
+        converted = iter(self.program([x for x, fn in zip(leaves, self.fns) if fn is not None]))
+        return treedef.unflatten([next(converted) if fn is not None else x for x, fn in zip(leaves, self.fns)])
 
 
 class StateConverter:
     """The conversions of one run's state (and of its parameters alone) between storage and model
-    order, and the state's canonical abstract arrays, which checkpoints are restored into."""
+    order, and the state's storage shardings and canonical abstract arrays, which checkpoints are
+    restored into. `layout`: the layer stack's StackLayout, or None where it is model order;
+    `owners`: each leaf's owning stage (stage_owners) or NOT_OWNED."""
 
-    def __init__(self, layout: StackLayout, flags, storage_sharding, canonical_shapes, mesh):
-        self.layout, self.flags = layout, flags
+    def __init__(self, layout: StackLayout | None, flags, owners, sharding, canonical_shapes, mesh):
+        self.layout, self.flags, self.owners = layout, flags, owners
+        self.stages = mesh.shape[STAGE_AXIS]
+        # what a leaf of either kind becomes: the layer leaves only where the stack is reordered
+        self.converted = jax.tree_util.tree_map(lambda is_layer, owner: (is_layer and layout is not None)
+                                                or owner != NOT_OWNED, flags, owners)
+        self.storage_sharding = jax.tree_util.tree_map(
+            lambda s, owner: NamedSharding(mesh, P(STAGE_AXIS, *s.spec)) if owner != NOT_OWNED else s,
+            sharding, owners)
         canonical_sharding = jax.tree_util.tree_map(
-            lambda s, x, is_layer: _canonical_sharding(s, x.shape, mesh) if is_layer else s,
-            storage_sharding, canonical_shapes, flags)
+            lambda s, x, is_layer: _canonical_sharding(s, x.shape, mesh) if is_layer and layout is not None else s,
+            sharding, canonical_shapes, flags)
         self.canonical_abstract = jax.tree_util.tree_map(
             lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), canonical_shapes, canonical_sharding)
-        self.to_storage = _Conversion(layout.to_storage, flags, storage_sharding)
-        self.to_canonical = _Conversion(layout.to_canonical, flags, canonical_sharding)
-        self.params_to_storage = _Conversion(layout.to_storage, flags.params, storage_sharding.params)
-        self.params_to_canonical = _Conversion(layout.to_canonical, flags.params, canonical_sharding.params)
+        to_storage, to_canonical = self._fns(flags, owners)
+        self.to_storage = _Conversion(to_storage, self.storage_sharding)
+        self.to_canonical = _Conversion(to_canonical, canonical_sharding)
+        params_to_storage, params_to_canonical = self._fns(flags.params, owners.params)
+        self.params_to_storage = _Conversion(params_to_storage, self.storage_sharding.params)
+        self.params_to_canonical = _Conversion(params_to_canonical, canonical_sharding.params)
+
+    def _fns(self, flags, owners) -> tuple[list, list]:
+        """Per leaf of a tree with these `flags` and `owners`: its conversion to storage and back,
+        or None."""
+        forth, back = [], []
+        for is_layer, owner in zip(jax.tree_util.tree_leaves(flags), jax.tree_util.tree_leaves(owners)):
+            if owner != NOT_OWNED:
+                forth.append(functools.partial(owned_to_storage, owner=owner, stages=self.stages))
+                back.append(functools.partial(_owned_row, owner=owner))
+            elif is_layer and self.layout is not None:
+                forth.append(self.layout.to_storage)
+                back.append(self.layout.to_canonical)
+            else:
+                forth.append(None)
+                back.append(None)
+        return forth, back
+
+    def stored(self, canonical_state):
+        """`canonical_state` in storage order, as plain jax operations (inside a caller's program:
+        the state's init)."""
+        forth, _ = self._fns(self.flags, self.owners)
+        leaves, treedef = jax.tree_util.tree_flatten(canonical_state)
+        return treedef.unflatten([fn(x) if fn is not None else x for fn, x in zip(forth, leaves)])
 
     def storage_shapes(self, tree):
-        """`tree`'s canonical ShapeDtypeStructs with the layer axis as long as the storage."""
-        return _map_layer_leaves(lambda x: jax.ShapeDtypeStruct((self.layout.slots, *x.shape[1:]), x.dtype),
-                                 tree, self.flags)
+        """`tree`'s canonical ShapeDtypeStructs as stored: the layer axis as long as the storage,
+        an owned leaf with a leading row per stage."""
+        def shape(x, is_layer, owner):
+            if owner != NOT_OWNED:
+                return jax.ShapeDtypeStruct((self.stages, *x.shape), x.dtype)
+            if is_layer and self.layout is not None:
+                return jax.ShapeDtypeStruct((self.layout.slots, *x.shape[1:]), x.dtype)
+            return x
+        return jax.tree_util.tree_map(shape, tree, self.flags, self.owners)
+
+
+def _owned_row(x: jax.Array, owner: int) -> jax.Array:
+    return x[owner]
 
 
 def _canonical_sharding(storage: NamedSharding, shape, mesh) -> NamedSharding:
@@ -166,12 +251,15 @@ def _canonical_sharding(storage: NamedSharding, shape, mesh) -> NamedSharding:
     return NamedSharding(mesh, P(*[a if len(a) > 1 else (a[0] if a else None) for a in axes]))
 
 
-def converter(layout: StackLayout | None, boxed_abstract, storage_sharding, mesh) -> StateConverter | None:
-    """The run's StateConverter from its boxed canonical abstract state (launch.stored_state)."""
-    if layout is None:
+def converter(layout: StackLayout | None, owns_ends: bool, boxed_abstract, sharding, mesh) -> StateConverter | None:
+    """The run's StateConverter from its boxed canonical abstract state (launch.stored_state) and
+    its shardings in model order, or None where storage is model order throughout."""
+    if layout is None and not owns_ends:
         return None
-    flags = layer_flags(nn.get_partition_spec(boxed_abstract))
+    specs = nn.get_partition_spec(boxed_abstract)
+    flags = layer_flags(specs)
     fp8_flags = flags.fp8
     if isinstance(fp8_flags, dict) and LAYERS in fp8_flags:  # fp8 state is unboxed: stacked by the scan
         flags = flags.replace(fp8={**fp8_flags, LAYERS: jax.tree_util.tree_map(lambda _: True, fp8_flags[LAYERS])})
-    return StateConverter(layout, flags, storage_sharding, nn.meta.unbox(boxed_abstract), mesh)
+    owners = stage_owners(specs, mesh.shape[STAGE_AXIS] if owns_ends else None)
+    return StateConverter(layout, flags, owners, sharding, nn.meta.unbox(boxed_abstract), mesh)

@@ -7,9 +7,12 @@ not repeated (in lockstep the other stages wait for it). Each device runs it on 
 the head gathered once before the loop (`gathered`), so the head is neither gathered again nor
 its gradient reduced per microbatch: each device sums its own (`zeros`, one row per device) and
 `reduced` reduces the sum once a step, over the batch axes into the stored layout first (a
-reduce-scatter over fsdp), then over `stage` (an all-reduce of that shard). Measured on the comm
-layout stage=2 x fsdp=4, M=16: the head per microbatch on every stage 5.45x the minimum, per
-device with the head gathered once 1.28x, reduced in that order 1.14x (docs/figures.md).
+reduce-scatter over fsdp), then over `stage` (an all-reduce of that shard), unless the head is
+stored on the last stage (pipeline_layout.owns_the_ends: `owned`), whose row is then the only one
+with a gradient and nothing crosses `stage`. Measured on the comm layout stage=2 x fsdp=4, M=16:
+the head per microbatch on every stage 5.45x the minimum, per device with the head gathered once
+1.28x, reduced in that order 1.14x, with the table and the head on their stages 1.04x
+(docs/figures.md).
 """
 
 from __future__ import annotations
@@ -37,6 +40,9 @@ class TailOnLastStage:
     apply: Callable
     axes: dict
     mesh: Mesh
+    # True for a variable stored [S, ...] with a row per stage (the head on its stage:
+    # pipeline_layout.owns_the_ends), False for one replicated over `stage`; None: all False.
+    owned: dict | None = None
 
     @property
     def stages(self) -> int:
@@ -51,28 +57,50 @@ class TailOnLastStage:
     def devices(self) -> int:
         return int(np.prod([self.mesh.shape[a] for a in self.manual_axes]))
 
+    def _owned(self) -> dict:
+        if self.owned is not None:
+            return self.owned
+        return jax.tree_util.tree_map(lambda _: False, self.axes, is_leaf=lambda a: isinstance(a, tuple))
+
+    def _specs(self, rules) -> dict:
+        """Each variable's PartitionSpec as one stage holds it (no row per stage)."""
+        return jax.tree_util.tree_map(lambda axes: nn.logical_to_mesh_axes(axes, rules), self.axes,
+                                      is_leaf=lambda a: isinstance(a, tuple))
+
     def _layouts(self, rules) -> dict:
-        return jax.tree_util.tree_map(lambda axes: NamedSharding(self.mesh, nn.logical_to_mesh_axes(axes, rules)),
-                                      self.axes, is_leaf=lambda a: isinstance(a, tuple))
+        """Each variable's NamedSharding as stored: an owned one's rows over `stage`."""
+        return jax.tree_util.tree_map(
+            lambda spec, owned: NamedSharding(self.mesh, P(STAGE_AXIS, *spec) if owned else spec),
+            self._specs(rules), self._owned(), is_leaf=lambda a: isinstance(a, P))
 
     def gathered(self, variables):
         """The variables without their ZeRO-3 split (the tensor split kept), once before the loop."""
         return jax.tree_util.tree_map(jax.lax.with_sharding_constraint, variables, self._layouts(rules_without_zero3()))
 
-    def zeros(self, leaf) -> Array:
-        """A per-device sum of `leaf`'s cotangent [devices, ...], one row per device."""
-        spec = P(self.manual_axes, *(P.UNCONSTRAINED,) * leaf.ndim)
-        return jax.lax.with_sharding_constraint(jnp.zeros((self.devices, *leaf.shape), leaf.dtype),
-                                                NamedSharding(self.mesh, spec))
+    def local(self, variables):
+        """The variables as the tail applies them on a stage: an owned one's own row."""
+        return jax.tree_util.tree_map(lambda v, owned: v[0] if owned else v, variables, self._owned())
+
+    def zeros(self, variables):
+        """Per-device sums of the variables' cotangents [devices, ...], one row per device, each
+        leaf as a stage applies it."""
+        def one(leaf, owned):
+            shape = leaf.shape[1:] if owned else leaf.shape
+            spec = P(self.manual_axes, *(P.UNCONSTRAINED,) * len(shape))
+            return jax.lax.with_sharding_constraint(jnp.zeros((self.devices, *shape), leaf.dtype),
+                                                    NamedSharding(self.mesh, spec))
+        return jax.tree_util.tree_map(one, variables, self._owned())
 
     def reduced(self, per_device):
         """The per-device sums [devices, ...] of the variables' cotangents, reduced once: over the
-        batch axes into each variable's stored layout, then over `stage`."""
-        def one(a, stored):
+        batch axes into each variable's stored layout, then over `stage`, but for an owned
+        variable, whose rows are the stages' own: [S, ...] as stored, no sum over `stage`."""
+        def one(a, spec, owned):
             per_stage = a.reshape(self.stages, -1, *a.shape[1:]).sum(1)
-            per_stage = jax.lax.with_sharding_constraint(per_stage, NamedSharding(self.mesh, P(STAGE_AXIS, *stored.spec)))
-            return jax.lax.with_sharding_constraint(per_stage.sum(0), stored)
-        return jax.tree_util.tree_map(one, per_device, self._layouts(LOGICAL_RULES))
+            per_stage = jax.lax.with_sharding_constraint(per_stage, NamedSharding(self.mesh, P(STAGE_AXIS, *spec)))
+            return per_stage if owned else jax.lax.with_sharding_constraint(per_stage.sum(0),
+                                                                            NamedSharding(self.mesh, spec))
+        return jax.tree_util.tree_map(one, per_device, self._specs(LOGICAL_RULES), self._owned())
 
     def __call__(self, out, variables, rows, with_backward: bool):
         """The tail on the last stage's row of `out` [S, mb, seq, d] with `rows` (this
@@ -82,7 +110,7 @@ class TailOnLastStage:
         last, batch = self.stages - 1, self.manual_axes[1:]
 
         def local(block, variables, rows):
-            y = block[0]
+            y, variables = block[0], self.local(variables)
 
             def run(_):
                 if not with_backward:
@@ -103,7 +131,8 @@ class TailOnLastStage:
         out_specs = (per_device, per_device) + ((per_device, P(STAGE_AXIS, batch)) if with_backward else ())
         # check_vma off: the loss's own shard_map (parallel/loss.py) nests inside this one, as the
         # layers' do inside the stages' vmap (varying.check_vma).
-        result = jax.shard_map(local, mesh=_nested(self.mesh), in_specs=(P(STAGE_AXIS, batch), P(), P(batch)),
+        variable_specs = jax.tree_util.tree_map(lambda owned: P(STAGE_AXIS) if owned else P(), self._owned())
+        result = jax.shard_map(local, mesh=_nested(self.mesh), in_specs=(P(STAGE_AXIS, batch), variable_specs, P(batch)),
                                out_specs=out_specs, axis_names=frozenset(self.manual_axes), check_vma=False)(
             out, variables, rows)
         return result if with_backward else (*result, None, None)

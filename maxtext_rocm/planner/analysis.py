@@ -104,10 +104,10 @@ def analyse(cfg, kind: str, n_devices: int, usable: float = 0.92, compile_it: bo
                   peak_tflops_per_device=metrics.peak_tflops(kind, "fp8" if cfg.precision.policy == "fp8" else "bf16"),
                   analytic_dot_flops=estimates.analytic_device_flops(cfg, sizes, n_devices, microbatches))
     if storage_order is not None:
-        # A pipeline that stores the layer stack in its own order (circular, padded) saves
-        # checkpoints in model order: between two steps (no gradients or activations live) the
-        # state's layer leaves exist twice while a save converts them.
-        flags = jax.tree_util.tree_leaves(storage_order.flags)
+        # A pipeline that stores the layer stack in its own order (circular, padded) or the
+        # table and head on their stages (1f1b) saves checkpoints in model order: between two
+        # steps (no gradients or activations live) those leaves exist twice while a save converts them.
+        flags = jax.tree_util.tree_leaves(storage_order.converted)
         layer_state = sum(_sharded_bytes(x) for x, f in zip(jax.tree_util.tree_leaves(abstract), flags) if f)
         memory.checkpoint_save_peak_bytes = memory.state_bytes + layer_state
     report = FitReport(

@@ -165,7 +165,7 @@ def weight_gather_terms(cfg, axis_sizes) -> dict[str, float]:
 class StageSplit:
     """Per-device parameter bytes of one pipeline stage, split over `stage` or replicated over it."""
     stages: int
-    layer_param_bytes: int  # the leaves split over `stage`: each stage holds its own share
+    layer_param_bytes: int  # the leaves split over `stage`: each stage holds its own share (1f1b's table and head too)
     other_param_bytes: int  # the leaves replicated over `stage`: every stage holds them whole
     replicated_over_stage: list[str]  # those leaves' paths
     note: str  # the report's sentence about them
@@ -177,24 +177,30 @@ def per_stage(params, stages: int, schedule: str = "gpipe") -> StageSplit:
     (every stage holds them whole, as split by the other axes), named. `schedule`: 1f1b runs the
     head and loss on the last stage alone."""
     split = replicated = 0
-    names = []
+    names, owned = [], []
     for path, leaf in jax.tree_util.tree_leaves_with_path(params):
         shard = leaf.sharding.shard_shape(leaf.shape) if leaf.sharding is not None else leaf.shape
         size = math.prod(shard) * leaf.dtype.itemsize
         spec = getattr(leaf.sharding, "spec", ())
         axes = {a for entry in spec if entry for a in ((entry,) if isinstance(entry, str) else entry)}
+        name = "/".join(str(getattr(k, "key", k)) for k in path)
         if "stage" in axes:
             split += size
+            if not name.startswith("layers"):  # a row per stage (parallel/pipeline_layout.owns_the_ends)
+                owned.append(name)
         else:
             replicated += size
-            names.append("/".join(str(getattr(k, "key", k)) for k in path))
+            names.append(name)
+    on_their_stages = (f"; {' and '.join(owned)} stored on their stages (a row per stage, zero but on the "
+                       "first stage for the table and the last for the head)") if owned else ""
     return StageSplit(stages=stages, layer_param_bytes=split, other_param_bytes=replicated,
                       replicated_over_stage=names,
                       note=f"{', '.join(names) or 'nothing'} replicated over `stage` (sharding.py maps only the "
                            "stacked layers' axis to it): every stage holds them, and " + (
                                "the head and loss run on the last stage alone, within each iteration (the others "
                                "wait for it, as lockstep stages do)" if schedule == "1f1b" else
-                               "the head and loss run on every stage's batch shard, so all stages are alike"))
+                               "the head and loss run on every stage's batch shard, so all stages are alike")
+                           + on_their_stages)
 
 
 # ----------------------------------------------------------------------------------------------

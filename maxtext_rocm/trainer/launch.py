@@ -63,7 +63,7 @@ def model_for_mesh(cfg, policy, mesh, platform: str | None = None, model_cfg=Non
     # gpipe_recompute is GPipe's schedule with its own backward loop, which imports pipeline.py's
     # pieces; 1f1b runs the loss inside its own loop.
     if cfg.pipeline.schedule == "1f1b":
-        layer_stack = pipeline_1f1b.layer_stack(cfg.pipeline, cfg.model, mesh)
+        layer_stack = pipeline_1f1b.layer_stack(cfg, mesh)
     else:
         loop = pipeline_recompute.loop if cfg.pipeline.schedule == "gpipe_recompute" else None
         layer_stack = pipeline.layer_stack(cfg.pipeline, cfg.model, mesh, loop=loop)
@@ -110,15 +110,14 @@ def stored_state(cfg, model, mesh) -> StateLayout:
     # Stage-sharded layer leaves keep their spec in storage order: S R K slots divide over stage.
     state_sharding = sharding.logical_to_sharding(nn.get_partition_spec(boxed), mesh)
     storage_order = pipeline_layout.converter(pipeline_layout.stack_layout(cfg.pipeline, cfg.model, mesh),
-                                              boxed, state_sharding, mesh)
+                                              pipeline_layout.owns_the_ends(cfg, mesh), boxed, state_sharding, mesh)
     shapes = nn.meta.unbox(boxed)
     if storage_order is not None:
         canonical_init, shapes = init, storage_order.storage_shapes(shapes)
+        state_sharding = storage_order.storage_sharding
 
         def init(k):  # noqa: F811 - the stored state is made in one program, never in model order first
-            return jax.tree_util.tree_map(
-                lambda x, is_layer: storage_order.layout.to_storage(x) if is_layer else x,
-                nn.meta.unbox(canonical_init(k)), storage_order.flags)
+            return storage_order.stored(nn.meta.unbox(canonical_init(k)))
 
     abstract = jax.tree_util.tree_map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                                       shapes, state_sharding)
