@@ -39,10 +39,10 @@ def test_dense_layouts_move_at_most_a_tenth_over_their_minimum(name, monkeypatch
 def test_a_pipeline_gathering_once_moves_its_fsdp_minimum_and_the_bubbles_permutes(monkeypatch):
     """stage=2 x fsdp=4 with the stage's weights gathered and reduce-scattered once a step, 16
     microbatches: the fsdp traffic is its minimum exactly and the permutes between stages the
-    bubble's (M+S-1)/M of theirs. What is left over the minimum (1.17x overall, measured
-    2026-12-02) is once a step over `stage` because the embedding table and LM head are replicated
-    over it: the last stage's outputs to every stage and the table's gradient summed over the
-    stages' lookups (tests/test_stage_bytes.py holds each to its formula)."""
+    bubble's (M+S-1)/M of theirs. What is left over the minimum (1.06x overall, measured
+    2026-12-03; 1.17x while the table was replicated over `stage` and its gradient summed over the
+    stages' lookups) is once a step over `stage`: the last stage's outputs to every stage, as the
+    head runs on every stage after the loop (tests/test_stage_bytes.py holds it to its formula)."""
     layouts = _comm_layouts()
     monkeypatch.chdir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     row = layouts.run_layout("stage=2 x fsdp=4, once, M=16", layouts.LAYOUTS["stage=2 x fsdp=4, once, M=16"], "h100:8")
@@ -54,7 +54,7 @@ def test_a_pipeline_gathering_once_moves_its_fsdp_minimum_and_the_bubbles_permut
     stages, microbatches = 2, 16
     assert row["stage_permute_bytes"] == pytest.approx(
         (microbatches + stages - 1) / microbatches * by_axes["stage"]["minimum_bytes"], rel=1e-6)
-    assert row["ratio"] <= 1.2, row
+    assert row["ratio"] <= 1.10, row
 
 
 @pytest.mark.slow  # one more compile of the issue's dimensions (~30 s)

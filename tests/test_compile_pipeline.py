@@ -53,12 +53,13 @@ def test_compiled_dot_flops_equal_the_analytic_count(devices, stage, microbatche
     assert 0.5 <= r.compiled.memory.activations_bytes / r.memory.analytic_activations_bytes <= 1.6
     if stage > 1:  # without the bubble's term the check fails by its 25%
         assert r.flops.compiled_dot_flops / (expected - tokens * hand["layers"] / 4) > 1.2
-        # per device, fp32: 2 of the 4 layers' weights split 4 ways by fsdp, their norm scales whole;
-        # the embedding and head split by fsdp and the final norm, on both stages (replicated over stage)
+        # per device, fp32: 2 of the 4 layers' weights split 4 ways by fsdp, their norm scales whole,
+        # and a row of the embedding table (the first stage's the table, split by fsdp:
+        # pipeline_layout.py); the head split by fsdp and the final norm on both stages
         layer = 64 * 64 + 2 * 64 * 32 + 64 * 64 + 3 * 64 * 128
-        assert r.stages.layer_param_bytes == 4 * (2 * layer / 4 + 2 * 2 * 64)
-        assert r.stages.other_param_bytes == 4 * (2 * 128 * 64 / 4 + 64)
-        assert r.stages.replicated_over_stage == ["embed/embedding", "final_norm/scale", "lm_head/kernel"]
+        assert r.stages.layer_param_bytes == 4 * (2 * layer / 4 + 2 * 2 * 64 + 128 * 64 / 4)
+        assert r.stages.other_param_bytes == 4 * (128 * 64 / 4 + 64)
+        assert r.stages.replicated_over_stage == ["final_norm/scale", "lm_head/kernel"]
         # between the stages: each microbatch's block output forward and its cotangent back, 2 x 128
         # tokens per device x d 64 in fp32; the loop moves the bubble's too: its permutes are exactly
         # (M+S-1)/M = 5/4 of that, the schedule's floor
@@ -182,15 +183,20 @@ def test_fp8_layer_weights_meet_their_minimum_in_the_cpu_dtype(tmp_path):
 
 def test_a_converted_stack_counts_the_checkpoint_save_in_the_fit():
     """Circular, or a stack the stages do not divide, trains in its own order and saves in model
-    order: between steps the state's layer leaves (parameters, Adam's mu and nu) exist twice."""
-    cfg = _tiny(2, **{"model.n_layers": 3})  # 3 layers in 2 x 2 slots: converted at every save
-    r = compile_lib.analyse(cfg, "mi355x", 8, compile_it=False)
-    state = r.memory.params_bytes + r.memory.opt_state_bytes + r.memory.fp8_state_bytes
-    # fp32 per device: 2 slots of one stage's layers split 4 ways by fsdp, their 2 norm scales whole,
-    # x 3 (parameter, mu, nu)
-    layer = 64 * 64 + 2 * 64 * 32 + 64 * 64 + 3 * 64 * 128
-    assert r.memory.checkpoint_save_peak_bytes == state + 3 * 4 * (2 * layer / 4 + 2 * 2 * 64)
-    assert compile_lib.analyse(_tiny(2), "mi355x", 8, compile_it=False).memory.checkpoint_save_peak_bytes is None
+    order: between steps the state's layer leaves (parameters, Adam's mu and nu) exist twice; so do
+    an untied table's, stored on the first stage (pipeline_layout.py)."""
+    def save_peak_over_the_state(cfg):
+        r = compile_lib.analyse(cfg, "mi355x", 8, compile_it=False)
+        peak = r.memory.checkpoint_save_peak_bytes
+        return None if peak is None else peak - (r.memory.params_bytes + r.memory.opt_state_bytes +
+                                                 r.memory.fp8_state_bytes)
+    # fp32 per device, x 3 (parameter, mu, nu): 2 slots of one stage's layers split 4 ways by
+    # fsdp, their 2 norm scales whole; the table's row split 4 ways
+    layer, table = 64 * 64 + 2 * 64 * 32 + 64 * 64 + 3 * 64 * 128, 128 * 64
+    three_layers = _tiny(2, **{"model.n_layers": 3})  # 3 layers in 2 x 2 slots: converted at every save
+    assert save_peak_over_the_state(three_layers) == 3 * 4 * (2 * layer / 4 + 2 * 2 * 64 + table / 4)
+    assert save_peak_over_the_state(_tiny(2)) == 3 * 4 * table / 4
+    assert save_peak_over_the_state(_tiny(2, **{"model.tie_embeddings": True})) is None
 
 
 def test_the_loop_does_not_save_the_stages_weights_per_iteration(devices):

@@ -53,8 +53,12 @@ def test_pipeline_matches_one_device(mesh, one_device, devices, tmp_path):
     loss, grads, trainer = loss_and_grads(cfg, devices)
     ref_loss, ref_grads, ref_params = one_device
 
-    # The same parameter tree and values as one device; the layer axis split over the stages.
-    assert_trees_close(jax.tree_util.tree_map(np.asarray, trainer.state.params), ref_params, atol=0)
+    # The same parameter tree and values as one device in model order; the layer axis split over
+    # the stages, the untied table stored on the first stage (pipeline_layout.py).
+    in_model_order = trainer.storage_order.params_to_canonical(trainer.state.params)
+    assert_trees_close(jax.tree_util.tree_map(np.asarray, in_model_order), ref_params, atol=0)
+    table = trainer.state.params["embed"]["embedding"]
+    assert table.shape == (mesh["stage"], *ref_params["embed"]["embedding"].shape) and table.sharding.spec[0] == "stage"
     q = trainer.state.params["layers"]["attention"]["q"]["kernel"]
     assert q.sharding.spec[0] == "stage"
     assert q.addressable_shards[0].data.shape[0] == cfg.model.n_layers // mesh["stage"]
@@ -92,7 +96,7 @@ def test_pipeline_trains_three_steps_like_one_device(devices, tmp_path):
     piped = Trainer(on_mesh(llama, {"stage": 2, "fsdp": 4}, tmp_path / "pp"), devices=devices, log=lambda *_: None)
     for _ in range(3):
         assert_close(float(piped.step()["loss"]), float(one.step()["loss"]))
-    assert_close(jax.tree_util.tree_map(np.asarray, piped.state.params),
+    assert_close(jax.tree_util.tree_map(np.asarray, piped.params_in_model_order()),
                  jax.tree_util.tree_map(np.asarray, one.state.params))
 
 
@@ -114,7 +118,7 @@ def test_checkpoint_from_four_stages_resumes_on_one(devices, tmp_path):
     four = on_mesh(llama, {"stage": 4, "fsdp": 2}, tmp_path, **{"checkpoint.every": 2, "train.steps": 4})
     trainer = Trainer(four, devices=devices, log=lambda *_: None)
     trainer.run(2)
-    saved = jax.tree_util.tree_map(np.asarray, trainer.state.params)
+    saved = jax.tree_util.tree_map(np.asarray, trainer.params_in_model_order())
     next_loss = float(trainer.step()["loss"])
 
     one = on_mesh(llama, {"fsdp": 8}, tmp_path, **{"checkpoint.every": 2, "train.steps": 4})

@@ -19,7 +19,7 @@ ONE_F_ONE_B = {"pipeline.schedule": "1f1b"}
 def test_1f1b_stores_the_table_on_the_first_stage_and_the_head_on_the_last(one_device, devices,  # noqa: F811
                                                                            tmp_path):
     """[S, ...] over `stage`, the owner's row the weight and the others zero, so each stage's
-    gradient is its own and none is summed over `stage` (pipeline_layout.owns_the_ends): the
+    gradient is its own and none is summed over `stage` (pipeline_layout.ends_on_their_stages): the
     gradients' other rows stay zero, and in model order the state is one device's."""
     loss, grads, run = loss_and_grads(on_mesh(llama, {"stage": 4, "fsdp": 2}, tmp_path, **ONE_F_ONE_B), devices)
     ref_loss, ref_grads, ref_params = one_device

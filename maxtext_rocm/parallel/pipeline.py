@@ -42,8 +42,9 @@ slot's real uses only and merges them as fp8.combine_updates merges micro-batche
 
 The tokens come in unembedded, with a pure lookup (models/llama.py, TokenEmbedding): each stage
 looks the batch up itself before the loop (`embedded_per_stage`) and stage 0's is read, so neither
-the embeddings nor their cotangent cross `stage`; only the table's gradient is summed over it, as
-any parameter replicated over `stage` needs.
+the embeddings nor their cotangent cross `stage`. An untied table is stored on the first stage (a
+row per stage, the others zero: pipeline_layout.py), so its gradient is not summed over `stage`
+either; a tied one, replicated over `stage`, is.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ from maxtext_rocm.models.llama import BLOCK_OUTPUT_AXES, TokenEmbedding
 from maxtext_rocm.models.moe import AUX_LOSSES
 from maxtext_rocm.parallel.pipeline_gather import GatheredOnce, per_batch_shard
 from maxtext_rocm.parallel.sharding import constrained_both_ways, present_axes
-from maxtext_rocm.parallel.pipeline_layout import StackLayout
+from maxtext_rocm.parallel.pipeline_layout import StackLayout, ends_on_their_stages
 
 Array = jax.Array
 STAGE_AXIS = "stage"  # the mesh axis; "activation_stage" is its logical name (sharding.py)
@@ -99,16 +100,17 @@ def describe(pipeline_cfg, stages: int, n_layers: int | None = None) -> str:
     return text
 
 
-def layer_stack(pipeline_cfg, model_cfg, mesh: Mesh, loop: Callable | None = None) -> Callable | None:
+def layer_stack(cfg, mesh: Mesh, loop: Callable | None = None) -> Callable | None:
     """The Decoder's `layer_stack` strategy for `mesh` (models/llama.py), or None where the mesh
     has one stage and the layers run in order on every device. `loop`: another loop for `_loop`'s
     contract (pipeline_recompute.loop under pipeline.schedule="gpipe_recompute"); None: `_loop`."""
-    schedule = schedule_for(pipeline_cfg, model_cfg, mesh)
+    schedule = schedule_for(cfg.pipeline, cfg.model, mesh)
     if schedule is None:
         return None
     return functools.partial(pipelined, schedule=schedule, loop=loop,
-                             gather_once=pipeline_cfg.weight_gather == "once",
-                             reduce_once=pipeline_cfg.gradient_reduce == "once")
+                             gather_once=cfg.pipeline.weight_gather == "once",
+                             reduce_once=cfg.pipeline.gradient_reduce == "once",
+                             table_on_its_stage=ends_on_their_stages(cfg, mesh).table)
 
 
 def schedule_for(pipeline_cfg, model_cfg, mesh: Mesh) -> "Schedule | None":
@@ -248,7 +250,7 @@ class Circular(Schedule):
 
 def pipelined(layers: nn.Module, make_layers: Callable, embedding: TokenEmbedding, tokens: Array, positions: Array,
               segment_ids: Array | None, *, schedule: Schedule, loop: Callable | None = None,
-              gather_once: bool = False, reduce_once: bool = False):
+              gather_once: bool = False, reduce_once: bool = False, table_on_its_stage: bool = False):
     """The Decoder's `layer_stack` strategy: the bound scanned layers `layers` (whose variables are
     the stored [S R K, ...] arrays) run over the stages by `schedule` on `tokens` [B, seq] as
     `embedding` looks them up (on the stages: embedded_per_stage); `make_layers(length,
@@ -256,13 +258,16 @@ def pipelined(layers: nn.Module, make_layers: Callable, embedding: TokenEmbeddin
     `loop`: _loop's contract with another backward (pipeline_recompute.loop); None: _loop.
     `gather_once`: the stages' weights gathered before the loop, not in it (pipeline_gather.py);
     `reduce_once`: and their gradient reduced after it (pipeline_gather.per_batch_shard).
+    `table_on_its_stage`: the embedding table is stored [S, vocab, d_model], stage 0's row the
+    table (pipeline_layout.ends_on_their_stages).
     Returns (y, {AUX_LOSSES: what the real layers sowed on real microbatches})."""
     stack = stage_stack(layers, make_layers, schedule)
     layout, microbatches, params = schedule.layout, schedule.microbatches, stack.params
     # fp8 delayed scaling: one copy of the state per iteration, so that each use's update (its
     # cotangent) stays apart and the real ones combine as grad_accum's micro-batches do.
     fp8_per_iteration = None if stack.fp8_state is None else _fan_out(stack.fp8_state, _uses(layout, microbatches))
-    staged = embedded_per_stage(embedding, tokens, layout.stages, microbatches, schedule.mesh)  # [S, M, mb, seq, d]
+    staged = embedded_per_stage(embedding, tokens, layout.stages, microbatches, schedule.mesh,  # [S, M, mb, seq, d]
+                                tables_per_stage=table_on_its_stage)
     gathered = (GatheredOnce.of(stack.chunk_layers, staged[0, 0], positions, segment_ids, schedule.mesh)
                 if gather_once else None)
     if gathered is not None:
@@ -361,8 +366,8 @@ def embedded_per_stage(embedding: TokenEmbedding, tokens: Array, stages: int, mi
     the rows (XLA split the lookup over the otherwise idle axis) and the copies' cotangent summed
     by an all-reduce (docs/figures.md, "The stage axis's bytes, counted twice").
     `tables_per_stage`: the table is stored [S, vocab, d_model], stage 0's row the table
-    (pipeline_layout.owns_the_ends), so each stage looks up in its own row and the gradient needs
-    no sum over `stage`."""
+    (pipeline_layout.ends_on_their_stages), so each stage looks up in its own row and the gradient
+    needs no sum over `stage`."""
     per_stage = nn.with_logical_constraint(jnp.broadcast_to(tokens[None], (stages, *tokens.shape)), TOKEN_AXES)
     # A copy of the table per stage too, each stage's gradient its own [vocab, d_model] until one
     # sum over the copies. Passed unbatched instead, the table's gradient was one scatter over all

@@ -42,7 +42,7 @@ weight cast to bf16, the fused gate-up kernel), a copy of the stage's weights pe
 
 The tail runs on the last stage alone, each device on its own rows with the head gathered once
 (pipeline_tail.py). With untied embeddings the table is stored on the first stage and the head on
-the last, a row per stage (pipeline_layout.owns_the_ends), so neither gradient crosses `stage`.
+the last, a row per stage (pipeline_layout.ends_on_their_stages), so neither gradient crosses `stage`.
 
 Router losses and fp8 delayed state: the layers' sown router losses enter the objective
 linearly (means times a weight), so their cotangent is known before the loop (`Tail.of_sown`'s
@@ -71,7 +71,7 @@ from maxtext_rocm.parallel.pipeline import (
     STAGE_AXIS, STATE_AXES, TOKEN_AXES, GPipe, _is_first, _permute, _real_work, _shift,
     embedded_per_stage, run_chunk, schedule_for, split_microbatches, stage_stack)
 from maxtext_rocm.parallel.pipeline_gather import GatheredOnce
-from maxtext_rocm.parallel.pipeline_layout import owns_the_ends
+from maxtext_rocm.parallel.pipeline_layout import ends_on_their_stages
 from maxtext_rocm.parallel.pipeline_recompute import SAVED_AXES, _read, _write
 from maxtext_rocm.parallel.pipeline_tail import TailOnLastStage
 
@@ -88,7 +88,8 @@ class OneFOneB:
     remat: str
     gather_once: bool = False
     # The embedding table stored on the first stage and the head on the last (pipeline_layout.py's
-    # owns_the_ends): their variables come [S, ...], each stage its own row.
+    # ends_on_their_stages, both under 1f1b with untied embeddings): their variables come [S, ...],
+    # each stage its own row.
     ends_on_their_stages: bool = False
     runs_the_loss = True  # the Decoder hands it the Tail
 
@@ -410,4 +411,4 @@ def layer_stack(cfg, mesh: Mesh) -> OneFOneB | None:
     if schedule is None:
         return None
     return OneFOneB(schedule, cfg.model.remat, gather_once=cfg.pipeline.weight_gather == "once",
-                    ends_on_their_stages=owns_the_ends(cfg, mesh))
+                    ends_on_their_stages=ends_on_their_stages(cfg, mesh).head)

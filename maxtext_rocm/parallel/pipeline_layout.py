@@ -13,16 +13,16 @@ boundaries (a jitted reshape/transpose/pad), never per step: moving weights ever
 defeat a pipeline over slow links. Checkpoints hold model order only, so they restore across any
 stage count, schedule or padding.
 
-Under pipeline.schedule="1f1b" (which alone runs the LM head inside the pipeline) with untied
-embeddings, the embedding table is stored on the first stage and the head on the last
-(`owns_the_ends`): each as [S, ...] over `stage`, the owner's row the weight and the other rows
-zero, their optimizer moments likewise. Replicated over `stage` instead, each weight's gradient
-(nonzero on its owner only) was summed over `stage` once a step, an all-reduce of its shard:
-stage=2 x fsdp=4, M=16 moved 1.14x its minimum, stored so 1.04x (docs/figures.md). The other
-rows cost what replication did (a row per device), no stage reads them, and their gradients and
-moments stay zero. The model never sees it: it creates and checkpoints [vocab, d_model] and
-[d_model, vocab], and its 1f1b path hands the stored variables to the strategy without applying
-them (pipeline_1f1b.py, pipeline_tail.py, pipeline.embedded_per_stage).
+With untied embeddings a pipeline stores the embedding table on the first stage, and under
+pipeline.schedule="1f1b" (which alone runs the LM head inside the pipeline) the head on the last
+(`ends_on_their_stages`): each as [S, ...] over `stage`, the owner's row the weight and the other
+rows zero, their optimizer moments likewise. Replicated over `stage` instead, each weight's
+gradient (nonzero on its owner only) was summed over `stage` once a step, an all-reduce of its
+shard: 1f1b at stage=2 x fsdp=4, M=16 moved 1.14x its minimum, stored so 1.04x (docs/figures.md).
+The other rows cost what replication did (a row per device), no stage reads them, and their
+gradients and moments stay zero. The model never sees it: it creates and checkpoints [vocab,
+d_model] and [d_model, vocab], and its pipelined path hands the stored variables to the strategy
+without applying them (pipeline.embedded_per_stage, pipeline_1f1b.py, pipeline_tail.py).
 
 Words: "the layer stack" is always the scanned layers' arrays, [n_layers, ...] in model order (a
 leading "layers" axis); `StackLayout` is where its rows sit in storage; a `StateConverter` moves a
@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -125,24 +126,31 @@ def layer_flags(logical_specs):
 NOT_OWNED = -1
 
 
-def stage_owners(logical_specs, stages: int | None):
-    """Each leaf's owning stage where the ends are on their stages (`stages` given): 0 for the embedding
-    table's leaves (parameters and moments), stages - 1 for the LM head's, NOT_OWNED for the rest
-    and for every leaf where `stages` is None."""
-    def owner(spec) -> int:
-        if stages is None:
-            return NOT_OWNED
-        return {EMBED_TABLE_AXES: 0, HEAD_AXES: stages - 1}.get(tuple(spec), NOT_OWNED)
-    return jax.tree_util.tree_map(owner, logical_specs, is_leaf=lambda s: isinstance(s, P))
+def stage_owners(logical_specs, stages: int, table: bool, head: bool):
+    """Each leaf's owning stage: 0 for the embedding table's leaves (parameters and moments) where
+    `table`, stages - 1 for the LM head's where `head`, NOT_OWNED for the rest."""
+    owners = {**({EMBED_TABLE_AXES: 0} if table else {}), **({HEAD_AXES: stages - 1} if head else {})}
+    return jax.tree_util.tree_map(lambda spec: owners.get(tuple(spec), NOT_OWNED), logical_specs,
+                                  is_leaf=lambda s: isinstance(s, P))
 
 
-def owns_the_ends(cfg, mesh) -> bool:
-    """Whether the run stores the embedding table on the first stage and the LM head on the last
-    (the module's docstring): under pipeline.schedule="1f1b", which alone runs the head inside the
-    pipeline, with untied embeddings (a tied table is read at both ends). LoRA, whose frozen base
-    is not converted, does not run under a pipeline (config/checks.py)."""
-    return (mesh.shape.get(STAGE_AXIS, 1) > 1 and cfg.model.scan_layers and cfg.pipeline.schedule == "1f1b"
-            and not cfg.model.tie_embeddings)
+class EndsOnTheirStages(NamedTuple):
+    """Which of the model's ends a run stores on its stage (the module's docstring)."""
+    table: bool  # the embedding table on the first stage: any schedule, untied
+    head: bool  # the LM head on the last: 1f1b, which alone runs the head inside the pipeline
+
+    @property
+    def any(self) -> bool:
+        return self.table or self.head
+
+
+def ends_on_their_stages(cfg, mesh) -> EndsOnTheirStages:
+    """Where the run keeps its ends: on their stages under a pipeline of scanned layers with untied
+    embeddings (a tied table is read at both ends: replicated over `stage`), the head under 1f1b
+    only (the other schedules run it after the loop on every stage). LoRA, whose frozen base is
+    not converted, does not run under a pipeline (config/checks.py)."""
+    table = mesh.shape.get(STAGE_AXIS, 1) > 1 and cfg.model.scan_layers and not cfg.model.tie_embeddings
+    return EndsOnTheirStages(table=table, head=table and cfg.pipeline.schedule == "1f1b")
 
 
 def owned_to_storage(x: jax.Array, owner: int, stages: int) -> jax.Array:
@@ -251,15 +259,16 @@ def _canonical_sharding(storage: NamedSharding, shape, mesh) -> NamedSharding:
     return NamedSharding(mesh, P(*[a if len(a) > 1 else (a[0] if a else None) for a in axes]))
 
 
-def converter(layout: StackLayout | None, owns_ends: bool, boxed_abstract, sharding, mesh) -> StateConverter | None:
+def converter(layout: StackLayout | None, ends: EndsOnTheirStages, boxed_abstract, sharding,
+              mesh) -> StateConverter | None:
     """The run's StateConverter from its boxed canonical abstract state (launch.stored_state) and
     its shardings in model order, or None where storage is model order throughout."""
-    if layout is None and not owns_ends:
+    if layout is None and not ends.any:
         return None
     specs = nn.get_partition_spec(boxed_abstract)
     flags = layer_flags(specs)
     fp8_flags = flags.fp8
     if isinstance(fp8_flags, dict) and LAYERS in fp8_flags:  # fp8 state is unboxed: stacked by the scan
         flags = flags.replace(fp8={**fp8_flags, LAYERS: jax.tree_util.tree_map(lambda _: True, fp8_flags[LAYERS])})
-    owners = stage_owners(specs, mesh.shape[STAGE_AXIS] if owns_ends else None)
+    owners = stage_owners(specs, mesh.shape[STAGE_AXIS], ends.table, ends.head)
     return StateConverter(layout, flags, owners, sharding, nn.meta.unbox(boxed_abstract), mesh)

@@ -8,7 +8,7 @@ the head gathered once before the loop (`gathered`), so the head is neither gath
 its gradient reduced per microbatch: each device sums its own (`zeros`, one row per device) and
 `reduced` reduces the sum once a step, over the batch axes into the stored layout first (a
 reduce-scatter over fsdp), then over `stage` (an all-reduce of that shard), unless the head is
-stored on the last stage (pipeline_layout.owns_the_ends: `owned`), whose row is then the only one
+stored on the last stage (pipeline_layout.ends_on_their_stages: `owned`), whose row is then the only one
 with a gradient and nothing crosses `stage`. Measured on the comm layout stage=2 x fsdp=4, M=16:
 the head per microbatch on every stage 5.45x the minimum, per device with the head gathered once
 1.28x, reduced in that order 1.14x, with the table and the head on their stages 1.04x
@@ -41,7 +41,7 @@ class TailOnLastStage:
     axes: dict
     mesh: Mesh
     # True for a variable stored [S, ...] with a row per stage (the head on its stage:
-    # pipeline_layout.owns_the_ends), False for one replicated over `stage`; None: all False.
+    # pipeline_layout.ends_on_their_stages), False for one replicated over `stage`; None: all False.
     owned: dict | None = None
 
     @property

@@ -381,10 +381,10 @@ def format_report(r: dict) -> str:
                      f"`stage` against a minimum of {st['minimum_bytes'] / MIB:.2f} MiB (each microbatch's activations "
                      "forward and cotangents back, once per pass round the stages; the loop's idle iterations also "
                      f"move the bubble's): collective-permutes {st['permute_bytes'] / MIB:.2f} MiB, other collectives "
-                     f"{st['other_bytes'] / MIB:.2f} MiB (once a step, what is replicated over `stage`: the final "
-                     "norm's scale's gradient and, but under 1f1b with untied embeddings, which stores the table on "
-                     "the first stage and the head on the last, the table's gradient summed over the stages' lookups "
-                     "and the final outputs to every stage or the head's gradient to them)")
+                     f"{st['other_bytes'] / MIB:.2f} MiB (once a step, for what is replicated over `stage`: the "
+                     "final outputs to every stage where the head runs on every stage (all but 1f1b), a tied "
+                     "table's gradient summed over the stages' lookups, the final norm's scale's gradient; an "
+                     "untied table is stored on the first stage, and under 1f1b the untied head on the last)")
     lines.append(f"time at {r['target']} link bandwidth ({name} {intra:g} GB/s, NIC {inter:g} GB/s per GPU "
                  f"per direction): measured {r['measured_seconds'] * 1e3:.3f} ms, minimum "
                  f"{r['minimum_seconds'] * 1e3:.3f} ms per step (bytes / bandwidth, no overlap, no latency)")

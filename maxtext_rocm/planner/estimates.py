@@ -186,13 +186,13 @@ def per_stage(params, stages: int, schedule: str = "gpipe") -> StageSplit:
         name = "/".join(str(getattr(k, "key", k)) for k in path)
         if "stage" in axes:
             split += size
-            if not name.startswith("layers"):  # a row per stage (parallel/pipeline_layout.owns_the_ends)
+            if not name.startswith("layers"):  # a row per stage (parallel/pipeline_layout.ends_on_their_stages)
                 owned.append(name)
         else:
             replicated += size
             names.append(name)
     on_their_stages = (f"; {' and '.join(owned)} stored on their stages (a row per stage, zero but on the "
-                       "first stage for the table and the last for the head)") if owned else ""
+                       "first stage's for the table, the last stage's for the head)") if owned else ""
     return StageSplit(stages=stages, layer_param_bytes=split, other_param_bytes=replicated,
                       replicated_over_stage=names,
                       note=f"{', '.join(names) or 'nothing'} replicated over `stage` (sharding.py maps only the "

@@ -66,7 +66,7 @@ def model_for_mesh(cfg, policy, mesh, platform: str | None = None, model_cfg=Non
         layer_stack = pipeline_1f1b.layer_stack(cfg, mesh)
     else:
         loop = pipeline_recompute.loop if cfg.pipeline.schedule == "gpipe_recompute" else None
-        layer_stack = pipeline.layer_stack(cfg.pipeline, cfg.model, mesh, loop=loop)
+        layer_stack = pipeline.layer_stack(cfg, mesh, loop=loop)
     return build_model(model_cfg or cfg.model, policy,
                        expert_exchange=experts.expert_exchange(cfg.model, mesh, platform),
                        layer_stack=layer_stack,
@@ -110,7 +110,8 @@ def stored_state(cfg, model, mesh) -> StateLayout:
     # Stage-sharded layer leaves keep their spec in storage order: S R K slots divide over stage.
     state_sharding = sharding.logical_to_sharding(nn.get_partition_spec(boxed), mesh)
     storage_order = pipeline_layout.converter(pipeline_layout.stack_layout(cfg.pipeline, cfg.model, mesh),
-                                              pipeline_layout.owns_the_ends(cfg, mesh), boxed, state_sharding, mesh)
+                                              pipeline_layout.ends_on_their_stages(cfg, mesh), boxed, state_sharding,
+                                              mesh)
     shapes = nn.meta.unbox(boxed)
     if storage_order is not None:
         canonical_init, shapes = init, storage_order.storage_shapes(shapes)
