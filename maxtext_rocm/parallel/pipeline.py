@@ -40,6 +40,11 @@ state updates arrive as cotangents (fp8.py), which a loop would sum over every u
 bubble included; the state goes in as one copy per iteration (_fan_out) whose backward keeps each
 slot's real uses only and merges them as fp8.combine_updates merges micro-batches.
 
+Where the step's objective is the fused LM loss (pipeline_layout.loss_on_the_last_stage), the
+Decoder hands the strategy its Tail (final norm, head, loss) and the loop's outputs stay where the
+last stage made them: the tail runs there (pipeline_tail.py), not on every stage after the outputs
+went to each (`_from_stage`, which circular and the other objectives still use).
+
 The tokens come in unembedded, with a pure lookup (models/llama.py, TokenEmbedding): each stage
 looks the batch up itself before the loop (`embedded_per_stage`) and stage 0's is read, so neither
 the embeddings nor their cotangent cross `stage`. An untied table is stored on the first stage (a
@@ -49,6 +54,7 @@ either; a tied one, replicated over `stage`, is.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Callable, NamedTuple
 
@@ -63,11 +69,12 @@ from maxtext_rocm.errors import ConfigError
 from maxtext_rocm.numerics import fp8
 from maxtext_rocm.numerics.fp8 import FP8_COLLECTION
 from maxtext_rocm.models.layers import EMBED_TABLE_AXES
-from maxtext_rocm.models.llama import BLOCK_OUTPUT_AXES, TokenEmbedding
+from maxtext_rocm.models.llama import BLOCK_OUTPUT_AXES, Tail, TokenEmbedding
 from maxtext_rocm.models.moe import AUX_LOSSES
 from maxtext_rocm.parallel.pipeline_gather import GatheredOnce, per_batch_shard
-from maxtext_rocm.parallel.sharding import constrained_both_ways, present_axes
-from maxtext_rocm.parallel.pipeline_layout import StackLayout, ends_on_their_stages
+from maxtext_rocm.parallel.pipeline_tail import TailOnLastStage, objective_on_the_last_stage
+from maxtext_rocm.parallel.sharding import constrained_both_ways, nested_mesh, present_axes
+from maxtext_rocm.parallel.pipeline_layout import StackLayout, ends_on_their_stages, loss_on_the_last_stage
 
 Array = jax.Array
 STAGE_AXIS = "stage"  # the mesh axis; "activation_stage" is its logical name (sharding.py)
@@ -100,17 +107,39 @@ def describe(pipeline_cfg, stages: int, n_layers: int | None = None) -> str:
     return text
 
 
-def layer_stack(cfg, mesh: Mesh, loop: Callable | None = None) -> Callable | None:
+def layer_stack(cfg, mesh: Mesh, loop: Callable | None = None) -> "Pipelined | None":
     """The Decoder's `layer_stack` strategy for `mesh` (models/llama.py), or None where the mesh
     has one stage and the layers run in order on every device. `loop`: another loop for `_loop`'s
     contract (pipeline_recompute.loop under pipeline.schedule="gpipe_recompute"); None: `_loop`."""
     schedule = schedule_for(cfg.pipeline, cfg.model, mesh)
     if schedule is None:
         return None
-    return functools.partial(pipelined, schedule=schedule, loop=loop,
-                             gather_once=cfg.pipeline.weight_gather == "once",
-                             reduce_once=cfg.pipeline.gradient_reduce == "once",
-                             table_on_its_stage=ends_on_their_stages(cfg, mesh).table)
+    ends = ends_on_their_stages(cfg, mesh)
+    return Pipelined(schedule, loop, gather_once=cfg.pipeline.weight_gather == "once",
+                     reduce_once=cfg.pipeline.gradient_reduce == "once", table_on_its_stage=ends.table,
+                     head_on_its_stage=ends.head, runs_the_loss=loss_on_the_last_stage(cfg))
+
+
+@dataclasses.dataclass(frozen=True)
+class Pipelined:
+    """`pipelined` with its settings, as the Decoder calls a `layer_stack`; `runs_the_loss`: the
+    Decoder hands it its `Tail` (the final norm, the head, the fused loss), which runs on the last
+    stage after the loop (pipeline_layout.loss_on_the_last_stage says where)."""
+
+    schedule: "Schedule"
+    loop: Callable | None = None
+    gather_once: bool = False
+    reduce_once: bool = False
+    table_on_its_stage: bool = False
+    head_on_its_stage: bool = False
+    runs_the_loss: bool = False
+
+    def __call__(self, layers: nn.Module, make_layers: Callable, embedding: TokenEmbedding, tokens: Array,
+                 positions: Array, segment_ids: Array | None, *, tail: Tail | None = None):
+        return pipelined(layers, make_layers, embedding, tokens, positions, segment_ids, schedule=self.schedule,
+                         loop=self.loop, gather_once=self.gather_once, reduce_once=self.reduce_once,
+                         table_on_its_stage=self.table_on_its_stage, tail=tail,
+                         head_on_its_stage=self.head_on_its_stage)
 
 
 def schedule_for(pipeline_cfg, model_cfg, mesh: Mesh) -> "Schedule | None":
@@ -192,6 +221,11 @@ class Schedule:
     def outputs(self, out: Array, buffer, every_iteration: Array | None) -> Array:
         """[M, mb, seq, d]: each microbatch after the last layer, on every stage, from the loop's
         last outputs and buffer and what `kept_per_iteration` kept."""
+        return _from_stage(*self.outputs_by_stage(out, buffer, every_iteration), self.mesh)
+
+    def outputs_by_stage(self, out: Array, buffer, every_iteration: Array | None) -> tuple[Array, int]:
+        """([S, M, mb, seq, d] sharded over `stage`, the stage whose row holds each microbatch after
+        the last layer): where `outputs` takes them from."""
         raise NotImplementedError
 
 
@@ -213,10 +247,10 @@ class GPipe(Schedule):
     def kept_per_iteration(self, out):
         return out
 
-    def outputs(self, out, buffer, every_iteration):
+    def outputs_by_stage(self, out, buffer, every_iteration):
         # The last stage finishes microbatch m in iteration m + S - 1.
         last = self.stages - 1
-        return _from_stage(jnp.swapaxes(every_iteration[last:], 0, 1), last, self.mesh)
+        return jnp.swapaxes(every_iteration[last:], 0, 1), last
 
 
 class Circular(Schedule):
@@ -241,16 +275,17 @@ class Circular(Schedule):
     def pick_chunk(self, per_stage, repeat):
         return jax.lax.dynamic_index_in_dim(per_stage, index=repeat, keepdims=False)
 
-    def outputs(self, out, buffer, every_iteration):
+    def outputs_by_stage(self, out, buffer, every_iteration):
         # The last repeat's outputs, stored as if for one more: stage 0's copy of the buffer.
         last = _permute(out, self.mesh, [(self.stages - 1, 0)])
         position = (self.n_iterations - self.stages) % self.microbatches
-        return _from_stage(jax.lax.dynamic_update_index_in_dim(buffer, last, position, axis=1), 0, self.mesh)
+        return jax.lax.dynamic_update_index_in_dim(buffer, last, position, axis=1), 0
 
 
 def pipelined(layers: nn.Module, make_layers: Callable, embedding: TokenEmbedding, tokens: Array, positions: Array,
               segment_ids: Array | None, *, schedule: Schedule, loop: Callable | None = None,
-              gather_once: bool = False, reduce_once: bool = False, table_on_its_stage: bool = False):
+              gather_once: bool = False, reduce_once: bool = False, table_on_its_stage: bool = False,
+              tail: Tail | None = None, head_on_its_stage: bool = False):
     """The Decoder's `layer_stack` strategy: the bound scanned layers `layers` (whose variables are
     the stored [S R K, ...] arrays) run over the stages by `schedule` on `tokens` [B, seq] as
     `embedding` looks them up (on the stages: embedded_per_stage); `make_layers(length,
@@ -260,7 +295,9 @@ def pipelined(layers: nn.Module, make_layers: Callable, embedding: TokenEmbeddin
     `reduce_once`: and their gradient reduced after it (pipeline_gather.per_batch_shard).
     `table_on_its_stage`: the embedding table is stored [S, vocab, d_model], stage 0's row the
     table (pipeline_layout.ends_on_their_stages).
-    Returns (y, {AUX_LOSSES: what the real layers sowed on real microbatches})."""
+    Returns (y, {AUX_LOSSES: what the real layers sowed on real microbatches}); with `tail`
+    ((objective, sums), {AUX_LOSSES: ...}), the tail run on the last stage's outputs there
+    (pipeline_tail.objective_on_the_last_stage; `head_on_its_stage`: its head stored [S, ...])."""
     stack = stage_stack(layers, make_layers, schedule)
     layout, microbatches, params = schedule.layout, schedule.microbatches, stack.params
     # fp8 delayed scaling: one copy of the state per iteration, so that each use's update (its
@@ -277,8 +314,19 @@ def pipelined(layers: nn.Module, make_layers: Callable, embedding: TokenEmbeddin
         loop = per_batch_shard(loop, schedule.mesh, present_axes(schedule.mesh, "activation_batch"))
         gathered = None
     run_stage = functools.partial(_run_stage, stack.chunk_layers, stack.padded, schedule.pick_chunk, gathered)
-    y, sown = loop(schedule, run_stage, params, fp8_per_iteration, stack.real, staged, positions, segment_ids)
-    return y, {AUX_LOSSES: jax.tree_util.tree_map(functools.partial(_real_work, layout, microbatches), sown)}
+    if tail is None:
+        y, sown = loop(schedule, run_stage, params, fp8_per_iteration, stack.real, staged, positions, segment_ids)
+        return y, {AUX_LOSSES: jax.tree_util.tree_map(functools.partial(_real_work, layout, microbatches), sown)}
+    # The stack's outputs stay where the last stage made them; the tail runs there on them all.
+    per_stage, sown = loop(schedule, run_stage, params, fp8_per_iteration, stack.real, staged, positions,
+                           segment_ids, by_stage=True)
+    kept = {AUX_LOSSES: jax.tree_util.tree_map(functools.partial(_real_work, layout, microbatches), sown)}
+    y = nn.with_logical_constraint(jax.vmap(merge_microbatches)(per_stage), STATE_AXES)  # [S, B, seq, d]
+    owned = {"final_norm": jax.tree_util.tree_map(lambda _: False, tail.variables["final_norm"]),
+             "head": head_on_its_stage}
+    on_last = TailOnLastStage(tail.apply, tail.axes, schedule.mesh, owned)
+    objective, sums = objective_on_the_last_stage(on_last)(y, tail.variables, tail.rows)
+    return (objective + tail.of_sown(kept), sums), kept
 
 
 class StageStack(NamedTuple):
@@ -312,11 +360,12 @@ def stage_stack(layers: nn.Module, make_layers: Callable, schedule: Schedule) ->
 
 
 def _loop(schedule: Schedule, run_stage: Callable, params, fp8_per_iteration, real: Array,
-          staged: Array, positions: Array, segment_ids: Array | None):
+          staged: Array, positions: Array, segment_ids: Array | None, by_stage: bool = False):
     """The loop every schedule runs: `schedule.n_iterations` iterations, in each of which every
     stage takes its input (`schedule.stage_inputs`; stage 0 its row of `staged` [S, M, mb, seq, d],
     embedded_per_stage) and runs its chunk (`run_stage`, vmapped over the stages). Returns
-    (y [B, seq, d], what the layers sowed [iterations, S, K, ...])."""
+    (y [B, seq, d], what the layers sowed [iterations, S, K, ...]); with `by_stage`, y as the
+    stages hold it instead ([S, M, mb, seq, d], the last stage's row the outputs: GPipe's order)."""
     all_stages = jax.vmap(run_stage, spmd_axis_name=STAGE_AXIS)
     stages, microbatches = schedule.stages, schedule.microbatches
     passes = schedule.repeats * microbatches  # each microbatch once per repeat
@@ -351,6 +400,8 @@ def _loop(schedule: Schedule, run_stage: Callable, params, fp8_per_iteration, re
     (out, buffer), (every_iteration, sown) = jax.lax.scan(
         iteration, (jnp.zeros((stages, *inputs.shape[1:]), inputs.dtype), buffer),
         (jnp.arange(schedule.n_iterations), fp8_per_iteration))
+    if by_stage:
+        return schedule.outputs_by_stage(out, buffer, every_iteration)[0], sown
     y = schedule.outputs(out, buffer, every_iteration)
     return nn.with_logical_constraint(merge_microbatches(y), BLOCK_OUTPUT_AXES), sown
 
@@ -465,7 +516,7 @@ def _permute(state: Array, mesh: Mesh, pairs: list[tuple[int, int]]) -> Array:
     sharded axis was lowered as an all-to-all over `stage`."""
     def local(block):  # block: this stage's [1, ...]
         return jax.lax.ppermute(block, STAGE_AXIS, pairs)
-    return jax.shard_map(local, mesh=_nested(mesh), in_specs=P(STAGE_AXIS), out_specs=P(STAGE_AXIS),
+    return jax.shard_map(local, mesh=nested_mesh(mesh), in_specs=P(STAGE_AXIS), out_specs=P(STAGE_AXIS),
                          axis_names=frozenset({STAGE_AXIS}))(state)
 
 
@@ -482,15 +533,8 @@ def _from_stage(per_stage: Array, stage: int, mesh: Mesh) -> Array:
         mine = jax.lax.axis_index(STAGE_AXIS) == stage
         wide = block[0].astype(jnp.promote_types(block.dtype, jnp.float32))
         return jax.lax.psum(jnp.where(mine, wide, jnp.zeros_like(wide)), STAGE_AXIS).astype(block.dtype)
-    return jax.shard_map(local, mesh=_nested(mesh), in_specs=P(STAGE_AXIS), out_specs=P(),
+    return jax.shard_map(local, mesh=nested_mesh(mesh), in_specs=P(STAGE_AXIS), out_specs=P(),
                          axis_names=frozenset({STAGE_AXIS}))(per_stage)
-
-
-def _nested(mesh: Mesh):
-    """The mesh for a shard_map over `stage`: inside pipeline_gather.per_batch_shard's shard_map
-    (manual over the batch axes) a nested one must name the context's mesh, manual axes and all."""
-    context = jax.sharding.get_abstract_mesh()
-    return context if not context.empty and context.manual_axes else mesh
 
 
 def _is_first(state: Array) -> Array:

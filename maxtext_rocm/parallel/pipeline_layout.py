@@ -137,20 +137,36 @@ def stage_owners(logical_specs, stages: int, table: bool, head: bool):
 class EndsOnTheirStages(NamedTuple):
     """Which of the model's ends a run stores on its stage (the module's docstring)."""
     table: bool  # the embedding table on the first stage: any schedule, untied
-    head: bool  # the LM head on the last: 1f1b, which alone runs the head inside the pipeline
+    head: bool  # the LM head on the last: where the loss runs there (loss_on_the_last_stage)
 
     @property
     def any(self) -> bool:
         return self.table or self.head
 
 
+def loss_on_the_last_stage(cfg) -> bool:
+    """Whether a pipeline runs the final norm, the head and the fused loss on its last stage (the
+    Decoder's Tail: parallel/pipeline_tail.py), so that the stack's outputs never leave it: always
+    under 1f1b (per microbatch, inside its loop; the config refuses what it cannot run), and under
+    gpipe and gpipe_recompute after the loop where the step's objective is the fused head loss
+    (model.loss_chunk_len > 0, the LM objective, no fp8 head of its own) and the loop is not run
+    per batch shard (pipeline.gradient_reduce="once"). Otherwise, and under circular (whose outputs
+    end on the first stage), the last stage's outputs go to every stage, which runs the head."""
+    p, m = cfg.pipeline, cfg.model
+    if p.schedule == "1f1b":
+        return True
+    return (p.schedule in ("gpipe", "gpipe_recompute") and p.gradient_reduce == "per_iteration"
+            and m.loss_chunk_len > 0 and (m.tie_embeddings or not cfg.precision.fp8_lm_head)
+            and cfg.train.get("objective", "lm") == "lm")
+
+
 def ends_on_their_stages(cfg, mesh) -> EndsOnTheirStages:
     """Where the run keeps its ends: on their stages under a pipeline of scanned layers with untied
-    embeddings (a tied table is read at both ends: replicated over `stage`), the head under 1f1b
-    only (the other schedules run it after the loop on every stage). LoRA, whose frozen base is
-    not converted, does not run under a pipeline (config/checks.py)."""
+    embeddings (a tied table is read at both ends: replicated over `stage`), the head where the
+    loss runs on the last stage (`loss_on_the_last_stage`). LoRA, whose frozen base is not
+    converted, does not run under a pipeline (config/checks.py)."""
     table = mesh.shape.get(STAGE_AXIS, 1) > 1 and cfg.model.scan_layers and not cfg.model.tie_embeddings
-    return EndsOnTheirStages(table=table, head=table and cfg.pipeline.schedule == "1f1b")
+    return EndsOnTheirStages(table=table, head=table and loss_on_the_last_stage(cfg))
 
 
 def owned_to_storage(x: jax.Array, owner: int, stages: int) -> jax.Array:

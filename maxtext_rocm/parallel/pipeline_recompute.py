@@ -49,15 +49,17 @@ SAVED_AXES = ("activation_stage", None) + BLOCK_OUTPUT_AXES  # [S, M, mb, seq, d
 
 
 def loop(schedule: Schedule, run_stage: Callable, params, fp8_per_iteration, real: Array,
-         staged: Array, positions: Array, segment_ids: Array | None):
-    """pipeline._loop's contract (y [B, seq, d], sown [iterations, S, K, ...]) with the backward of
-    this module's docstring. `run_stage(stage_vars, stage_real, repeat, h, pos, seg)` is one stage's
+         staged: Array, positions: Array, segment_ids: Array | None, by_stage: bool = False):
+    """pipeline._loop's contract (y [B, seq, d], sown [iterations, S, K, ...]; `by_stage`: y as the
+    stages hold it) with the backward of this module's docstring. `run_stage(stage_vars, stage_real, repeat, h, pos, seg)` is one stage's
     work, unvmapped. `staged` [S, M, mb, seq, d]: each stage's own lookup (pipeline.embedded_per_stage);
     the backward's cotangent of it (stage 0's row) stays on stage 0, in the table's gradient."""
     stages, microbatches = schedule.stages, schedule.microbatches
     pos_in, seg_in = (None if a is None else split_microbatches(a, microbatches) for a in (positions, segment_ids))
     stack = _differentiable_stack(schedule, run_stage, real)
     outs, sown = stack(params, fp8_per_iteration, staged, pos_in, seg_in)
+    if by_stage:  # [S, M, mb, seq, d], the last stage's row the outputs
+        return outs, sown
     y = _from_stage(outs, stages - 1, schedule.mesh)  # the last stage's row, on every stage
     return nn.with_logical_constraint(merge_microbatches(y), BLOCK_OUTPUT_AXES), sown
 

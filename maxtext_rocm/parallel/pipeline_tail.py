@@ -1,5 +1,6 @@
-"""The tail of pipeline.schedule="1f1b" (parallel/pipeline_1f1b.py): the final norm, the LM head
-and the loss on one microbatch at a time, run by the last stage alone.
+"""The tail of a pipeline: the final norm, the LM head and the loss, run by the last stage alone,
+under pipeline.schedule="1f1b" (parallel/pipeline_1f1b.py) on one microbatch at a time, under
+gpipe and gpipe_recompute on the whole batch after the loop (`objective_on_the_last_stage`).
 
 A shard_map manual over `stage` and the batch axes whose `cond` on the stage's index skips the
 tail on every other stage: the stack's output never leaves the last stage and the head's FLOPs are
@@ -26,8 +27,8 @@ import numpy as np
 from flax import linen as nn
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from maxtext_rocm.parallel.pipeline import STAGE_AXIS, _nested
-from maxtext_rocm.parallel.sharding import LOGICAL_RULES, present_axes, rules_without_zero3
+from maxtext_rocm.parallel.pipeline_layout import STAGE_AXIS
+from maxtext_rocm.parallel.sharding import LOGICAL_RULES, nested_mesh, present_axes, rules_without_zero3
 
 Array = jax.Array
 
@@ -132,7 +133,35 @@ class TailOnLastStage:
         # check_vma off: the loss's own shard_map (parallel/loss.py) nests inside this one, as the
         # layers' do inside the stages' vmap (varying.check_vma).
         variable_specs = jax.tree_util.tree_map(lambda owned: P(STAGE_AXIS) if owned else P(), self._owned())
-        result = jax.shard_map(local, mesh=_nested(self.mesh), in_specs=(P(STAGE_AXIS, batch), variable_specs, P(batch)),
+        result = jax.shard_map(local, mesh=nested_mesh(self.mesh), in_specs=(P(STAGE_AXIS, batch), variable_specs, P(batch)),
                                out_specs=out_specs, axis_names=frozenset(self.manual_axes), check_vma=False)(
             out, variables, rows)
         return result if with_backward else (*result, None, None)
+
+
+def objective_on_the_last_stage(tail: TailOnLastStage) -> Callable:
+    """objective(y [S, B, seq, d], variables, rows) -> (objective, sums): `tail` on the last stage's
+    row of `y` (the stack's outputs where the last stage made them), differentiable in `y` and the
+    variables (as stored), for a schedule whose backward is the loop's autodiff (gpipe) or its own
+    (gpipe_recompute). A custom_vjp: its forward gathers the variables and takes the tail's own vjp
+    on the last stage (each device's head gradient summed where it is, `reduced` once into the
+    stored layout), its backward scales by the objective's cotangent. Autodiff through the
+    shard_map instead would sum the gathered head's gradient whole over the batch axes and `stage`
+    (an all-reduce where a reduce-scatter does), and through the gather, gather that gradient again."""
+    @jax.custom_vjp
+    def objective(y, variables, rows):
+        total, sums, _, _ = tail(y, tail.gathered(variables), rows, with_backward=False)
+        return total.sum(0), jax.tree_util.tree_map(lambda a: a.sum(0), sums)
+
+    def forward(y, variables, rows):
+        total, sums, d_variables, d_y = tail(y, tail.gathered(variables), rows, with_backward=True)
+        return (total.sum(0), jax.tree_util.tree_map(lambda a: a.sum(0), sums)), (tail.reduced(d_variables), d_y)
+
+    def backward(residuals, cotangents):
+        d_variables, d_y = residuals
+        g = cotangents[0]  # the objective's; the sums are reported, not differentiated
+        times_g = lambda d: (d * g).astype(d.dtype)  # noqa: E731
+        return times_g(d_y), jax.tree_util.tree_map(times_g, d_variables), None
+
+    objective.defvjp(forward, backward)
+    return objective

@@ -211,3 +211,11 @@ def constrained_both_ways(tree, forward, backward):
 
     move.defvjp(move_forward, move_backward)
     return move(tree)
+
+
+def nested_mesh(mesh: Mesh):
+    """The mesh for a shard_map that may run inside another: inside pipeline_gather.per_batch_shard's
+    shard_map (manual over the batch axes) a nested one must name the context's mesh, manual axes
+    and all; elsewhere `mesh`."""
+    context = jax.sharding.get_abstract_mesh()
+    return context if not context.empty and context.manual_axes else mesh

@@ -48,6 +48,7 @@ import jax
 
 from maxtext_rocm import config as config_lib
 from maxtext_rocm.numerics import cross_entropy
+from maxtext_rocm.parallel.pipeline_layout import loss_on_the_last_stage
 from maxtext_rocm.reporting import metrics
 from maxtext_rocm.trainer.step import fused_head_loss
 
@@ -98,11 +99,14 @@ def analytic_activations(cfg, axis_sizes: dict[str, int], n_devices: int, microb
     M = microbatches
     I, K = loop_shape(cfg.pipeline, L, S_p, M)
     T_mb = T / M  # saved and layer_all are linear in the tokens
+    # The loss on the last stage (pipeline_layout.loss_on_the_last_stage) reads the head gathered
+    # once, in fp32 (pipeline_tail.TailOnLastStage), beside each device's sum of its gradient.
+    tail = {"gathered head": 4 * d * V / t} if loss_on_the_last_stage(cfg) else {}
     if cfg.pipeline.schedule == "gpipe_recompute":
         # The forward keeps each microbatch's stage input (M x T_mb = T tokens) and the stack's
         # outputs; the backward holds one microbatch's residuals of the stage's K layers at a time.
         return {"layers": K * saved / M + 2 * layer_all / M, "stage inputs": T * d * c,
-                "pipeline loop": T * d * c, "logits": logits}
+                "pipeline loop": T * d * c, "logits": logits, **tail}
     if cfg.pipeline.schedule == "1f1b":
         # min(2S - 1, M) microbatches' residuals of the K layers in the stage's slots (remat
         # "none": the stage checkpointed with save_dots's policy), the embeddings and their
@@ -114,7 +118,7 @@ def analytic_activations(cfg, axis_sizes: dict[str, int], n_devices: int, microb
         return {"layers": slots * K * kept / M + 2 * layer_all / M, "stage inputs": 2 * T * d * c,
                 "logits": (logits - head_gradient) / M + head_gradient, "gathered head": 4 * d * V / t}
     return {"layers": I * (K * saved / M + T_mb * d * c) + 2 * layer_all / M,
-            "pipeline loop": I * T_mb * d * c, "logits": logits}
+            "pipeline loop": I * T_mb * d * c, "logits": logits, **tail}
 
 
 def layer_param_bytes(cfg, axis_sizes) -> float:
@@ -171,11 +175,11 @@ class StageSplit:
     note: str  # the report's sentence about them
 
 
-def per_stage(params, stages: int, schedule: str = "gpipe") -> StageSplit:
+def per_stage(params, stages: int, loss_on_last: bool = False) -> StageSplit:
     """Per-device parameter bytes of a pipeline stage, read from the abstract state's shardings: the
     leaves split over `stage` (each stage holds its own share) and the leaves replicated over it
-    (every stage holds them whole, as split by the other axes), named. `schedule`: 1f1b runs the
-    head and loss on the last stage alone."""
+    (every stage holds them whole, as split by the other axes), named. `loss_on_last`: the head and
+    loss run on the last stage alone (pipeline_layout.loss_on_the_last_stage)."""
     split = replicated = 0
     names, owned = [], []
     for path, leaf in jax.tree_util.tree_leaves_with_path(params):
@@ -197,8 +201,8 @@ def per_stage(params, stages: int, schedule: str = "gpipe") -> StageSplit:
                       replicated_over_stage=names,
                       note=f"{', '.join(names) or 'nothing'} replicated over `stage` (sharding.py maps only the "
                            "stacked layers' axis to it): every stage holds them, and " + (
-                               "the head and loss run on the last stage alone, within each iteration (the others "
-                               "wait for it, as lockstep stages do)" if schedule == "1f1b" else
+                               "the head and loss run on the last stage alone (the others wait for it, as "
+                               "lockstep stages do)" if loss_on_last else
                                "the head and loss run on every stage's batch shard, so all stages are alike")
                            + on_their_stages)
 
@@ -233,16 +237,17 @@ def analytic_device_flops(cfg, axis_sizes: dict[str, int], n_devices: int,
     pipeline's layers x (M + S - 1)/M (the bubble's iterations compute on dropped data; see
     loop_shape for circular schedules and padded stacks), gpipe_recompute's stage recompute
     (stage_recompute_flops, with the same bubble) and its LM
-    head x S (it runs on every stage's share of S x the tokens: see per_stage; under 1f1b on the last
-    stage's alone, no less per device of it). None for a MoE model, whose executed FLOPs
+    head x S (it runs on every stage's share of S x the tokens: see per_stage; where the loss runs
+    on the last stage, on that stage's alone, no less per device of it). None for a MoE model, whose executed FLOPs
     depend on the implementation (capacity slots, every expert on the dense path)."""
     if cfg.model.n_experts > 1:
         return None
     S = axis_sizes.get("stage", 1)
     remat = cfg.model.remat
-    # 1f1b runs the head on the last stage alone: its devices still run it on S x their share of
-    # the tokens (the batch is not split over `stage`), and lockstep, the others wait for it.
-    head_on_last = cfg.pipeline.schedule == "1f1b"
+    # Where the loss runs on the last stage alone (1f1b; gpipe and gpipe_recompute with the fused
+    # loss) its devices still run the head on S x their share of the tokens (the batch is not
+    # split over `stage`), and lockstep, the others wait for it.
+    head_on_last = loss_on_the_last_stage(cfg)
     terms = metrics.executed_flops_per_token(cfg.model, cfg.train.seq_len, remat)
     if cfg.model.attention != "xla":  # the blockwise/flash kernels skip the masked blocks
         terms["masked attention"] = 0.0
