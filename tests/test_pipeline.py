@@ -89,6 +89,32 @@ def test_stages_exchange_activations_by_collective_permute(devices, tmp_path):
     assert pipeline.bubble_fraction("gpipe", 4, 12) == pytest.approx(3 / 15)
 
 
+def test_without_the_fused_loss_every_stage_runs_the_head_and_matches_one_device(one_device, devices, tmp_path):
+    """model.loss_chunk_len=0: the loss is not the fused one the tail runs, so the last stage's
+    outputs go to every stage (pipeline._from_stage) and the head stays replicated over `stage`."""
+    loss, grads, run = loss_and_grads(on_mesh(llama, {"stage": 2, "fsdp": 4}, tmp_path, **{"model.loss_chunk_len": 0}),
+                                      devices)
+    assert not run.model.layer_stack.runs_the_loss and run.state.params["lm_head"]["kernel"].ndim == 2
+    ref_loss, ref_grads, _ = one_device
+    assert_close(loss, ref_loss)
+    assert_close(grads, ref_grads)
+
+
+@pytest.mark.parametrize("schedule", [{}, pytest.param({"pipeline.schedule": "gpipe_recompute"}, marks=pytest.mark.slow),
+                                      pytest.param({"pipeline.schedule": "1f1b"}, marks=pytest.mark.slow)])
+def test_evaluation_on_a_pipeline_matches_one_device(schedule, devices, tmp_path):
+    """The eval step runs the tail on the last stage without its backward (the custom_vjp's
+    primal): the same eval loss as one device's."""
+    common = {"train.eval_every": 100, "train.eval_steps": 2, "train.per_device_batch_size": 8}
+    one = Trainer(llama(**SINGLE, **common, **{"output_dir": str(tmp_path / "one")}), devices=devices[:1],
+                  log=lambda *_: None)
+    piped = Trainer(on_mesh(llama, {"stage": 2, "fsdp": 4}, tmp_path / "pp", **schedule,
+                            **{**common, "train.per_device_batch_size": 1}), devices=devices,
+                    log=lambda *_: None)
+    assert piped.model.layer_stack.runs_the_loss
+    assert_close(piped.evaluate()["eval_loss"], one.evaluate()["eval_loss"])
+
+
 def test_pipeline_trains_three_steps_like_one_device(devices, tmp_path):
     """Three optimizer steps: losses and parameters stay with one device's."""
     one = Trainer(llama(**SINGLE, **{"train.per_device_batch_size": 8, "output_dir": str(tmp_path / "one")}),
