@@ -322,9 +322,7 @@ def pipelined(layers: nn.Module, make_layers: Callable, embedding: TokenEmbeddin
                            segment_ids, by_stage=True)
     kept = {AUX_LOSSES: jax.tree_util.tree_map(functools.partial(_real_work, layout, microbatches), sown)}
     y = nn.with_logical_constraint(jax.vmap(merge_microbatches)(per_stage), STATE_AXES)  # [S, B, seq, d]
-    owned = {"final_norm": jax.tree_util.tree_map(lambda _: False, tail.variables["final_norm"]),
-             "head": head_on_its_stage}
-    on_last = TailOnLastStage(tail.apply, tail.axes, schedule.mesh, owned)
+    on_last = TailOnLastStage.of(tail, schedule.mesh, head_on_its_stage)
     objective, sums = objective_on_the_last_stage(on_last)(y, tail.variables, tail.rows)
     return (objective + tail.of_sown(kept), sums), kept
 

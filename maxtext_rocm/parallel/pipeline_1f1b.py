@@ -106,9 +106,7 @@ class OneFOneB:
         split = functools.partial(split_microbatches, n=schedule.microbatches)
         rows = jax.tree_util.tree_map(split, tail.rows)
         pos_in, seg_in = (None if a is None else split(a) for a in (positions, segment_ids))
-        owned = {"final_norm": jax.tree_util.tree_map(lambda _: False, tail.variables["final_norm"]),
-                 "head": self.ends_on_their_stages}
-        loop = _Loop(schedule, chunk, stack.real, TailOnLastStage(tail.apply, tail.axes, schedule.mesh, owned),
+        loop = _Loop(schedule, chunk, stack.real, TailOnLastStage.of(tail, schedule.mesh, self.ends_on_their_stages),
                      gathered if self.gather_once else None, gathered.stored)
         sown_shape = loop.sown_shape(stack.params, stack.fp8_state, staged, pos_in, seg_in)
         sown_cotangent = _sown_cotangent(tail.of_sown, sown_shape, schedule)

@@ -45,6 +45,14 @@ class TailOnLastStage:
     # pipeline_layout.ends_on_their_stages), False for one replicated over `stage`; None: all False.
     owned: dict | None = None
 
+    @classmethod
+    def of(cls, tail, mesh: Mesh, head_on_its_stage: bool) -> "TailOnLastStage":
+        """For the Decoder's `tail` (models/llama.py's Tail), its head stored [S, ...] where
+        `head_on_its_stage` (pipeline_layout.ends_on_their_stages), its final norm replicated."""
+        owned = {"final_norm": jax.tree_util.tree_map(lambda _: False, tail.variables["final_norm"]),
+                 "head": head_on_its_stage}
+        return cls(tail.apply, tail.axes, mesh, owned)
+
     @property
     def stages(self) -> int:
         return self.mesh.shape[STAGE_AXIS]
