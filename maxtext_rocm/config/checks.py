@@ -105,8 +105,8 @@ def validate(cfg: ml_collections.ConfigDict, device_count: int | None = None,
     _validate_moe(m, cfg.train.seq_len)
 
     _validate_pipeline(cfg.pipeline)
+    _validate_1f1b(cfg)  # first: what 1f1b refuses, it refuses on every jax
     _validate_gradient_reduce(cfg)
-    _validate_1f1b(cfg)
 
     p = cfg.precision
     _one_of("precision.policy", p.policy, PRECISION_POLICIES)
