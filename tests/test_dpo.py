@@ -130,6 +130,27 @@ def test_reference_is_the_start_so_the_first_loss_is_ln2(single):
     assert float(m["pairs"]) == 4 and float(m["tokens"]) == float(batch["weights"].sum())
 
 
+@pytest.mark.slow  # a pipelined model compiled (~15 s)
+def test_a_pipeline_with_its_table_on_the_first_stage_gives_one_devices_dpo_gradient(single, tmp_path):
+    """stage=2 x fsdp=4 (gpipe; DPO keeps the head on every stage): the policy's and the
+    reference's tables are stored on the first stage (parallel/pipeline_layout.py), and the loss
+    and gradient in model order are one device's."""
+    run1, batch, params, _, _ = single
+    want, _, want_metrics = dpo_gradients(run1, params, batch)
+    cfg = small_config(**{**ONE_DEVICE, "mesh.ici.stage": 2, "mesh.ici.fsdp": 4, "train.objective": "dpo",
+                          "train.per_device_batch_size": 1, "model.loss_chunk_len": 8, "output_dir": str(tmp_path)})
+    run = initial_run(cfg, jax.devices())
+    for tree in (run.state.params, run.state.reference):
+        assert tree["embed"]["embedding"].shape[0] == 2 and tree["lm_head"]["kernel"].ndim == 2
+    canonical = run.storage_order.canonical_abstract.params
+    stored = run.storage_order.params_to_storage(
+        jax.tree_util.tree_map(lambda a, like: jax.device_put(a, like.sharding), params, canonical))
+    got, _, got_metrics = dpo_gradients(run, stored, on_mesh(run, batch))
+    assert_close(float(got_metrics["loss"]), float(want_metrics["loss"]))
+    assert_close(jax.tree_util.tree_map(np.asarray, run.storage_order.params_to_canonical(got)),
+                 jax.tree_util.tree_map(np.asarray, want), scale=1e-4)
+
+
 def test_gradient_equals_naive_formula_on_full_logits(single):
     run, batch, params, loss, grads = single
     got, _, m = dpo_gradients(run, params, batch)
