@@ -100,8 +100,8 @@ def test_without_the_fused_loss_every_stage_runs_the_head_and_matches_one_device
     assert_close(grads, ref_grads)
 
 
-@pytest.mark.parametrize("schedule", [{}, pytest.param({"pipeline.schedule": "gpipe_recompute"}, marks=pytest.mark.slow),
-                                      pytest.param({"pipeline.schedule": "1f1b"}, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("schedule", [{}, *(pytest.param({"pipeline.schedule": name}, marks=pytest.mark.slow)
+                                          for name in ("gpipe_recompute", "1f1b"))])
 def test_evaluation_on_a_pipeline_matches_one_device(schedule, devices, tmp_path):
     """The eval step runs the tail on the last stage without its backward (the custom_vjp's
     primal): the same eval loss as one device's."""

@@ -51,9 +51,10 @@ SAVED_AXES = ("activation_stage", None) + BLOCK_OUTPUT_AXES  # [S, M, mb, seq, d
 def loop(schedule: Schedule, run_stage: Callable, params, fp8_per_iteration, real: Array,
          staged: Array, positions: Array, segment_ids: Array | None, by_stage: bool = False):
     """pipeline._loop's contract (y [B, seq, d], sown [iterations, S, K, ...]; `by_stage`: y as the
-    stages hold it) with the backward of this module's docstring. `run_stage(stage_vars, stage_real, repeat, h, pos, seg)` is one stage's
-    work, unvmapped. `staged` [S, M, mb, seq, d]: each stage's own lookup (pipeline.embedded_per_stage);
-    the backward's cotangent of it (stage 0's row) stays on stage 0, in the table's gradient."""
+    stages hold it) with the backward of this module's docstring. `run_stage(stage_vars,
+    stage_real, repeat, h, pos, seg)` is one stage's work, unvmapped. `staged` [S, M, mb, seq, d]:
+    each stage's own lookup (pipeline.embedded_per_stage); the backward's cotangent of it (stage
+    0's row) stays on stage 0, in the table's gradient."""
     stages, microbatches = schedule.stages, schedule.microbatches
     pos_in, seg_in = (None if a is None else split_microbatches(a, microbatches) for a in (positions, segment_ids))
     stack = _differentiable_stack(schedule, run_stage, real)

@@ -169,7 +169,7 @@ def weight_gather_terms(cfg, axis_sizes) -> dict[str, float]:
 class StageSplit:
     """Per-device parameter bytes of one pipeline stage, split over `stage` or replicated over it."""
     stages: int
-    layer_param_bytes: int  # the leaves split over `stage`: each stage holds its own share (1f1b's table and head too)
+    layer_param_bytes: int  # the leaves split over `stage`: each stage holds its own share (or row)
     other_param_bytes: int  # the leaves replicated over `stage`: every stage holds them whole
     replicated_over_stage: list[str]  # those leaves' paths
     note: str  # the report's sentence about them
