@@ -345,13 +345,12 @@ def _validate_gradient_reduce(cfg) -> None:
                               "set pipeline.gradient_reduce='per_iteration'")
 
 
-def _validate_1f1b(cfg) -> None:
-    """pipeline.schedule="1f1b" runs the fused head loss inside the pipeline, per microbatch
-    (parallel/pipeline_1f1b.py): what has no such loss, or reduces over the batch otherwise, is refused."""
-    if cfg.pipeline.schedule != "1f1b":
-        return
+def loss_tail_refusals(cfg) -> list[tuple[bool, str]]:
+    """(applies, what) for each setting under which a pipeline cannot run the fused head loss on
+    its last stage (parallel/pipeline_tail.py): 1f1b refuses them, gpipe and gpipe_recompute then
+    run the head on every stage instead (parallel/pipeline_layout.loss_on_the_last_stage)."""
     m = cfg.model
-    refusals = [
+    return [
         (m.loss_chunk_len <= 0, f"model.loss_chunk_len={m.loss_chunk_len} (it runs the fused, chunked head loss; "
                                 "use a chunk length > 0)"),
         (not m.tie_embeddings and cfg.precision.fp8_lm_head,
@@ -360,7 +359,14 @@ def _validate_1f1b(cfg) -> None:
          f"train.objective={cfg.train.objective!r} (a per-pair objective needs every row's value first)"),
         (cfg.pipeline.gradient_reduce != "per_iteration", "pipeline.gradient_reduce='once'"),
     ]
-    for refused, what in refusals:
+
+
+def _validate_1f1b(cfg) -> None:
+    """pipeline.schedule="1f1b" runs the fused head loss inside the pipeline, per microbatch
+    (parallel/pipeline_1f1b.py): what has no such loss, or reduces over the batch otherwise, is refused."""
+    if cfg.pipeline.schedule != "1f1b":
+        return
+    for refused, what in loss_tail_refusals(cfg):
         _require(not refused, f"pipeline.schedule='1f1b' does not run with {what}; "
                               "use pipeline.schedule='gpipe' or 'gpipe_recompute'")
 

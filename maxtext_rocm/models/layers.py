@@ -93,6 +93,7 @@ class RMSNorm(nn.Module):
 
 
 EMBED_TABLE_AXES = ("vocab", "embed")
+HEAD_AXES = ("embed", "vocab")  # the untied LM head's kernel [d_model, vocab]
 
 
 class Embed(nn.Module):

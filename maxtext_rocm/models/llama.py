@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from maxtext_rocm.models.attention import CACHE, Attention
-from maxtext_rocm.models.layers import ADAPTERS, EMBED_TABLE_AXES, Dense, Embed, Kernel, RMSNorm, fused_projections
+from maxtext_rocm.models.layers import ADAPTERS, EMBED_TABLE_AXES, HEAD_AXES, Dense, Embed, Kernel, RMSNorm, fused_projections
 from maxtext_rocm.models.moe import AUX_LOSSES
 from maxtext_rocm.numerics.fp8 import FP8_COLLECTION
 from maxtext_rocm.numerics.precision import DOT_WITH_BATCH_AXES, DOT_WITHOUT_BATCH_AXES, Policy, without_fp8
@@ -196,7 +196,7 @@ class Decoder(nn.Module):
             logits = embed.attend(x)
         else:
             head_policy = self.policy if self.policy.fp8_lm_head else without_fp8(self.policy)
-            logits = Dense((m.d_model,), (m.vocab_size,), ("embed", "vocab"), head_policy, name="lm_head")(x)
+            logits = Dense((m.d_model,), (m.vocab_size,), HEAD_AXES, head_policy, name="lm_head")(x)
         return nn.with_logical_constraint(logits, ("activation_batch", "activation_length", "activation_vocab"))
 
     def _tail(self, loss: StackLoss) -> Tail:
@@ -209,7 +209,7 @@ class Decoder(nn.Module):
         def apply(variables, hidden, rows):
             normed = norm.apply({"params": variables["final_norm"]}, hidden)
             return loss.of_rows(variables["head"], vocab_axis, normed, rows)
-        axes = {"final_norm": {"scale": ("norm",)}, "head": EMBED_TABLE_AXES if vocab_axis == 0 else ("embed", "vocab")}
+        axes = {"final_norm": {"scale": ("norm",)}, "head": EMBED_TABLE_AXES if vocab_axis == 0 else HEAD_AXES}
         return Tail({"final_norm": params["final_norm"], "head": head}, loss.rows, apply, loss.of_sown, axes)
 
 

@@ -41,11 +41,11 @@ import numpy as np
 from flax import linen as nn
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from maxtext_rocm.models.layers import EMBED_TABLE_AXES
+from maxtext_rocm.config.checks import loss_tail_refusals
+from maxtext_rocm.models.layers import EMBED_TABLE_AXES, HEAD_AXES
 
 LAYERS = "layers"  # the stacked layers' logical axis (models/llama.py, sharding.py)
 STAGE_AXIS = "stage"
-HEAD_AXES = ("embed", "vocab")  # the untied LM head's kernel (models/llama.py)
 
 
 class StackLayout:
@@ -152,12 +152,10 @@ def loss_on_the_last_stage(cfg) -> bool:
     (model.loss_chunk_len > 0, the LM objective, no fp8 head of its own) and the loop is not run
     per batch shard (pipeline.gradient_reduce="once"). Otherwise, and under circular (whose outputs
     end on the first stage), the last stage's outputs go to every stage, which runs the head."""
-    p, m = cfg.pipeline, cfg.model
-    if p.schedule == "1f1b":
+    if cfg.pipeline.schedule == "1f1b":
         return True
-    return (p.schedule in ("gpipe", "gpipe_recompute") and p.gradient_reduce == "per_iteration"
-            and m.loss_chunk_len > 0 and (m.tie_embeddings or not cfg.precision.fp8_lm_head)
-            and cfg.train.get("objective", "lm") == "lm")
+    return cfg.pipeline.schedule in ("gpipe", "gpipe_recompute") and not any(
+        refused for refused, _ in loss_tail_refusals(cfg))
 
 
 def ends_on_their_stages(cfg, mesh) -> EndsOnTheirStages:
@@ -201,9 +199,6 @@ class StateConverter:
     def __init__(self, layout: StackLayout | None, flags, owners, sharding, canonical_shapes, mesh):
         self.layout, self.flags, self.owners = layout, flags, owners
         self.stages = mesh.shape[STAGE_AXIS]
-        # what a leaf of either kind becomes: the layer leaves only where the stack is reordered
-        self.converted = jax.tree_util.tree_map(lambda is_layer, owner: (is_layer and layout is not None)
-                                                or owner != NOT_OWNED, flags, owners)
         self.storage_sharding = jax.tree_util.tree_map(
             lambda s, owner: NamedSharding(mesh, P(STAGE_AXIS, *s.spec)) if owner != NOT_OWNED else s,
             sharding, owners)
@@ -213,6 +208,9 @@ class StateConverter:
         self.canonical_abstract = jax.tree_util.tree_map(
             lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), canonical_shapes, canonical_sharding)
         to_storage, to_canonical = self._fns(flags, owners)
+        # True for each leaf stored otherwise than in model order (the layers only where reordered)
+        self.converted = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(flags),
+                                                      [fn is not None for fn in to_storage])
         self.to_storage = _Conversion(to_storage, self.storage_sharding)
         self.to_canonical = _Conversion(to_canonical, canonical_sharding)
         params_to_storage, params_to_canonical = self._fns(flags.params, owners.params)
