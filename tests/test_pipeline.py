@@ -281,8 +281,10 @@ def test_storage_order_puts_each_devices_chunks_in_its_block(layers, stages, rep
     ({"pipeline.microbatches": 3}, r"pipeline.microbatches=3 does not divide the step's 8 sequences"),
     ({"pipeline.microbatches": 8}, r"pipeline.microbatches=8 does not divide .* over the 4 batch shards"),
     ({"pipeline.schedule": "zero_bubble"}, r"pipeline.schedule='zero_bubble' is not valid; choose one of 'gpipe'"),
-    ({"pipeline.schedule": "gpipe_recompute", "pipeline.repeats": 2}, r"pipeline.repeats=2 needs a circular schedule, which pipeline.schedule='gpipe_recompute' is not"),
-    ({"pipeline.repeats": 2}, r"pipeline.repeats=2 needs a circular schedule, which pipeline.schedule='gpipe' is not"),
+    ({"pipeline.schedule": "gpipe_recompute", "pipeline.repeats": 2}, r"pipeline.repeats=2 needs a schedule with virtual stages \(circular or 1f1b\), which "
+                                                                   r"pipeline.schedule='gpipe_recompute' is not"),
+    ({"pipeline.repeats": 2}, r"pipeline.repeats=2 needs a schedule with virtual stages \(circular or 1f1b\), "
+                              r"which pipeline.schedule='gpipe' is not"),
     ({"model.scan_layers": False}, r"set model.scan_layers=True"),
     ({"pipeline.weight_gather": "per_step"}, r"pipeline.weight_gather='per_step' is not valid; choose one of "
                                              r"'per_iteration', 'once'"),
@@ -298,7 +300,9 @@ def test_storage_order_puts_each_devices_chunks_in_its_block(layers, stages, rep
     ({"pipeline.schedule": "1f1b", "precision.fp8_lm_head": True}, r"'1f1b' does not run with precision.fp8_lm_head"),
     ({"pipeline.schedule": "1f1b", "pipeline.weight_gather": "once", "pipeline.gradient_reduce": "once"},
      r"pipeline.schedule='1f1b' does not run with pipeline.gradient_reduce='once'"),
-    ({"pipeline.schedule": "1f1b", "pipeline.repeats": 2}, r"pipeline.repeats=2 needs a circular schedule"),
+    ({"pipeline.schedule": "1f1b", "pipeline.repeats": 2, "pipeline.microbatches": 1},
+     r"pipeline.microbatches=1 is not a multiple of mesh stage=2: interleaved 1F1B \(pipeline.repeats=2\) runs "
+     r"the microbatches in groups of the stages; use a multiple of 2, or pipeline.repeats=1"),
 ])
 def test_bad_pipeline_settings_are_one_sentence_before_compiling(overrides, message):
     cfg = llama(**dict(SINGLE, **{"mesh.ici.stage": 2, "mesh.ici.fsdp": 4}), **overrides)
@@ -426,7 +430,8 @@ def test_checkpoints_cross_between_one_device_order_and_circular_storage(devices
 
 
 @pytest.mark.slow  # fp8 steps compiled twice
-@pytest.mark.parametrize("overrides", [CIRCULAR, {"model.n_layers": 3}])
+@pytest.mark.parametrize("overrides", [CIRCULAR, {"model.n_layers": 3},
+                                       pytest.param({**CIRCULAR, "pipeline.schedule": "1f1b"}, id="interleaved_1f1b")])
 def test_fp8_delayed_scaling_under_a_pipeline_trains_like_fsdp_accumulating(overrides, devices, tmp_path):
     """Each layer's amax history takes one entry a step, the largest over the real microbatches
     (as train.grad_accum = microbatches makes it without a pipeline): not the bubble's, not one per
@@ -464,6 +469,17 @@ def test_auto_microbatches_are_the_most_up_to_four_per_stage_that_split_the_shar
     assert pipeline_microbatches(auto, stages, per_shard) == expected
     auto.microbatches = 3  # an explicit count is taken as it is (the checks judge it)
     assert pipeline_microbatches(auto, stages, per_shard) == 3
+
+
+@pytest.mark.parametrize("stages, per_shard, expected", [(4, 20, 4), (2, 6, 6), (4, 6, 6), (8, 48, 24)])
+def test_auto_microbatches_for_interleaved_1f1b_are_whole_groups_of_stages_where_the_batch_allows(
+        stages, per_shard, expected):
+    """(4, 20): 4, not plain 1F1B's 10. (4, 6): no multiple of 4 splits 6 sequences, so the count is
+    plain 1F1B's and the checks refuse it."""
+    from maxtext_rocm.config.checks import pipeline_microbatches
+
+    interleaved = llama(**{"pipeline.schedule": "1f1b", "pipeline.repeats": 2}).pipeline
+    assert pipeline_microbatches(interleaved, stages, per_shard) == expected
 
 
 def test_auto_microbatches_are_resolved_for_the_mesh_and_recorded(devices, tmp_path):

@@ -11,7 +11,7 @@ import pytest
 
 from helpers import assert_close, assert_trees_close, initial_run, loss_and_grads, temporaries_bytes
 from maxtext_rocm.train import Trainer
-from test_pipeline import SINGLE, llama, on_mesh, one_device  # noqa: F401 - a fixture
+from test_pipeline import SINGLE, llama, mixtral, on_mesh, one_device  # noqa: F401 - a fixture
 
 ONE_F_ONE_B = {"pipeline.schedule": "1f1b"}
 
@@ -115,3 +115,49 @@ def test_1f1b_keeps_at_most_2s_minus_1_microbatches_where_gpipe_keeps_every_iter
     assert one_f_one_b_growth < 0.5 * gpipe_growth, temp
     if remat == "none":  # under "full" the rest (attention's scores, the head) dominates at this size
         assert temp["1f1b", 8] < 0.75 * temp["gpipe", 8], temp
+
+
+INTERLEAVED = {"pipeline.schedule": "1f1b", "pipeline.repeats": 2}
+
+
+@pytest.mark.parametrize("mesh, overrides", [
+    ({"stage": 2, "fsdp": 4}, {}),  # 4 layers: device 0 runs layers 0 and 2, device 1 layers 1 and 3
+    ({"stage": 4, "fsdp": 2}, {"model.n_layers": 8}),
+    ({"stage": 2, "fsdp": 2, "tensor": 2}, {}),
+    pytest.param({"stage": 2, "fsdp": 4}, {"model.n_layers": 5}, marks=pytest.mark.slow),  # 3 empty slots of 8
+    pytest.param({"stage": 2, "fsdp": 4}, {"model.remat": "none", "pipeline.weight_gather": "once"},
+                 marks=pytest.mark.slow),
+    # 4 microbatches: two groups of the stages, the second's forwards beside the first's backwards
+    pytest.param({"stage": 2, "fsdp": 4}, {"pipeline.microbatches": 4, "train.per_device_batch_size": 2},
+                 marks=pytest.mark.slow),
+])
+def test_interleaved_1f1b_matches_one_device(mesh, overrides, devices, tmp_path):
+    """pipeline.repeats=2 under 1f1b: each microbatch passes the devices twice, forward and back
+    (parallel/pipeline_1f1b_order.py)."""
+    model = {k: v for k, v in overrides.items() if k.startswith("model.")}
+    sequences = 8 * overrides.get("train.per_device_batch_size", 1)
+    ref_loss, ref_grads, _ = loss_and_grads(llama(**SINGLE, **model, **{
+        "train.per_device_batch_size": sequences, "output_dir": str(tmp_path / "one")}), devices[:1])
+    cfg = on_mesh(llama, mesh, tmp_path / "pp", **INTERLEAVED, **overrides)
+    loss, grads, run = loss_and_grads(cfg, devices)
+    assert cfg.pipeline.microbatches % mesh["stage"] == 0
+    assert_close(loss, ref_loss)
+    assert_close(grads, ref_grads)
+    if "model.n_layers" in overrides and overrides["model.n_layers"] % (2 * mesh["stage"]):
+        empty = run.storage_order.layout.layer_of_slot < 0
+        for g in jax.tree_util.tree_leaves(run.stored_grads["layers"]):  # the empty slots learn nothing
+            assert not np.any(np.asarray(g)[empty])
+
+
+@pytest.mark.slow  # about a minute on 2 cores
+def test_interleaved_1f1b_mixtral_with_expert_parallelism_matches_one_device(devices, tmp_path):
+    """stage=2 x expert=2 x fsdp=2, two repeats; the reference accumulates the 2 microbatches."""
+    ref = mixtral(**SINGLE, **{"train.per_device_batch_size": 8, "train.grad_accum": 2,
+                               "output_dir": str(tmp_path / "one")})
+    ref_loss, ref_grads, ref_run = loss_and_grads(ref, devices[:1])
+    cfg = on_mesh(mixtral, {"stage": 2, "expert": 2, "fsdp": 2}, tmp_path / "pp", **INTERLEAVED)
+    loss, grads, run = loss_and_grads(cfg, devices)
+    assert cfg.pipeline.microbatches == 2
+    assert_close(loss, ref_loss)
+    assert_close(grads, ref_grads)
+    assert_close(float(run.sums["moe_aux_loss"]), float(ref_run.sums["moe_aux_loss"]))

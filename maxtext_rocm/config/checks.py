@@ -315,9 +315,10 @@ def _validate_pipeline(pipe) -> None:
              "(up to 4 per stage, as the batch allows)")
     _require(isinstance(pipe.repeats, int) and pipe.repeats >= 1,
              f"pipeline.repeats={pipe.repeats!r} is not valid; use a count >= 1 of virtual stages per device")
-    _require(pipe.repeats == 1 or pipe.schedule == "circular",
-             f"pipeline.repeats={pipe.repeats} needs a circular schedule, which "
-             f"pipeline.schedule={pipe.schedule!r} is not; set pipeline.repeats=1 or pipeline.schedule='circular'")
+    _require(pipe.repeats == 1 or pipe.schedule in ("circular", "1f1b"),
+             f"pipeline.repeats={pipe.repeats} needs a schedule with virtual stages (circular or 1f1b), which "
+             f"pipeline.schedule={pipe.schedule!r} is not; set pipeline.repeats=1 or pipeline.schedule='circular' "
+             "or '1f1b'")
 
 
 def _validate_gradient_reduce(cfg) -> None:
@@ -388,7 +389,22 @@ def pipeline_microbatches(pipe, stages: int, sequences_per_shard: int) -> int:
     only where the batch allows no more."""
     if pipe.microbatches:
         return pipe.microbatches
-    return max(m for m in range(1, AUTO_MICROBATCHES_PER_STAGE * stages + 1) if sequences_per_shard % m == 0)
+    counts = [m for m in range(1, AUTO_MICROBATCHES_PER_STAGE * stages + 1) if sequences_per_shard % m == 0]
+    if interleaved(pipe):  # in groups of the stages (parallel/pipeline_1f1b_order.py), where the batch allows
+        counts = [m for m in counts if m % stages == 0] or counts
+    return max(counts)
+
+
+def chunks_per_device(pipe) -> int:
+    """R: the chunks of layers each stage device runs, pipeline.repeats under the schedules with
+    virtual stages (circular, 1f1b), 1 otherwise."""
+    return pipe.repeats if pipe.schedule in ("circular", "1f1b") else 1
+
+
+def interleaved(pipe) -> bool:
+    """Interleaved 1F1B: pipeline.schedule="1f1b" with pipeline.repeats > 1, which runs
+    microbatches in groups of the stages."""
+    return pipe.schedule == "1f1b" and pipe.repeats > 1
 
 
 def _validate_rope_scaling(scaling) -> None:

@@ -83,10 +83,11 @@ TOKEN_AXES = ("activation_stage", "activation_batch", "activation_length")  # po
 
 
 def bubble_fraction(schedule: str, stages: int, microbatches: int, repeats: int = 1) -> float:
-    """The share of a step each stage idles. GPipe: (S-1)/(M+S-1). Circular, R virtual stages per
-    device: (S-1)/(R M + S-1), each pass over the devices being 1/R as long."""
-    if schedule != "circular":  # gpipe, gpipe_recompute
-        return (stages - 1) / (microbatches + stages - 1)
+    """The share of a step each stage idles. GPipe, gpipe_recompute, 1f1b: (S-1)/(M+S-1).
+    Circular and interleaved 1f1b, R virtual stages per device: (S-1)/(R M + S-1), each pass over
+    the devices being 1/R as long."""
+    if schedule not in ("circular", "1f1b"):  # gpipe, gpipe_recompute: one chunk per device
+        repeats = 1
     return (stages - 1) / (repeats * microbatches + stages - 1)
 
 
@@ -97,7 +98,7 @@ def describe(pipeline_cfg, stages: int, n_layers: int | None = None) -> str:
         return "pipeline off"
     microbatches, repeats = _resolved(pipeline_cfg), pipeline_cfg.repeats
     bubble = bubble_fraction(pipeline_cfg.schedule, stages, microbatches, repeats)
-    formula = "(S-1)/(M+S-1)" if pipeline_cfg.schedule != "circular" else "(S-1)/(R M+S-1)"
+    formula = "(S-1)/(M+S-1)" if repeats == 1 else "(S-1)/(R M+S-1)"
     shape = f"{stages} stages" + (f" x {repeats} repeats" if repeats > 1 else "")
     text = (f"pipeline {pipeline_cfg.schedule}: {shape}, {microbatches} microbatches, "
             f"bubble {bubble:.1%} = {formula}")
@@ -553,10 +554,11 @@ def _passes(layout: StackLayout, microbatches: int) -> tuple[np.ndarray, np.ndar
     return np.clip(work, 0, passes - 1) // microbatches, (work >= 0) & (work < passes)
 
 
-def _real_work(layout: StackLayout, microbatches: int, leaf: Array) -> Array:
+def _real_work(layout: StackLayout, microbatches: int, leaf: Array, passes=None) -> Array:
     """[iterations, S, K, ...] -> [M L, ...]: what each layer computed for each microbatch (the
-    bubble's iterations and the empty slots dropped), whose mean is the one device's."""
-    repeat, in_time = _passes(layout, microbatches)
+    bubble's iterations and the empty slots dropped), whose mean is the one device's. `passes`:
+    another order's (repeat, real) per iteration and stage (1f1b's); None: `_passes`."""
+    repeat, in_time = passes if passes is not None else _passes(layout, microbatches)
     stage_ids, slot_ids = np.arange(layout.stages)[None, :, None], np.arange(layout.per_chunk)[None, None, :]
     keep = in_time[:, :, None] & layout.real[stage_ids, repeat[:, :, None], slot_ids]
     flat = leaf.reshape(-1, *leaf.shape[3:])

@@ -68,8 +68,9 @@ from maxtext_rocm.models.moe import AUX_LOSSES
 from maxtext_rocm.numerics import fp8
 from maxtext_rocm.numerics.fp8 import FP8_COLLECTION
 from maxtext_rocm.parallel.pipeline import (
-    STAGE_AXIS, STATE_AXES, TOKEN_AXES, GPipe, _is_first, _permute, _real_work, _shift,
+    STAGE_AXIS, STATE_AXES, TOKEN_AXES, Schedule, _is_first, _permute, _real_work, _shift,
     embedded_per_stage, run_chunk, schedule_for, split_microbatches, stage_stack)
+from maxtext_rocm.parallel.pipeline_1f1b_order import OneFOneBOrder
 from maxtext_rocm.parallel.pipeline_gather import GatheredOnce
 from maxtext_rocm.parallel.pipeline_layout import ends_on_their_stages
 from maxtext_rocm.parallel.pipeline_recompute import SAVED_AXES, _read, _write
@@ -84,7 +85,7 @@ class OneFOneB:
     `Tail` and returns ((objective, sums), {AUX_LOSSES: what the real layers sowed}) instead of
     the stack's output (models/llama.py). `remat`: model.remat."""
 
-    schedule: GPipe
+    schedule: Schedule
     remat: str
     gather_once: bool = False
     # The embedding table stored on the first stage and the head on the last (pipeline_layout.py's
@@ -109,20 +110,20 @@ class OneFOneB:
         loop = _Loop(schedule, chunk, stack.real, TailOnLastStage.of(tail, schedule.mesh, self.ends_on_their_stages),
                      gathered if self.gather_once else None, gathered.stored)
         sown_shape = loop.sown_shape(stack.params, stack.fp8_state, staged, pos_in, seg_in)
-        sown_cotangent = _sown_cotangent(tail.of_sown, sown_shape, schedule)
+        sown_cotangent = _sown_cotangent(tail.of_sown, sown_shape, loop.real_work)
         objective, sums, sown = _pipelined_objective(loop)(
             stack.params, stack.fp8_state, staged, tail.variables, rows, pos_in, seg_in, sown_cotangent)
-        kept = jax.tree_util.tree_map(functools.partial(_real_work, schedule.layout, schedule.microbatches), sown)
+        kept = jax.tree_util.tree_map(loop.real_work, sown)
         kept = jax.lax.stop_gradient(kept)  # its share of the objective is in `objective` already
         return (objective + tail.of_sown({AUX_LOSSES: kept}), sums), {AUX_LOSSES: kept}
 
 
-def _sown_cotangent(of_sown: Callable, sown_shape, schedule: GPipe):
-    """[S, M + S - 1, K, ...]: the objective's derivative by each layer's sown value in each
+def _sown_cotangent(of_sown: Callable, sown_shape, real_work: Callable):
+    """[S, R M + S - 1, K, ...]: the objective's derivative by each layer's sown value in each
     forward iteration (zero in the bubble), rows per stage: `of_sown` is linear, so its gradient at
-    zero is its gradient everywhere."""
+    zero is its gradient everywhere. `real_work`: _Loop.real_work."""
     def share(sown):
-        kept = jax.tree_util.tree_map(functools.partial(_real_work, schedule.layout, schedule.microbatches), sown)
+        kept = jax.tree_util.tree_map(real_work, sown)
         return of_sown({AUX_LOSSES: kept})
     zeros = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), sown_shape)
     return jax.tree_util.tree_map(lambda a: jnp.swapaxes(a, 0, 1), jax.grad(share)(zeros))
@@ -130,7 +131,7 @@ def _sown_cotangent(of_sown: Callable, sown_shape, schedule: GPipe):
 
 def _pipelined_objective(loop: "_Loop") -> Callable:
     """objective(params, fp8_state, staged, tail_variables, rows, pos_in, seg_in, sown_cotangent)
-    -> (objective, sums, sown [M + S - 1, S, K, ...]), differentiable in params, staged and the
+    -> (objective, sums, sown [R M + S - 1, S, K, ...]), differentiable in params, staged and the
     tail's variables (and the fp8 state: its updates)."""
 
     @jax.custom_vjp
@@ -159,7 +160,7 @@ def _pipelined_objective(loop: "_Loop") -> Callable:
 class _Result(NamedTuple):
     objective: Array
     sums: dict
-    sown: object  # [M + S - 1, S, K, ...] per leaf, GPipe's layout (pipeline._real_work reads it)
+    sown: object  # [R M + S - 1, S, K, ...] per leaf, by forward iteration (_Loop.real_work reads it)
     d_params: object
     d_fp8: object
     d_staged: Array
@@ -175,32 +176,46 @@ class _Pullback(NamedTuple):
 
 
 class _Loop:
-    """The schedule's loop (module docstring) for `schedule` (GPipe's stages and microbatches),
-    `chunk` (pipeline.run_chunk's contract, its layers bound), `real` [S, 1, K] (False: an empty
-    slot) and `tail` (pipeline_tail.py). `gathered`: a GatheredOnce when
-    pipeline.weight_gather="once"; `stored`: the weights' stored NamedShardings, the gradient's
-    layout in every iteration."""
+    """The schedule's loop (module docstring) for `schedule` (its stages, repeats and
+    microbatches, in pipeline_1f1b_order's order), `chunk` (pipeline.run_chunk's contract, its
+    layers bound), `real` [S, R, K] (False: an empty slot) and `tail` (pipeline_tail.py).
+    `gathered`: a GatheredOnce when pipeline.weight_gather="once"; `stored`: the weights' stored
+    NamedShardings, the gradient's layout in every iteration."""
 
-    def __init__(self, schedule: GPipe, chunk: Callable, real: Array, tail: TailOnLastStage,
+    def __init__(self, schedule: Schedule, chunk: Callable, real: Array, tail: TailOnLastStage,
                  gathered: GatheredOnce | None, stored):
         self.schedule, self.mesh = schedule, schedule.mesh
-        self.stages, self.microbatches = schedule.stages, schedule.microbatches
-        self.slots = min(2 * self.stages - 1, self.microbatches)
+        self.stages, self.repeats, self.microbatches = schedule.stages, schedule.repeats, schedule.microbatches
+        self.order = OneFOneBOrder(self.stages, self.repeats, self.microbatches)
         self.chunk, self.real, self.tail = chunk, real, tail
         self.gathered, self.stored = gathered, stored
         self.pullback: _Pullback | None = None  # set by the first trace of a stage's forward
 
+    def real_work(self, leaf: Array) -> Array:
+        """pipeline._real_work in this order: a sown leaf [R M + S - 1, S, K, ...] -> [M L, ...]."""
+        table = self.order.forward_table()
+        return _real_work(self.schedule.layout, self.microbatches, leaf, passes=(table.repeat, table.real))
+
     # One stage's work (vmapped over the stages)
 
-    def _stage(self, stage_vars, stage_real, h, pos, seg):
-        """One stage's forward: its one chunk (GPipe's order) on `h`; (out, sown)."""
-        return self.chunk(_only_chunk(stage_vars), stage_real[0], h, pos, seg)
+    def _pick(self, stage_vars, stage_real, repeat):
+        """The chunk `repeat` of one stage's [R, K, ...] block and its [K] slots' reality. One
+        repeat: a static index (as GPipe's pick_chunk, for the same reason)."""
+        if self.repeats == 1:
+            return _only_chunk(stage_vars), stage_real[0]
+        def pick(a):
+            return jax.lax.dynamic_index_in_dim(a, repeat, axis=0, keepdims=False)
+        return jax.tree_util.tree_map(pick, stage_vars), pick(stage_real)
 
-    def _forward_keeping(self, stage_vars, stage_real, h, pos, seg):
+    def _stage(self, stage_vars, stage_real, repeat, h, pos, seg):
+        """One stage's forward: its chunk `repeat` on `h`; (out, sown)."""
+        return self.chunk(*self._pick(stage_vars, stage_real, repeat), h, pos, seg)
+
+    def _forward_keeping(self, stage_vars, stage_real, repeat, h, pos, seg):
         """(out, sown, the residuals to keep): one stage's forward under jax.vjp. The chunk is
-        taken out of the stage's [1, K, ...] block first, so that the weights the pullback keeps
+        taken out of the stage's [R, K, ...] block first, so that the weights the pullback keeps
         are the chunk itself, which _backward supplies again, not a slice of it made inside."""
-        chunk_vars, chunk_real = _only_chunk(stage_vars), stage_real[0]
+        chunk_vars, chunk_real = self._pick(stage_vars, stage_real, repeat)
         (out, sown), pull = jax.vjp(lambda v, x: self.chunk(v, chunk_real, x, pos, seg), chunk_vars, h)
         leaves, treedef = jax.tree_util.tree_flatten(pull)
         inputs = self._inputs(chunk_vars, chunk_real, pos, seg)
@@ -211,25 +226,19 @@ class _Loop:
             raise AssertionError("a stage's forward kept different residuals in two traces")
         return out, sown, [leaf for leaf, j in zip(leaves, source) if j is None]
 
-    def _backward(self, stage_vars, stage_real, kept, pos, seg, d_out, d_sown):
-        """(the stage variables' cotangents [1, K, ...], the input's): one stage's pullback,
-        rebuilt from its slot."""
-        chunk_vars, chunk_real = _only_chunk(stage_vars), stage_real[0]
+    def _backward(self, stage_vars, stage_real, repeat, kept, pos, seg, d_out, d_sown):
+        """(the chunk variables' cotangents [K, ...], the input's): one stage's pullback, rebuilt
+        from its slot."""
+        chunk_vars, chunk_real = self._pick(stage_vars, stage_real, repeat)
         inputs, residuals = self._inputs(chunk_vars, chunk_real, pos, seg), iter(kept)
         leaves = [next(residuals) if j is None else inputs[j] for j in self.pullback.source]
-        d_vars, d_h = jax.tree_util.tree_unflatten(self.pullback.treedef, leaves)((d_out, d_sown))
-        return jax.tree_util.tree_map(lambda d: d[None], d_vars), d_h
+        return jax.tree_util.tree_unflatten(self.pullback.treedef, leaves)((d_out, d_sown))
 
     @staticmethod
     def _inputs(chunk_vars, chunk_real, pos, seg) -> list:
         return [*jax.tree_util.tree_leaves(chunk_vars), chunk_real, pos, *([] if seg is None else [seg])]
 
     # The schedule
-
-    def _micro(self, t, lag):
-        """Each stage's microbatch (stage s: t - s - lag(s), clamped) and whether it is real."""
-        work = t - lag
-        return jnp.clip(work, 0, self.microbatches - 1), (work >= 0) & (work < self.microbatches)
 
     def _tokens(self, pos_in, seg_in, micro):
         pos = nn.with_logical_constraint(jnp.take(pos_in, micro, axis=0), TOKEN_AXES)
@@ -239,21 +248,31 @@ class _Loop:
     def _variables(self, params, fp8_state):
         return {"params": params} if fp8_state is None else {"params": params, FP8_COLLECTION: fp8_state}
 
+    def _into_chunk(self, total, chunk_d, repeat):
+        """`total` [S, R, K, ...] plus each stage's `chunk_d` [S, K, ...] at its chunk `repeat` [S]."""
+        if self.repeats == 1:
+            return total + chunk_d[:, None].astype(total.dtype)
+        def add(block, d, r):
+            at = jax.lax.dynamic_index_in_dim(block, r, axis=0, keepdims=True)
+            return jax.lax.dynamic_update_index_in_dim(block, at + d[None].astype(block.dtype), r, axis=0)
+        return jax.vmap(add, spmd_axis_name=STAGE_AXIS)(total, chunk_d, repeat)
+
     def sown_shape(self, params, fp8_state, staged, pos_in, seg_in):
-        """The sown values' shapes, [M + S - 1, S, K, ...] (nothing is computed)."""
+        """The sown values' shapes, [R M + S - 1, S, K, ...] (nothing is computed)."""
         def one(params, fp8_state, staged, pos_in, seg_in):
-            pos, seg = self._tokens(pos_in, seg_in, jnp.zeros((self.stages,), jnp.int32))
+            first = jnp.zeros((self.stages,), jnp.int32)
+            pos, seg = self._tokens(pos_in, seg_in, first)
             run = jax.vmap(self._stage, spmd_axis_name=STAGE_AXIS)
-            _, sown = run(self._variables(params, fp8_state), self.real, staged[:, 0], pos, seg)
+            _, sown = run(self._variables(params, fp8_state), self.real, first, staged[:, 0], pos, seg)
             return sown
         per_iteration = jax.eval_shape(one, params, fp8_state, staged, pos_in, seg_in)
-        n = self.microbatches + self.stages - 1
+        n = self.order.n_forward_iterations
         return jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct((n, *s.shape), s.dtype), per_iteration)
 
     def run(self, params, fp8_state, staged, tail_variables, rows, pos_in, seg_in, sown_cotangent, *,
             with_backward: bool) -> _Result:
-        S, M, mesh = self.stages, self.microbatches, self.mesh
-        stage_ids = np.arange(S)
+        S, R, M, mesh, order = self.stages, self.repeats, self.microbatches, self.mesh, self.order
+        stage_ids = jnp.arange(S)
         if self.gathered is not None:
             params = jax.tree_util.tree_map(jax.lax.with_sharding_constraint, params, self.gathered.gathered)
         stage_vars = self._variables(params, fp8_state)
@@ -263,29 +282,36 @@ class _Loop:
         backward = jax.vmap(self._backward, spmd_axis_name=STAGE_AXIS)
         per_stage_read, per_stage_write = (jax.vmap(f, spmd_axis_name=STAGE_AXIS) for f in (_read, _write))
         is_last = (stage_ids == S - 1).reshape(-1, 1, 1, 1)
+        # Plain 1F1B sends activations one stage on and cotangents one back; interleaved, both go
+        # round the ring (the last stage's output is stage 0's next chunk's input, and back).
+        forward_pairs = [(s, (s + 1) % S) for s in range(S if R > 1 else S - 1)]
+        backward_pairs = [(b, a) for a, b in forward_pairs]
 
         def per_stage(mask, tree):  # tree's leaves [S, ...] where mask [S], zeros elsewhere
             return jax.tree_util.tree_map(
                 lambda a: jnp.where(mask.reshape(-1, *(1,) * (a.ndim - 1)), a, jnp.zeros_like(a)), tree)
 
         def forward_step(carry, t):
-            micro, real_work = self._micro(t, stage_ids)
-            fresh = jax.lax.dynamic_index_in_dim(staged, jnp.minimum(t, M - 1), axis=1, keepdims=False)
-            h = nn.with_logical_constraint(_shift(carry["out"], fresh, mesh), STATE_AXES)
-            pos, seg = self._tokens(pos_in, seg_in, micro)
+            work = order.forward(t, stage_ids)
+            fresh = jax.lax.dynamic_index_in_dim(staged, work.micro[0], axis=1, keepdims=False)
+            takes_fresh = _is_first(carry["out"]) & (work.repeat[0] == 0)
+            h = jnp.where(takes_fresh, fresh, _permute(carry["out"], mesh, forward_pairs))
+            h = nn.with_logical_constraint(h, STATE_AXES)
+            pos, seg = self._tokens(pos_in, seg_in, work.micro)
             if not with_backward:
-                out, sown = forward_only(stage_vars, self.real, h, pos, seg)
+                out, sown = forward_only(stage_vars, self.real, work.repeat, h, pos, seg)
             else:
-                out, sown, kept = forward_keeping(stage_vars, self.real, h, pos, seg)
-                carry["slots"] = [per_stage_write(buffer, leaf, micro % self.slots, real_work)
+                out, sown, kept = forward_keeping(stage_vars, self.real, work.repeat, h, pos, seg)
+                slot = order.slot(work.micro, work.repeat)
+                carry["slots"] = [per_stage_write(buffer, leaf, slot, work.real)
                                   for buffer, leaf in zip(carry["slots"], kept)]
             carry["out"] = nn.with_logical_constraint(out, STATE_AXES)
             return carry, sown
 
         def tail_step(carry, t):
-            """The last stage's output of microbatch t - S + 1 through the tail, on that stage; the
-            cotangent it sends back [S, mb, seq, d] (zeros on the other stages)."""
-            micro = t - (S - 1)
+            """The last stage's output (a microbatch's last chunk) through the tail, on that stage;
+            the cotangent it sends back [S, mb, seq, d] (zeros on the other stages)."""
+            _, micro = order.tail(t)
             rows_now = jax.tree_util.tree_map(lambda r: jax.lax.dynamic_index_in_dim(r, micro, 0, False), rows)
             objective, sums, d_tail, d_y = self.tail(carry["out"], tail_variables, rows_now, with_backward)
             carry["objective"] = carry["objective"] + objective
@@ -295,44 +321,50 @@ class _Loop:
             return carry, d_y
 
         def backward_step(carry, t, d_y):
-            """Stage s differentiates microbatch t - (2S - 2 - s); the last stage from `d_y`."""
-            micro, real_work = self._micro(t, 2 * S - 2 - stage_ids)
-            from_next = _permute(carry["d_h"], mesh, [(s + 1, s) for s in range(S - 1)])
-            d_out = from_next if d_y is None else jnp.where(is_last, d_y, from_next)
-            d_out = nn.with_logical_constraint(per_stage(real_work, d_out), STATE_AXES)
-            # Forward iteration of each stage's microbatch: m + s (GPipe's, in which sown_cotangent is laid out).
-            d_sown = jax.tree_util.tree_map(lambda c: per_stage_read(c, micro + stage_ids), sown_cotangent)
-            d_sown = per_stage(real_work, d_sown)
-            kept = [per_stage_read(buffer, micro % self.slots) for buffer in carry["slots"]]
-            pos, seg = self._tokens(pos_in, seg_in, micro)
-            d_vars, d_h = backward(stage_vars, self.real, kept, pos, seg, d_out, d_sown)
-            # A clamped microbatch's slot holds another's residuals (or none): its results are dropped.
-            d_vars, d_h = per_stage(real_work, d_vars), per_stage(real_work, d_h)
+            """Each stage differentiates its backward pass; the last stage's last chunk from `d_y`."""
+            work = order.backward(t, stage_ids)
+            from_next = _permute(carry["d_h"], mesh, backward_pairs)
+            from_tail = is_last & (work.repeat == R - 1).reshape(-1, 1, 1, 1)
+            d_out = from_next if d_y is None else jnp.where(from_tail, d_y, from_next)
+            d_out = nn.with_logical_constraint(per_stage(work.real, d_out), STATE_AXES)
+            d_sown = jax.tree_util.tree_map(lambda c: per_stage_read(c, work.forward_iteration), sown_cotangent)
+            d_sown = per_stage(work.real, d_sown)
+            slot = order.slot(work.micro, work.repeat)
+            kept = [per_stage_read(buffer, slot) for buffer in carry["slots"]]
+            pos, seg = self._tokens(pos_in, seg_in, work.micro)
+            d_vars, d_h = backward(stage_vars, self.real, work.repeat, kept, pos, seg, d_out, d_sown)
+            # A clamped pass's slot holds another's residuals (or none): its results are dropped.
+            d_vars, d_h = per_stage(work.real, d_vars), per_stage(work.real, d_h)
             carry["d_params"] = jax.tree_util.tree_map(
                 jax.lax.with_sharding_constraint,
-                jax.tree_util.tree_map(lambda a, d: a + d.astype(a.dtype), carry["d_params"], d_vars["params"]),
+                jax.tree_util.tree_map(functools.partial(self._into_chunk, repeat=work.repeat),
+                                       carry["d_params"], d_vars["params"]),
                 self.stored)
-            if fp8_state is not None:
-                uses = real_work.reshape(-1, 1, 1) & self.real  # [S, 1, K]: a real layer on a real microbatch
-                carry["d_fp8"] = _merged(carry["d_fp8"], d_vars[FP8_COLLECTION], uses)
+            if fp8_state is not None:  # a real layer of the chunk run, on a real microbatch: [S, R, K]
+                uses = (work.real[:, None] & (work.repeat[:, None] == jnp.arange(R)))[..., None] & self.real
+                update = jax.tree_util.tree_map(lambda d: d[:, None], d_vars[FP8_COLLECTION])
+                carry["d_fp8"] = _merged(carry["d_fp8"], update, uses)
             carry["d_h"] = nn.with_logical_constraint(d_h, STATE_AXES)
-            carry["d_first"] = per_stage_write(carry["d_first"], carry["d_h"], micro, real_work)
+            # Stage 0's cotangent of its first chunk's input is the embeddings'.
+            carry["d_first"] = per_stage_write(carry["d_first"], carry["d_h"], work.micro,
+                                               work.real & (work.repeat == 0))
             return carry
 
         def iteration(carry, t):
-            """Iteration t: a forward while microbatches enter (t < M + S - 1), the tail while the last
-            stage finishes them (S - 1 <= t < M + S - 1), a backward once cotangents arrive
-            (t >= S - 1). Each part is a `cond` on t, the same on every device, so an iteration runs
-            only the parts its phase has."""
-            with phase_scope(M + S - 1, iterations):
-                carry, sown = jax.lax.cond(t < M + S - 1, lambda c: forward_step(c, t),
+            """Iteration t: a forward while microbatches pass (t < R M + S - 1), the tail where the
+            last stage finishes a microbatch's last chunk, a backward once cotangents arrive
+            (t >= R S - 1). Each part is a `cond` on t, the same on every device, so an iteration
+            runs only the parts its phase has."""
+            with phase_scope(order.n_forward_iterations, iterations):
+                carry, sown = jax.lax.cond(t < order.n_forward_iterations, lambda c: forward_step(c, t),
                                            lambda c: (c, _zeros(sown_now)), carry)
             with phase_scope(M, iterations):
-                carry, d_y = jax.lax.cond((t >= S - 1) & (t < M + S - 1), lambda c: tail_step(c, t),
+                carry, d_y = jax.lax.cond(order.tail(t)[0], lambda c: tail_step(c, t),
                                           lambda c: (c, None if d_y_now is None else _zeros(d_y_now)), carry)
             if with_backward:
-                with phase_scope(M + S - 1, iterations):
-                    carry = jax.lax.cond(t >= S - 1, lambda c: backward_step(c, t, d_y), lambda c: c, carry)
+                with phase_scope(iterations - order.backward_offset, iterations):
+                    carry = jax.lax.cond(t >= order.backward_offset, lambda c: backward_step(c, t, d_y),
+                                         lambda c: c, carry)
             return carry, sown
 
         activations = jnp.zeros((S, *staged.shape[2:]), staged.dtype)
@@ -342,11 +374,12 @@ class _Loop:
         devices = self.tail.devices  # the tail's partial sums, one per device
         carry = {"out": activations, "objective": jnp.zeros((devices,), jnp.float32),
                  "sums": jax.tree_util.tree_map(lambda s: jnp.zeros((devices, *s.shape), s.dtype), sums_shape)}
+        first = jnp.zeros((S,), jnp.int32)
         if with_backward:
-            kept_shapes = jax.eval_shape(lambda *a: forward_keeping(*a)[2], stage_vars, self.real, staged[:, 0],
-                                         *self._tokens(pos_in, seg_in, jnp.zeros((S,), jnp.int32)))
+            kept_shapes = jax.eval_shape(lambda *a: forward_keeping(*a)[2], stage_vars, self.real, first,
+                                         staged[:, 0], *self._tokens(pos_in, seg_in, first))
             carry.update(
-                slots=[jnp.zeros((s.shape[0], self.slots, *s.shape[1:]), s.dtype) for s in kept_shapes],
+                slots=[jnp.zeros((s.shape[0], order.n_slots, *s.shape[1:]), s.dtype) for s in kept_shapes],
                 d_h=activations, d_first=nn.with_logical_constraint(jnp.zeros_like(staged), SAVED_AXES),
                 d_params=jax.tree_util.tree_map(jnp.zeros_like, params),
                 d_tail=self.tail.zeros(tail_variables),
@@ -354,9 +387,9 @@ class _Loop:
         sown_now = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype),
                                           self.sown_shape(params, fp8_state, staged, pos_in, seg_in))
         d_y_now = jax.ShapeDtypeStruct(activations.shape, activations.dtype) if with_backward else None
-        iterations = M + 2 * S - 2 if with_backward else M + S - 1
+        iterations = order.n_iterations if with_backward else order.n_forward_iterations
         carry, sown = jax.lax.scan(iteration, carry, jnp.arange(iterations))
-        sown = jax.tree_util.tree_map(lambda a: a[:M + S - 1], sown)  # the forward iterations'
+        sown = jax.tree_util.tree_map(lambda a: a[:order.n_forward_iterations], sown)  # the forward iterations'
 
         # Each device's share (only the last stage's are not zero): one sum over the stage and the
         # batch axes a step, for the tail's variables a reduction of the head's gradient.
@@ -369,7 +402,7 @@ class _Loop:
                                               SAVED_AXES)
         d_fp8 = None
         if fp8_state is not None:  # a slot no real layer used keeps its state
-            used = self.schedule.layout.real  # numpy: [S, 1, K]
+            used = self.schedule.layout.real  # numpy: [S, R, K]
             d_fp8 = jax.tree_util.tree_map(
                 lambda new, old: jnp.where(used.reshape(*used.shape, *(1,) * (old.ndim - used.ndim)), new, old),
                 carry["d_fp8"], fp8_state)

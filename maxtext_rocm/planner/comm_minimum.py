@@ -106,6 +106,7 @@ and metrics.
 
 from __future__ import annotations
 
+from maxtext_rocm.config.checks import chunks_per_device
 from maxtext_rocm.parallel.context import resolve_mode
 
 GRAD_BYTES = 4  # parameters and gradients are fp32 under every policy (precision.Policy.param_dtype)
@@ -122,7 +123,7 @@ def _params(m, t: int, E: int) -> tuple[float, float]:
 
 def pipeline_options(pipeline_cfg) -> dict:
     """minimum()'s pipeline keywords as a run's `pipeline` config sets them."""
-    return {"repeats": pipeline_cfg.repeats if pipeline_cfg.schedule == "circular" else 1,
+    return {"repeats": chunks_per_device(pipeline_cfg),
             "stage_recompute": pipeline_cfg.schedule == "gpipe_recompute",
             "backward_gathers": pipeline_cfg.schedule == "1f1b",
             "weight_gather": pipeline_cfg.weight_gather, "gradient_reduce": pipeline_cfg.gradient_reduce}

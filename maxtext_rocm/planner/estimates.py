@@ -21,9 +21,11 @@ order without differentiating the loop and recomputes each stage per microbatch 
                                         recomputing stages against gpipe": 70B, 4 stages, M=16,
                                         remat full: 43.5 GB against XLA:CPU's 46.4)
 and one more forward of the stack in FLOPs (stage_recompute_flops). pipeline.schedule="1f1b"
-(parallel/pipeline_1f1b.py) keeps each microbatch's residuals from its forward to its backward in
-W = min(2S - 1, M) slots, two more in flight (the forward's before it is written, the slot the
-backward reads), and runs the head per microbatch:
+(parallel/pipeline_1f1b.py) keeps each microbatch's residuals of a chunk of K layers from its
+forward to its backward in W slots (parallel/pipeline_1f1b_order.py: min(2S - 1, M) with one chunk
+per device; interleaved, R chunks of L/(S R) layers, about S (1 + 1/R) stages' worth), two more in
+flight (the forward's before it is written, the slot the backward reads), and runs the head per
+microbatch:
     (W+2)*K*saved/M + 2*layer_all/M     (remat "none": saved as under "save_dots", its stage checkpoint)
     + 2*T*d*c                           the embeddings and their cotangents, per microbatch
     + logits/M (+ the head's gradient, whole) + the head gathered once, in fp32 (each device sums
@@ -47,7 +49,9 @@ import math
 import jax
 
 from maxtext_rocm import config as config_lib
+from maxtext_rocm.config.checks import chunks_per_device
 from maxtext_rocm.numerics import cross_entropy
+from maxtext_rocm.parallel.pipeline_1f1b_order import OneFOneBOrder
 from maxtext_rocm.parallel.pipeline_layout import loss_on_the_last_stage
 from maxtext_rocm.reporting import metrics
 from maxtext_rocm.trainer.step import fused_head_loss
@@ -57,7 +61,7 @@ def loop_shape(pipeline_cfg, n_layers: int, stages: int, microbatches: int) -> t
     M + S - 1 iterations of ceil(L/S) slots; a circular schedule of R repeats R M + S - 1 of
     ceil(L/(S R)). A stack that does not divide is padded with empty slots, which run the layer on
     zeros like any other (parallel/pipeline.py), so they count in memory and FLOPs."""
-    R = pipeline_cfg.repeats if pipeline_cfg.schedule == "circular" else 1
+    R = chunks_per_device(pipeline_cfg)
     return R * microbatches + stages - 1, math.ceil(n_layers / (stages * R))
 
 
@@ -108,12 +112,12 @@ def analytic_activations(cfg, axis_sizes: dict[str, int], n_devices: int, microb
         return {"layers": K * saved / M + 2 * layer_all / M, "stage inputs": T * d * c,
                 "pipeline loop": T * d * c, "logits": logits, **tail}
     if cfg.pipeline.schedule == "1f1b":
-        # min(2S - 1, M) microbatches' residuals of the K layers in the stage's slots (remat
+        # The slots' residuals of a chunk's K layers each (OneFOneBOrder.n_slots; remat
         # "none": the stage checkpointed with save_dots's policy), the embeddings and their
         # cotangents per microbatch, and the head and loss run on one microbatch at a time.
         # Beside the slots, two microbatches' residuals in flight: the forward's, made before they
         # are written to their slot, and the slot the backward reads (XLA materialises both).
-        slots = min(2 * S_p - 1, M) + 2
+        slots = OneFOneBOrder(S_p, chunks_per_device(cfg.pipeline), M).n_slots + 2
         kept = saved_by["save_dots"] if remat == "none" else saved
         return {"layers": slots * K * kept / M + 2 * layer_all / M, "stage inputs": 2 * T * d * c,
                 "logits": (logits - head_gradient) / M + head_gradient, "gathered head": 4 * d * V / t}
@@ -138,7 +142,7 @@ def gathered_stage_weights_bytes(cfg, axis_sizes) -> float:
     stack). The gradient sums in the stored, sharded layout (counted with the gradients), and
     "gathered_weights" still counts a layer's gradient before its reduce-scatter."""
     S = axis_sizes["stage"]
-    R = cfg.pipeline.repeats if cfg.pipeline.schedule == "circular" else 1
+    R = chunks_per_device(cfg.pipeline)
     slots = math.ceil(cfg.model.n_layers / (S * R)) * R
     with_cast = 1.0 if cfg.precision.policy == "fp32" else 1.5
     return with_cast * slots * layer_param_bytes(cfg, axis_sizes)

@@ -9,7 +9,7 @@ Three steps, cheapest first:
    more (the bubble (S-1)/(M+S-1)), and each schedule of SCHEDULES: GPipe, whose activations grow
    with the loop's M + S - 1 iterations, 1f1b, which keeps at most 2S - 1 microbatches' for the
    same FLOPs, or gpipe_recompute, which keeps one stage input per microbatch for one more forward
-   of the stack; where the stage's weights are ZeRO-3 sharded, each gathered per microbatch and
+   of the stack, and interleaved 1f1b (INTERLEAVED_REPEATS), whose bubble is (S-1)/(R M+S-1); where the stage's weights are ZeRO-3 sharded, each gathered per microbatch and
    once a step (pipeline.weight_gather: fewer bytes for the stage's weights held whole); and each
    remat policy;
 2. estimate (`estimate`) each one without building the model: per device, the state from the
@@ -58,6 +58,10 @@ MAX_MICROBATCH_CHOICES = 3
 # gpipe keeps M + S - 1 iterations'), gpipe_recompute one more forward of the stack. A schedule
 # the config refuses (1f1b without the fused head loss) is dropped with the layout's other refusals.
 SCHEDULES = ("gpipe", "1f1b", "gpipe_recompute")
+# Interleaved 1F1B (pipeline.repeats under 1f1b, parallel/pipeline_1f1b_order.py): the bubble
+# (S-1)/(R M+S-1) for R times the stage boundaries' activation traffic; weighed at these R where
+# the layers give every virtual stage one and the microbatches come in whole groups of the stages.
+INTERLEAVED_REPEATS = (2,)
 # pipeline.weight_gather choices a plan weighs where the stage's weights are ZeRO-3 sharded.
 # gradient_reduce="once" is left out: refused under 1f1b, MoE, fp8 and context parallelism, and on
 # jax 0.11 and later, so a plan would differ by the installed jax.
@@ -74,6 +78,7 @@ class Layout:
     remat: str
     schedule: str = "gpipe"  # pipeline.schedule; meaningless without a pipeline
     weight_gather: str = "per_iteration"  # pipeline.weight_gather; likewise
+    repeats: int = 1  # pipeline.repeats (interleaved 1f1b); likewise
 
     @property
     def stages(self) -> int:
@@ -89,6 +94,8 @@ class Layout:
                       f"--config.pipeline.microbatches={self.microbatches}"]
             if self.weight_gather != "per_iteration":
                 flags.append(f"--config.pipeline.weight_gather={self.weight_gather}")
+            if self.repeats > 1:
+                flags.append(f"--config.pipeline.repeats={self.repeats}")
         return flags + [f"--config.model.remat={self.remat}"]
 
     def describe(self) -> str:
@@ -96,7 +103,8 @@ class Layout:
         if self.dcn:
             parts.append(f"dcn {' x '.join(f'{a}={n}' for a, n in self.dcn)}")
         if self.stages > 1:
-            parts.append(f"{self.schedule}, {self.microbatches} microbatches")
+            interleaved = f" interleaved x{self.repeats}" if self.repeats > 1 else ""
+            parts.append(f"{self.schedule}{interleaved}, {self.microbatches} microbatches")
             if self.weight_gather == "once":
                 parts.append("stage weights gathered once")
         return ", ".join(parts) + f", remat {self.remat}"
@@ -180,8 +188,11 @@ def with_microbatches(layout: Layout, cfg, n_devices: int) -> list[Layout]:
     choices = [k for k in _divisors(sequences) if k >= S] or [max(_divisors(sequences))]
     zero3 = sizes.get("fsdp", 1) * sizes.get("sequence", 1) * sizes.get("expert", 1) > 1
     gathers = WEIGHT_GATHERS if zero3 else WEIGHT_GATHERS[:1]
-    return [dataclasses.replace(layout, microbatches=k, schedule=schedule, weight_gather=gather)
-            for k in choices[:MAX_MICROBATCH_CHOICES] for schedule in SCHEDULES for gather in gathers]
+    schedules = [(schedule, 1) for schedule in SCHEDULES]
+    schedules += [("1f1b", r) for r in INTERLEAVED_REPEATS if cfg.model.n_layers >= S * r]
+    return [dataclasses.replace(layout, microbatches=k, schedule=schedule, repeats=r, weight_gather=gather)
+            for k in choices[:MAX_MICROBATCH_CHOICES] for schedule, r in schedules for gather in gathers
+            if r == 1 or k % S == 0]
 
 
 def apply(cfg, layout: Layout):
@@ -195,6 +206,7 @@ def apply(cfg, layout: Layout):
         trial.pipeline.microbatches = layout.microbatches
         trial.pipeline.schedule = layout.schedule
         trial.pipeline.weight_gather = layout.weight_gather
+        trial.pipeline.repeats = layout.repeats
     return trial
 
 
@@ -290,9 +302,9 @@ def rank_key(c: Candidate):
 
 def _recompute_key(c: Candidate):
     """The fewest FLOPs first (remat policies and gpipe_recompute's stage recompute only add
-    forwards), ties (none and save_dots) to the earlier policy, then to the earlier schedule
-    (GPipe, then 1f1b)."""
-    return c.compute_s, REMAT_ORDER.index(c.layout.remat), SCHEDULES.index(c.layout.schedule)
+    forwards; interleaving shortens the bubble's), ties (none and save_dots) to the earlier policy,
+    then to the earlier schedule (GPipe, then 1f1b), then to fewer repeats."""
+    return c.compute_s, REMAT_ORDER.index(c.layout.remat), SCHEDULES.index(c.layout.schedule), c.layout.repeats
 
 
 def prune(candidates: list[Candidate]) -> list[Candidate]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 
 from maxtext_rocm.config.checks import (_require, axis_sizes, dpo_batch_problem, global_batch_size,
-                                        pipeline_microbatches, validate)
+                                        interleaved, pipeline_microbatches, validate)
 from maxtext_rocm.config.mesh_sizes import mesh_shape
 
 
@@ -76,6 +76,10 @@ def _validate_pipeline_against_mesh(cfg, stages: int, micro_batch: int, batch_sh
     _require(pipe.schedule != "circular" or micro >= stages,
              f"pipeline.microbatches={micro} is fewer than mesh stage={stages}: a circular schedule sends each "
              f"microbatch round again only once the first stage is free; use pipeline.microbatches >= {stages}")
+    _require(not interleaved(pipe) or micro % stages == 0,
+             f"pipeline.microbatches={micro} is not a multiple of mesh stage={stages}: interleaved 1F1B "
+             f"(pipeline.repeats={pipe.repeats}) runs the microbatches in groups of the stages; use a multiple "
+             f"of {stages}, or pipeline.repeats=1")
     _require(micro_batch % micro == 0 and (micro_batch // micro) % batch_shards == 0,
              f"pipeline.microbatches={micro} does not divide the step's {micro_batch} sequences (per "
              f"train.grad_accum micro-batch) into pieces that split over the {batch_shards} batch shards; "
