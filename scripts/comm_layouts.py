@@ -62,6 +62,15 @@ LAYOUTS = {
     "stage=2 x fsdp=4, 1f1b, once, M=16": DENSE + mesh(stage=2, fsdp=4) + [
         "--config.pipeline.schedule=1f1b", "--config.pipeline.weight_gather=once",
         "--config.pipeline.microbatches=16", "--config.train.per_device_batch_size=8"],
+    # Interleaved 1F1B (parallel/pipeline_1f1b_order.py), 2 chunks per device: each microbatch
+    # crosses the stage boundaries twice as often, forward and back; weights gathered once, and
+    # per iteration (a chunk, half the stage's weights, each time)
+    "stage=2 x fsdp=4, interleaved 1f1b, once, M=16": DENSE + mesh(stage=2, fsdp=4) + [
+        "--config.pipeline.schedule=1f1b", "--config.pipeline.repeats=2", "--config.pipeline.weight_gather=once",
+        "--config.pipeline.microbatches=16", "--config.train.per_device_batch_size=8"],
+    "stage=2 x fsdp=4, interleaved 1f1b, M=16": DENSE + mesh(stage=2, fsdp=4) + [
+        "--config.pipeline.schedule=1f1b", "--config.pipeline.repeats=2",
+        "--config.pipeline.microbatches=16", "--config.train.per_device_batch_size=8"],
     "MoE expert=8, dropless": MOE + mesh(expert=8) + ["--config.model.moe_impl=dropless"],
     "MoE expert=8, capacity 1.25": MOE + mesh(expert=8) + ["--config.model.moe_impl=capacity",
                                                           "--config.model.moe_capacity_factor=1.25"],

@@ -78,3 +78,23 @@ def test_a_1f1b_pipeline_moves_its_bubbles_permutes_and_its_stages_own_weights(m
     # over `stage` only the permutes and the final norm's scale (d_model floats)
     assert row["by_axes"]["stage"]["measured_bytes"] <= row["stage_permute_bytes"] + 4 * 256 * 2
     assert row["ratio"] <= 1.10, row
+
+
+@pytest.mark.slow  # two more compiles of the issue's dimensions (~30 s each)
+@pytest.mark.parametrize("name", ["stage=2 x fsdp=4, interleaved 1f1b, once, M=16",
+                                  "stage=2 x fsdp=4, interleaved 1f1b, M=16"])
+def test_interleaved_1f1b_moves_twice_the_boundary_activations_and_a_chunk_per_gather(name, monkeypatch):
+    """Two chunks per device: the activations cross the stage boundaries twice per microbatch each
+    way (the ring's permutes, the bubble's R M + S - 1 of R M); per iteration, each gather is the
+    chunk's half of the stage's weights, so both forms stay within 1.10x their minimum (measured
+    2026-12-03: 1.02x once, 1.03x per iteration)."""
+    layouts = _comm_layouts()
+    monkeypatch.chdir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    row = layouts.run_layout(name, layouts.LAYOUTS[name], "h100:8")
+    assert "error" not in row, row
+    assert row["dump_bytes"] == pytest.approx(row["measured_bytes"], rel=1e-9), row
+    stages, repeats, microbatches = 2, 2, 16
+    assert row["stage_permute_bytes"] == pytest.approx(
+        (repeats * microbatches + stages - 1) / (repeats * microbatches) * row["by_axes"]["stage"]["minimum_bytes"],
+        rel=1e-6)
+    assert row["ratio"] <= 1.10, row

@@ -23,7 +23,7 @@ OBJECTIVES = ("lm", "dpo")  # train.objective: next-token cross-entropy, or pref
 # circular: pipeline.repeats virtual stages per device; gpipe_recompute: gpipe's order, a hand-written backward
 # keeping one microbatch's layer residuals per stage (parallel/pipeline_recompute.py)
 # 1f1b: each microbatch's backward as soon as its loss exists, the loss run inside the pipeline
-# (parallel/pipeline_1f1b.py)
+# (parallel/pipeline_1f1b.py); interleaved with pipeline.repeats > 1 (pipeline_1f1b_order.py)
 PIPELINE_SCHEDULES = ("gpipe", "circular", "gpipe_recompute", "1f1b")
 # When a stage's ZeRO-3 weights are gathered (pipeline.weight_gather) and their gradient
 # reduce-scattered (pipeline.gradient_reduce): in each iteration of the pipeline loop, or once.

@@ -77,9 +77,11 @@ def defaults() -> ml_collections.ConfigDict:
         # "gpipe": all microbatches forward, then all backward (autodiff of the loop); "circular":
         # each microbatch goes round the stages `repeats` times, bubble (S-1)/(R M+S-1); "gpipe_recompute":
         # gpipe's bubble, a hand-written backward that recomputes each stage per microbatch, so a
-        # stage keeps one microbatch's layer residuals, not M (one more forward per step).
+        # stage keeps one microbatch's layer residuals, not M (one more forward per step); "1f1b":
+        # each microbatch's backward as soon as its loss exists, at most 2S - 1 microbatches'
+        # residuals; with repeats > 1 interleaved, bubble (S-1)/(R M+S-1), M a multiple of S.
         schedule="gpipe",
-        repeats=1,  # virtual stages per device (circular; gpipe takes 1)
+        repeats=1,  # virtual stages per device (circular, and 1f1b: interleaved; the others take 1)
         # When a stage's ZeRO-3-sharded weights (fsdp, and sequence/expert for dense ones) are
         # gathered. "per_iteration": where the loop's body uses them, as GSPMD places it: g times in
         # each of the M + S - 1 iterations (g = 2 under remat), the bubble's too. "once": before the

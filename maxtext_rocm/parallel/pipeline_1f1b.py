@@ -10,7 +10,8 @@ whole of it is one `custom_vjp` whose forward runs the schedule, computing the o
 gradient, and whose backward scales them by the objective's cotangent.
 
 The schedule is lockstep, as an SPMD program is: in iteration t stage s runs the forward of
-microbatch t - s and the backward of microbatch t - (2S - 2 - s). Between them, in the same
+microbatch t - s and the backward of microbatch t - (2S - 2 - s) (pipeline_1f1b_order.py, which
+also orders the interleaved form below). Between them, in the same
 iteration, the last stage's output goes to the tail (microbatch t - S + 1), whose cotangent starts
 that microbatch's backward on the last stage at once; every other stage's backward takes the
 cotangent the stage after it sent in the previous iteration (a collective-permute s + 1 -> s).
@@ -31,6 +32,16 @@ buffer of min(2S - 1, M) slots (the stages are one vmapped program). GPipe's aut
 M + S - 1 iterations' residuals, the bubble's included. Standard (asynchronous) 1F1B holds S on
 its first stage because a backward there takes two forward's time; in lockstep each iteration
 is one forward and one backward, and a microbatch's cotangent needs S - 1 iterations to come back.
+
+Interleaved (pipeline.repeats = R > 1): each device holds R chunks of L/(S R) layers, chunk r of
+device s being virtual stage r S + s, and the same loop runs pipeline_1f1b_order's order: the
+microbatches in groups of S, each group round the devices R times forward and R times back, the
+activations and cotangents going round a ring (S - 1 -> 0 and back) where plain 1F1B's stop at
+the ends. R M + S - 1 iterations of forwards and as many of backwards, each 1/R of a stage's work:
+the bubble is (S-1)/(R M+S-1), for R times the stage boundaries' activation traffic. Each chunk
+has its own slots in one buffer (N_r for chunk r, sized by the order), about S (1 + 1/R) stages'
+worth of residuals against plain 1F1B's 2S - 1. A chunk is picked per stage by a dynamic index
+(its repeat differs between stages in one iteration), and its gradient added at that index.
 
 What a microbatch's backward needs from its forward is taken from the forward's own `jax.vjp`:
 its residuals are flattened, and those that are not an input of the stage (weights, positions,
