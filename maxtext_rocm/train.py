@@ -8,13 +8,12 @@ ended to an exit code: 0 done (or stopped by SIGTERM, checkpointed), 2 a user er
 
 from __future__ import annotations
 
-import signal
 import sys
 
 import jax
 
 from maxtext_rocm import config as config_lib
-from maxtext_rocm.runtime import distributed, startup_signals
+from maxtext_rocm.runtime import distributed, preemption, startup_signals
 from maxtext_rocm.runtime.watchdog import HangWatchdog
 from maxtext_rocm.trainer.divergence import TrainingDiverged
 from maxtext_rocm.trainer.trainer import Trainer
@@ -73,7 +72,7 @@ def _main(argv: list[str]) -> int:
     if trainer.stopped_by_signal is not None:
         print(f"stopped by signal {trainer.stopped_by_signal} at step {trainer.step_count}; "
               "checkpoint committed", file=sys.stderr)
-        return 130 if trainer.stopped_by_signal == signal.SIGINT else 0
+        return preemption.exit_status(trainer.stopped_by_signal)
     return 0
 
 

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from maxtext_rocm.runtime.preemption import PreemptionGuard, StopAgreement, StopNotAgreed
+from maxtext_rocm.runtime.peers import PEER_LOST_EXIT_STATUS, PeerWatch
+from maxtext_rocm.runtime.preemption import PreemptionGuard, StopAgreement, StopNotAgreed, exit_status
 
 from helpers import KeyValueStore
 
@@ -202,3 +203,55 @@ def test_an_unwritable_checkpoint_directory_exits_2_in_seconds_with_async_saves(
     assert err.strip().splitlines() == [
         f"error: saving checkpoint 2 in {run / 'checkpoints'} failed ({os.strerror(30)}); its partial directory "
         "was removed, there is no earlier checkpoint, so a restart begins at step 0"], err
+
+
+def test_every_process_learns_the_agreed_signal_before_its_loop_can_stop():
+    """on_decided runs before the stop step is visible: a peer that ends first (its goodbye carries
+    the agreed exit status) cannot reach a process that does not expect it yet."""
+    client = KeyValueStore()
+    seen = []
+    group = [StopAgreement(0, i, 2, client, timeout_s=10.0, generation=7,
+                           on_decided=lambda signum, i=i: seen.append((i, signum, group[i].stop_step)))
+             for i in range(2)]
+    group[1].request(signal.SIGINT)
+    for a in group:
+        assert a._decided.wait(5)
+    assert sorted(seen) == [(0, signal.SIGINT, None), (1, signal.SIGINT, None)]
+    assert exit_status(signal.SIGINT) == 130 and exit_status(signal.SIGTERM) == 0
+
+
+@pytest.mark.parametrize("expected, status, stops", [(0, 0, False), (0, 130, True), (130, 130, False),
+                                                    (130, 3, True)])
+def test_a_peers_goodbye_with_the_agreed_status_is_an_end_not_a_failure(expected, status, stops):
+    """Two PeerWatches over loopback in one process: process 1 says goodbye with `status`; process
+    0, told to expect `expected` (the agreed stop's status), stops with exit status 5 only for
+    another one. (The race this closes: after an agreed stop by SIGINT, the process that finished
+    first said goodbye with 130 and its peer, still committing, exited 5.)"""
+    client, exits, lines = KeyValueStore(), [], []
+    made = {}
+
+    class Stream:
+        def write(self, text):
+            lines.append(text)
+
+        def flush(self):
+            pass
+
+    def make(i):
+        made[i] = PeerWatch(client, i, 2, "127.0.0.1", timeout_s=10.0, heartbeat_s=10.0,
+                            exit=exits.append, stream=Stream())
+
+    first = threading.Thread(target=make, args=(0,))
+    first.start()
+    make(1)
+    first.join(10)
+    made[0].expect_exit(expected)
+    made[1].say_goodbye(status)
+    deadline = time.monotonic() + 5
+    while stops and not exits and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.2)  # long enough for a wrong stop to show
+    assert exits == ([PEER_LOST_EXIT_STATUS] if stops else []), lines
+    if stops:
+        assert f"process 1 of 2 (pid {os.getpid()}" in "".join(lines)
+        assert f"stopped with exit status {status}" in "".join(lines)

@@ -331,6 +331,13 @@ def wait_if_peer_lost(grace_s: float = 3.0) -> None:
         _peer_watch.wait_if_peer_lost(grace_s)
 
 
+def expect_peer_exit(status: int) -> None:
+    """Every process is to end with `status` (an agreed stop): a peer's goodbye with it is no
+    failure (PeerWatch.expect_exit); nothing for a single process."""
+    if _peer_watch is not None:
+        _peer_watch.expect_exit(status)
+
+
 def say_goodbye(status: int) -> None:
     """Tells the other processes that this one ends with `status` (0: a normal end; else they stop
     with a sentence naming it); nothing for a single process."""

@@ -12,7 +12,9 @@ heartbeat is missed. The side that sees the connection close without a goodbye p
 sentence naming the process (its id, pid and host) and exits with PEER_LOST_EXIT_STATUS, before
 JAX's own abort; process 0 first tells every other process which one it lost, so they name it
 too. A process that ends through `say_goodbye` (any exit of `train.main`) tells the others its
-exit status first: 0 is a normal end, anything else stops them with a sentence naming it.
+exit status first: 0 is a normal end, and so is the status every process agreed to end with (an
+agreed stop after SIGINT ends all with 130: `expect_exit`); anything else stops them with a
+sentence naming it.
 
 What this cannot see: a host that vanishes without closing its sockets (power loss, a network
 partition). TCP keepalive probes after `heartbeat_timeout_s / 2` cover part of that; the
@@ -50,6 +52,7 @@ class PeerWatch:
         self._lock = threading.Lock()
         self._closing = False
         self._lost = threading.Event()  # set once a peer is known lost (this process is about to exit 5)
+        self._expected_exit = 0  # a peer's goodbye with this status is an end, not a failure
         me = f"{process_id} {os.getpid()} {socket.gethostname()}\n".encode()
         if process_id == 0:
             listener = socket.create_server(("", 0), backlog=num_processes)
@@ -108,7 +111,7 @@ class PeerWatch:
                 words = line.decode(errors="replace").split("\t")
                 if words[0] == "exit" and len(words) == 3:
                     who, status = int(words[1]), int(words[2])
-                    if status != 0:
+                    if status not in (0, self._expected_exit):
                         self._stop(who, self._describe(who), f"stopped with exit status {status} (its own "
                                    "log says why)")
                     return  # a goodbye: the close that follows is expected
@@ -148,6 +151,11 @@ class PeerWatch:
         traceback of the consequence."""
         if self._lost.wait(grace_s):
             threading.Event().wait()  # the watch thread ends the process
+
+    def expect_exit(self, status: int) -> None:
+        """Every process will end with `status` (runtime/preemption.py's agreed stop): a peer that
+        says goodbye with it first has ended as agreed, and this one goes on to its own end."""
+        self._expected_exit = status
 
     def end_together(self) -> None:
         """Every process is about to end with the same error (a config disagreement): no goodbye

@@ -27,6 +27,10 @@ JAX's own preemption sync point (multihost_utils.reached_preemption_sync_point) 
 knows SIGTERM only, through a C++ handler that any Python handler replaces, and a notice on one
 host reaches the others only through that handler.
 
+Every process ends with the same status (`exit_status`: 130 after SIGINT, 0 after SIGTERM), which
+each learns when the stop is agreed and tells its peer watch (runtime/peers.py), so that a peer
+that finishes first and says goodbye with that status is not taken for a failure.
+
 The guard stays active through the final save: a further signal prints one line and the save goes
 on; a SIGINT sent twice more after the stop began abandons the uncommitted checkpoint (exit 130,
 with a line naming what is committed). Orbax writes into a temporary directory, so committed
@@ -50,6 +54,12 @@ ABANDON_AFTER = 2  # SIGINTs after the stop began that abandon an uncommitted ch
 _generations = itertools.count()  # one agreement per guard; every process makes its guards in the same order
 
 
+def exit_status(signum: int) -> int:
+    """The exit status of a process stopped by `signum` once its checkpoint is committed: 130 (the
+    shell's 128 + SIGINT) after SIGINT, 0 after SIGTERM (a scheduler's preemption is no failure)."""
+    return 128 + signal.SIGINT if signum == signal.SIGINT else 0
+
+
 class StopNotAgreed(UserError):
     """The processes did not agree on a stop step in time (a peer stopped answering)."""
 
@@ -57,12 +67,14 @@ class StopNotAgreed(UserError):
 class StopAgreement:
     """The decision to stop, shared by `num_processes` processes through `client` (JAX's
     coordination-service client, or any object with key_value_set(key, value, allow_overwrite) and
-    blocking_key_value_get(key, timeout_ms)); `client=None` for one process."""
+    blocking_key_value_get(key, timeout_ms)); `client=None` for one process. `on_decided(signum)`:
+    called on the watcher thread once the stop is agreed, before the loop can see the stop step."""
 
     def __init__(self, start_step: int, process_id: int = 0, num_processes: int = 1, client=None,
-                 timeout_s: float = 120.0, generation: int | None = None):
+                 timeout_s: float = 120.0, generation: int | None = None,
+                 on_decided: Callable[[int], None] | None = None):
         self.process_id, self.num_processes, self.client = process_id, num_processes, client
-        self.timeout_s = timeout_s
+        self.timeout_s, self.on_decided = timeout_s, on_decided
         self.prefix = f"{PREFIX}/{next(_generations) if generation is None else generation}"
         self._lock = threading.Lock()
         self._cleared = start_step  # the loop may dispatch steps until the step count reaches this
@@ -148,6 +160,8 @@ class StopAgreement:
                 f"process {self.process_id} was asked to stop but did not hear every process's step within "
                 f"{self.timeout_s:g} s ({first}); a peer stopped answering (its own log says why)")
         else:
+            if self.on_decided is not None:  # before the loop may stop (and a peer may end) on it
+                self.on_decided(self.signal)
             with self._lock:
                 self.stop_step = max(counts)
         self._decided.set()
@@ -187,7 +201,8 @@ class PreemptionGuard:
 
     def __enter__(self):
         startup_signals.disarm()  # from here on a signal means: finish the step, checkpoint, stop
-        self.agreement = StopAgreement(self.start_step, *_cluster(), timeout_s=self.timeout_s)
+        self.agreement = StopAgreement(self.start_step, *_cluster(), timeout_s=self.timeout_s,
+                                       on_decided=_expect_peers_to_end_like_this_process)
         if threading.current_thread() is threading.main_thread():  # signal handlers live there only
             read_fd, write_fd = self._fds = os.pipe()
             os.set_blocking(write_fd, False)
@@ -261,6 +276,14 @@ class PreemptionGuard:
             self._thread.join(timeout=1.0)
             os.close(read_fd)
             self._fds = None
+
+
+def _expect_peers_to_end_like_this_process(signum: int) -> None:
+    """Every process ends the agreed stop with exit_status(signum): a peer's goodbye with it is the
+    end they agreed on, not a failure to stop for (runtime/peers.py)."""
+    from maxtext_rocm.runtime import distributed
+
+    distributed.expect_peer_exit(exit_status(signum))
 
 
 def _noop(_signum, _frame) -> None:
