@@ -261,6 +261,27 @@ def test_gpipe_recompute_flops_and_activations_against_the_compiled_step(devices
 
 
 @pytest.mark.parametrize("remat", ["none", "full"])  # ~5 s each on 2 cores
+def test_interleaved_1f1b_flops_and_activations_against_the_compiled_step(devices, remat):
+    """Two chunks of one layer per device, 4 microbatches: the layers' dots run R M + S - 1 = 9
+    iterations' worth of chunks against 8 real passes (plain 1f1b: 5/4), and the residual slots
+    are the order's (4 + 2 chunk slots of one layer, against plain 1f1b's 3 stage slots of two)."""
+    cfg = _tiny(2, **{"pipeline.schedule": "1f1b", "pipeline.repeats": 2, "pipeline.microbatches": 4,
+                      "model.remat": remat})
+    r = compile_lib.analyse(cfg, "mi355x", 8)
+    hand = _by_hand_per_token(remat)
+    tokens = 16 * 32 / 8
+    expected = tokens * (hand["layers"] * 9 / 8 + hand["head"] * 2)
+    assert r.flops.analytic_dot_flops.total == pytest.approx(expected, rel=1e-12)
+    assert r.flops.compiled_dot_flops == pytest.approx(expected, rel=1e-3)
+    plain = compile_lib.analyse(_tiny(2, **{"pipeline.schedule": "1f1b", "pipeline.microbatches": 4,
+                                            "model.remat": remat}), "mi355x", 8, compile_it=False)
+    layers, plain_layers = (x.memory.analytic_activation_terms_bytes["layers"] for x in (r, plain))
+    assert layers < plain_layers  # (6 + 2) x 1 layer against (3 + 2) x 2
+    # against XLA:CPU's buffers
+    assert 0.5 <= r.compiled.memory.activations_bytes / r.memory.analytic_activations_bytes <= 1.6
+
+
+@pytest.mark.parametrize("remat", ["none", "full"])  # ~5 s each on 2 cores
 def test_1f1b_flops_and_activations_against_the_compiled_step(devices, remat):
     """1f1b runs gpipe's forwards and backwards (no stage recompute; under remat none its stage
     checkpoint keeps every matmul's output, recomputing only elementwise work), so the compiled dot
