@@ -253,6 +253,13 @@ MIXTRAL = "configs/tiny_mixtral.py:fp32"
     pytest.param(TINY, ["--config.mesh.dcn.stage=2", "--config.mesh.ici.fsdp=4", "--config.pipeline.schedule=1f1b"],
                  ["--config.mesh.ici.stage=2", "--config.mesh.ici.fsdp=4", "--config.pipeline.schedule=1f1b"],
                  id="dcn_stage2_ici_fsdp4_1f1b"),
+    # Interleaved 1f1b (parallel/pipeline_1f1b_order.py): activations and cotangents go round the
+    # ring, so both directions cross the processes, forward and back, twice per microbatch.
+    pytest.param(TINY, ["--config.mesh.dcn.stage=2", "--config.mesh.ici.fsdp=4", "--config.pipeline.schedule=1f1b",
+                        "--config.pipeline.repeats=2", "--config.model.n_layers=4"],
+                 ["--config.mesh.ici.stage=2", "--config.mesh.ici.fsdp=4", "--config.pipeline.schedule=1f1b",
+                  "--config.pipeline.repeats=2", "--config.model.n_layers=4"],
+                 id="dcn_stage2_ici_fsdp4_interleaved_1f1b", marks=pytest.mark.slow),
     # Dropless MoE with its expert exchange across the processes (all-to-alls over gloo) and FSDP
     # within each: the default moe_impl, 8 experts, 4 per process.
     pytest.param(MIXTRAL, ["--config.mesh.dcn.expert=2", "--config.mesh.ici.fsdp=4"],
