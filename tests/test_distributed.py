@@ -344,6 +344,25 @@ def test_a_dead_process_stops_the_other(tmp_path):
     print(f"process 0 stopped {took:.1f} s after process 1 was killed (exit status {rc})")
 
 
+def test_bad_input_on_every_process_is_each_ones_own_sentence_and_exit_2(tmp_path):
+    """Every process finds the same bad setting, milliseconds apart: the first to say goodbye with
+    exit status 2 no longer makes process 0 report it as a lost peer (exit 5, "restart from the
+    last checkpoint") before process 0 reaches its own sentence (runtime/peers.py)."""
+    logs = tmp_path / "logs"
+    result = subprocess.run(
+        ["bash", "scripts/launch_local.sh", "2", "configs/tiny_llama.py:fp32", *SMALL, "--config.mesh.dcn.stage=2",
+         "--config.mesh.ici.fsdp=4", "--config.pipeline.schedule=1f1b", "--config.pipeline.repeats=2",
+         f"--config.output_dir={tmp_path / 'run'}"],
+        cwd=REPO, env=process_env(LOG_DIR=str(logs), DEVICES="8", PYTHON=sys.executable),
+        capture_output=True, text=True, timeout=240)
+    texts = [(logs / f"process_{i}.log").read_text() for i in range(2)]
+    sentence = ("error: model.n_layers=2 leaves some of mesh stage=2 x pipeline.repeats=2 = 4 virtual stages "
+                "without a layer; choose stage x repeats <= 2")
+    assert result.returncode == 2, f"{result.stderr[-2000:]}\n--- 0:\n{texts[0][-2000:]}\n--- 1:\n{texts[1][-2000:]}"
+    for text in texts:
+        assert sentence in text and "exit status 5" not in text and "Traceback" not in text, text[-2000:]
+
+
 def test_unanswered_coordinator_is_one_sentence_and_exit_2():
     port = free_port()  # nobody listens there
     started = time.perf_counter()

@@ -221,30 +221,13 @@ def test_every_process_learns_the_agreed_signal_before_its_loop_can_stop():
 
 
 @pytest.mark.parametrize("expected, status, stops", [(0, 0, False), (0, 130, True), (130, 130, False),
-                                                    (130, 3, True)])
+                                                    (130, 3, True), (0, 134, True)])
 def test_a_peers_goodbye_with_the_agreed_status_is_an_end_not_a_failure(expected, status, stops):
     """Two PeerWatches over loopback in one process: process 1 says goodbye with `status`; process
     0, told to expect `expected` (the agreed stop's status), stops with exit status 5 only for
     another one. (The race this closes: after an agreed stop by SIGINT, the process that finished
     first said goodbye with 130 and its peer, still committing, exited 5.)"""
-    client, exits, lines = KeyValueStore(), [], []
-    made = {}
-
-    class Stream:
-        def write(self, text):
-            lines.append(text)
-
-        def flush(self):
-            pass
-
-    def make(i):
-        made[i] = PeerWatch(client, i, 2, "127.0.0.1", timeout_s=10.0, heartbeat_s=10.0,
-                            exit=exits.append, stream=Stream())
-
-    first = threading.Thread(target=make, args=(0,))
-    first.start()
-    make(1)
-    first.join(10)
+    made, exits, lines = _peer_pair()
     made[0].expect_exit(expected)
     made[1].say_goodbye(status)
     deadline = time.monotonic() + 5
@@ -255,3 +238,45 @@ def test_a_peers_goodbye_with_the_agreed_status_is_an_end_not_a_failure(expected
     if stops:
         assert f"process 1 of 2 (pid {os.getpid()}" in "".join(lines)
         assert f"stopped with exit status {status}" in "".join(lines)
+
+
+@pytest.mark.parametrize("own_end", [True, False])
+def test_a_peers_user_error_waits_for_this_process_to_say_its_own(own_end, monkeypatch):
+    """Bad input is found by every process, milliseconds apart: process 1's goodbye with exit
+    status 2 leaves process 0 the grace to reach its own end (and print its own sentence); a
+    process that does not gets there stops with 2 too (a restart would meet the same input), not 5."""
+    import maxtext_rocm.runtime.peers as peers
+
+    monkeypatch.setattr(peers, "USER_ERROR_GRACE_S", 0.5)
+    watches, exits, lines = _peer_pair()
+    watches[1].say_goodbye(2)
+    if own_end:
+        time.sleep(0.1)
+        watches[0].say_goodbye(2)
+    time.sleep(1.0)
+    assert exits == ([] if own_end else [2]), lines
+    if not own_end:
+        assert "stopped with exit status 2 (bad input; its own log says which); process 0 stops too (exit " \
+               "status 2) (a restart would meet the same input)" in "".join(lines)
+
+
+def _peer_pair():
+    """Two PeerWatches over loopback in this process, exits and printed lines recorded."""
+    client, exits, lines, made = KeyValueStore(), [], [], {}
+
+    class Stream:
+        def write(self, text):
+            lines.append(text)
+
+        def flush(self):
+            pass
+
+    def make(i):
+        made[i] = PeerWatch(client, i, 2, "127.0.0.1", timeout_s=10.0, heartbeat_s=10.0, exit=exits.append,
+                            stream=Stream())
+
+    first = threading.Thread(target=make, args=(0,))
+    first.start()
+    make(1)
+    first.join(10)
+    return made, exits, lines

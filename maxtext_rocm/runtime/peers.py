@@ -14,7 +14,10 @@ JAX's own abort; process 0 first tells every other process which one it lost, so
 too. A process that ends through `say_goodbye` (any exit of `train.main`) tells the others its
 exit status first: 0 is a normal end, and so is the status every process agreed to end with (an
 agreed stop after SIGINT ends all with 130: `expect_exit`); anything else stops them with a
-sentence naming it.
+sentence naming it. A peer's user error (exit status 2: bad input, which every process usually
+finds alike, a few milliseconds apart) gives this process USER_ERROR_GRACE_S to reach its own end
+and print its own sentence; if it does not, it stops with the same status 2, since restarting
+from a checkpoint cannot mend bad input.
 
 What this cannot see: a host that vanishes without closing its sockets (power loss, a network
 partition). TCP keepalive probes after `heartbeat_timeout_s / 2` cover part of that; the
@@ -30,6 +33,8 @@ import threading
 import time
 
 PEER_LOST_EXIT_STATUS = 5
+USER_ERROR_EXIT_STATUS = 2  # train.py's for bad input
+USER_ERROR_GRACE_S = 5.0
 KEY = "maxtext_rocm/peers/listener"
 
 
@@ -53,6 +58,7 @@ class PeerWatch:
         self._closing = False
         self._lost = threading.Event()  # set once a peer is known lost (this process is about to exit 5)
         self._expected_exit = 0  # a peer's goodbye with this status is an end, not a failure
+        self._ending = threading.Event()  # this process has begun its own end (say_goodbye, end_together)
         me = f"{process_id} {os.getpid()} {socket.gethostname()}\n".encode()
         if process_id == 0:
             listener = socket.create_server(("", 0), backlog=num_processes)
@@ -94,7 +100,7 @@ class PeerWatch:
     def _watch(self, peer_id: int, conn: socket.socket) -> None:
         """Reads the peer's messages until its connection closes; a close without a goodbye is a
         death. Messages are tab-separated lines: `exit ID STATUS` (a goodbye) and, from process 0,
-        `lost ID DESCRIPTION WHAT` (a relay of what it saw)."""
+        `lost ID DESCRIPTION WHAT STATUS` (a relay of what it saw, and the status it stops with)."""
         buffer = b""
         while True:
             try:
@@ -111,30 +117,35 @@ class PeerWatch:
                 words = line.decode(errors="replace").split("\t")
                 if words[0] == "exit" and len(words) == 3:
                     who, status = int(words[1]), int(words[2])
-                    if status not in (0, self._expected_exit):
+                    if status == USER_ERROR_EXIT_STATUS and status != self._expected_exit:
+                        if not self._ending.wait(USER_ERROR_GRACE_S):  # else this process says its own
+                            self._stop(who, self._describe(who), f"stopped with exit status {status} (bad "
+                                       "input; its own log says which)", status=USER_ERROR_EXIT_STATUS)
+                    elif status not in (0, self._expected_exit):
                         self._stop(who, self._describe(who), f"stopped with exit status {status} (its own "
                                    "log says why)")
                     return  # a goodbye: the close that follows is expected
-                if words[0] == "lost" and len(words) == 4:
-                    self._stop(int(words[1]), words[2], words[3])
+                if words[0] == "lost" and len(words) == 5:
+                    self._stop(int(words[1]), words[2], words[3], status=int(words[4]))
                     return
 
     def _describe(self, peer_id: int) -> str:
         detail = self._peers.get(peer_id, (None, ""))[1]
         return f"process {peer_id} of {self.num_processes}" + (f" ({detail})" if detail else "")
 
-    def _stop(self, peer_id: int, who: str, what: str) -> None:
+    def _stop(self, peer_id: int, who: str, what: str, status: int = PEER_LOST_EXIT_STATUS) -> None:
         with self._lock:
             if self._closing:
                 return
             self._closing = True
         self._lost.set()
         if self.process_id == 0:  # the others hear it from here, with the name
-            self._broadcast(f"lost\t{peer_id}\t{who}\t{what}\n", skip=peer_id)
-        print(f"error: {who} {what}; process {self.process_id} stops too (exit status "
-              f"{PEER_LOST_EXIT_STATUS}) so the scheduler can restart the run from its last checkpoint",
+            self._broadcast(f"lost\t{peer_id}\t{who}\t{what}\t{status}\n", skip=peer_id)
+        why = ("so the scheduler can restart the run from its last checkpoint" if status == PEER_LOST_EXIT_STATUS
+               else "(a restart would meet the same input)")
+        print(f"error: {who} {what}; process {self.process_id} stops too (exit status {status}) {why}",
               file=self._stream or sys.stderr, flush=True)
-        self._exit(PEER_LOST_EXIT_STATUS)
+        self._exit(status)
 
     def _broadcast(self, message: str, skip: int | None = None) -> None:
         for peer_id, (conn, _) in self._peers.items():
@@ -160,11 +171,13 @@ class PeerWatch:
     def end_together(self) -> None:
         """Every process is about to end with the same error (a config disagreement): no goodbye
         and no report of a peer whose connection closes from here on."""
+        self._ending.set()
         with self._lock:
             self._closing = True
 
     def say_goodbye(self, status: int) -> None:
         """This process ends with `status`: the others learn it before its sockets close."""
+        self._ending.set()
         with self._lock:
             if self._closing:
                 return
