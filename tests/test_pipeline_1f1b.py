@@ -70,6 +70,7 @@ def test_checkpoints_cross_between_model_order_and_the_ends_on_their_stages(devi
 @pytest.mark.parametrize("mesh, overrides", [
     ({"stage": 2, "fsdp": 4}, {"pipeline.weight_gather": "once"}),
     ({"stage": 2, "fsdp": 4}, {"model.tie_embeddings": True}),  # the table is also the tail's head
+    ({"stage": 2, "fsdp": 4}, {"model.tie_embeddings": True, "pipeline.repeats": 2}),
 ])
 def test_1f1b_composes_with_gathered_weights_and_tied_embeddings(mesh, overrides, devices, tmp_path):
     ref = llama(**SINGLE, **{k: v for k, v in overrides.items() if k.startswith("model.")},
@@ -85,6 +86,8 @@ def test_1f1b_composes_with_gathered_weights_and_tied_embeddings(mesh, overrides
     ({"stage": 2, "sequence": 2, "fsdp": 2}, {"model.context_parallel": "all_gather"}),
     ({"stage": 2, "sequence": 2, "fsdp": 2}, {"model.context_parallel": "ring"}),
     ({"stage": 2, "data": 2, "fsdp": 2}, {}),
+    ({"stage": 2, "sequence": 2, "fsdp": 2}, {"model.context_parallel": "ring", "pipeline.repeats": 2}),
+    ({"stage": 2, "data": 2, "fsdp": 2}, {"pipeline.repeats": 2}),
 ])
 def test_1f1b_composes_with_context_parallelism_and_data(mesh, overrides, one_device, devices, tmp_path):  # noqa: F811
     """The tail runs manual over `stage` and the batch axes (data, fsdp); `sequence` stays GSPMD's
