@@ -91,7 +91,8 @@ def test_a_peer_that_never_answers_is_one_sentence_not_a_hang():
     alone.proceed(0)
     alone.request(signal.SIGTERM)
     started = time.monotonic()
-    with pytest.raises(StopNotAgreed, match="did not hear every process's step within 0.5 s"):
+    # The watcher's own sentence, or the loop's when its wait (as long) ends first on a loaded machine
+    with pytest.raises(StopNotAgreed, match=r"did not (hear every process's step|agree on a step) within 0.5 s"):
         step = 1
         while alone.proceed(step):  # until the watcher freezes the loop, then no further
             step += 1
