@@ -9,7 +9,7 @@ import types
 import pytest
 
 from conftest import small_config
-from maxtext_rocm.planner import estimates, plan
+from maxtext_rocm.planner import comm_minimum, estimates, plan
 from maxtext_rocm.planner import report as compile_cli
 
 TINY = ["--config.model.vocab_size=128", "--config.model.d_model=64", "--config.model.n_layers=2",
@@ -134,6 +134,32 @@ def test_stage_weights_gathered_once_cost_their_memory_and_save_their_gathers():
     assert "1f1b, 16 microbatches, stage weights gathered once" in once.layout.describe()
     assert "--config.pipeline.weight_gather=once" in once.layout.overrides()
     assert not any("weight_gather" in flag for flag in each.layout.overrides())
+
+
+def test_interleaved_1f1b_trades_its_bubble_for_boundary_traffic_and_both_stay_in_the_plan():
+    """pipeline.repeats=2 under 1f1b: the bubble (S-1)/(R M+S-1) and the layers' dots with it, for
+    R times the stage activations in the communication minimum. Plain and interleaved stay apart
+    in pruning, so the ranking (compute + communication) chooses; the row and command say which.
+    Offered only where the microbatches are whole groups of the stages."""
+    cfg = small_config(**{"train.per_device_batch_size": 8, "train.seq_len": 256, "model.n_layers": 4})
+    staged = plan.Layout(ici=(("fsdp", 4),), dcn=(("stage", 2),), microbatches=4, remat="full", schedule="1f1b")
+    plain, interleaved = (plan.estimate(cfg, dataclasses.replace(staged, repeats=r), "mi300x", 8, 0.92)
+                          for r in (1, 2))
+    assert plain.bubble == pytest.approx(1 / 5) and interleaved.bubble == pytest.approx(1 / 9)
+    assert interleaved.compute_s < plain.compute_s
+    stage_bytes = {}
+    for c in (plain, interleaved):
+        least = comm_minimum.minimum(cfg.model, cfg.train, "bf16", plan._sizes(c.layout), microbatches=4,
+                                     **comm_minimum.pipeline_options(plan.apply(cfg, c.layout).pipeline))
+        stage_bytes[c.layout.repeats] = sum(t["gpu_bytes"] for t in least["terms"] if t["axes"] == "stage")
+    assert stage_bytes[2] == pytest.approx(2 * stage_bytes[1], rel=1e-12) and stage_bytes[1] > 0
+    assert plan.prune([plain, interleaved]) == sorted([plain, interleaved], key=plan.rank_key)
+    assert "1f1b interleaved x2, 4 microbatches" in interleaved.layout.describe()
+    assert "--config.pipeline.repeats=2" in interleaved.layout.overrides()
+    offered = plan.with_microbatches(plan.Layout(ici=(("fsdp", 4),), dcn=(("stage", 2),), microbatches=0,
+                                                 remat="full"), cfg, 8)
+    assert {(x.microbatches, x.repeats) for x in offered if x.schedule == "1f1b"} == {
+        (2, 1), (2, 2), (4, 1), (4, 2), (8, 1), (8, 2)}
 
 
 def test_plan_compiles_at_most_max_compiles_and_reranks_on_what_it_measured():

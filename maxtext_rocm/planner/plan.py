@@ -311,12 +311,14 @@ def prune(candidates: list[Candidate]) -> list[Candidate]:
     """The fitting candidates, each mesh (and microbatch count, and weight gathering) at its
     least-recomputing remat policy and schedule that fits (more recompute on the same mesh only
     adds compute), best first. Both weight gatherings stay: the stage's weights held whole may not
-    fit once compiled, and then the per-microbatch form is the mesh's row."""
+    fit once compiled, and then the per-microbatch form is the mesh's row. Interleaved and plain
+    schedules stay apart too: interleaving buys compute (a shorter bubble) with communication (R
+    times the stage boundaries' activations), which the ranking, not the pruning, weighs."""
     best = {}
     for c in candidates:
         if not c.fits:
             continue
-        key = (c.layout.ici, c.layout.dcn, c.layout.microbatches, c.layout.weight_gather)
+        key = (c.layout.ici, c.layout.dcn, c.layout.microbatches, c.layout.weight_gather, c.layout.repeats > 1)
         if key not in best or _recompute_key(c) < _recompute_key(best[key]):
             best[key] = c
     return sorted(best.values(), key=rank_key)
