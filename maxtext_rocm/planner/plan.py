@@ -9,9 +9,9 @@ Three steps, cheapest first:
    more (the bubble (S-1)/(M+S-1)), and each schedule of SCHEDULES: GPipe, whose activations grow
    with the loop's M + S - 1 iterations, 1f1b, which keeps at most 2S - 1 microbatches' for the
    same FLOPs, or gpipe_recompute, which keeps one stage input per microbatch for one more forward
-   of the stack, and interleaved 1f1b (INTERLEAVED_REPEATS), whose bubble is (S-1)/(R M+S-1); where the stage's weights are ZeRO-3 sharded, each gathered per microbatch and
-   once a step (pipeline.weight_gather: fewer bytes for the stage's weights held whole); and each
-   remat policy;
+   of the stack, and interleaved 1f1b (INTERLEAVED_REPEATS), whose bubble is (S-1)/(R M+S-1);
+   where the stage's weights are ZeRO-3 sharded, each gathered per microbatch and once a step
+   (pipeline.weight_gather: fewer bytes for the stage's weights held whole); and each remat policy;
 2. estimate (`estimate`) each one without building the model: per device, the state from the
    parameter counts and the layout's shardings (fp32 parameters, Adam's two moments, gradients;
    compile.py's exact figure replaces it for those compiled), the activations of
