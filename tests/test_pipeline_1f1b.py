@@ -45,12 +45,15 @@ def test_a_tied_table_stays_replicated_over_stage(devices, tmp_path):
 
 
 @pytest.mark.slow  # three trainers compiled
-def test_checkpoints_cross_between_model_order_and_the_ends_on_their_stages(devices, tmp_path):
-    """A 1f1b run (table and head stored per stage, their moments too) writes step 2 in model
-    order; fsdp=8 resumes it to 1f1b's next loss, writes step 4, and 1f1b resumes that."""
+@pytest.mark.parametrize("repeats", [1, 2])
+def test_checkpoints_cross_between_model_order_and_the_ends_on_their_stages(repeats, devices, tmp_path):
+    """A 1f1b run (table and head stored per stage, their moments too; interleaved, the layers in
+    storage order too) writes step 2 in model order; fsdp=8 resumes it to 1f1b's next loss, writes
+    step 4, and 1f1b resumes that."""
     steps = {"checkpoint.every": 2, "train.steps": 8}
+    schedule = {**ONE_F_ONE_B, "pipeline.repeats": repeats}
     quiet = dict(devices=devices, log=lambda *_: None)
-    piped = Trainer(on_mesh(llama, {"stage": 2, "fsdp": 4}, tmp_path, **steps, **ONE_F_ONE_B), **quiet)
+    piped = Trainer(on_mesh(llama, {"stage": 2, "fsdp": 4}, tmp_path, **steps, **schedule), **quiet)
     assert piped.storage_order is not None
     piped.run(2)
     next_loss = float(piped.step()["loss"])
@@ -61,7 +64,7 @@ def test_checkpoints_cross_between_model_order_and_the_ends_on_their_stages(devi
     flat.run(1)  # step 4, saved
     after = float(flat.step()["loss"])
 
-    again = Trainer(on_mesh(llama, {"stage": 2, "fsdp": 4}, tmp_path, **steps, **ONE_F_ONE_B), **quiet)
+    again = Trainer(on_mesh(llama, {"stage": 2, "fsdp": 4}, tmp_path, **steps, **schedule), **quiet)
     assert again.step_count == 4
     assert_close(float(again.step()["loss"]), after)
 
