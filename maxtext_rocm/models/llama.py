@@ -155,8 +155,12 @@ class Decoder(nn.Module):
             block = nn.remat(block, policy=REMAT_POLICIES[m.remat], prevent_cse=not m.scan_layers)
         if m.scan_layers:
             # Router losses sown by MoE layers, fp8 scaling state and a dot strategy's adapters stack
-            # over layers like the parameters; each layer draws its own dropout.
-            def scanned(length: int, **kwargs) -> nn.Module:
+            # over layers like the parameters; each layer draws its own dropout. `length` None: one
+            # layer, unscanned, whose variables are one layer's slice of the stack's (a pipeline
+            # runs a stack with empty slots a layer at a time: parallel/pipeline.py, run_chunk).
+            def scanned(length: int | None, **kwargs) -> nn.Module:
+                if length is None:
+                    return block(m, self.policy, self.decode, self.expert_exchange, self.context_attention, **kwargs)
                 stack = nn.scan(
                     block, variable_axes={"params": 0, AUX_LOSSES: 0, FP8_COLLECTION: 0, CACHE: 0, ADAPTERS: 0},
                     split_rngs={"params": True, "dropout": True},

@@ -331,8 +331,8 @@ def pipelined(layers: nn.Module, make_layers: Callable, embedding: TokenEmbeddin
 class StageStack(NamedTuple):
     """The scanned layers' variables as the stages run them: `params` and `fp8_state` (None
     without delayed fp8 scaling) viewed [S, R, K, ...]; `real` [S, R, K] (False: an empty slot);
-    `chunk_layers`, an unbound scan that runs one chunk (one slot at a time where some are empty:
-    `padded`)."""
+    `chunk_layers`, an unbound scan that runs one chunk, or where some slots are empty (`padded`)
+    one unscanned layer that run_chunk runs a slot at a time."""
     params: object
     fp8_state: object
     real: Array
@@ -342,7 +342,8 @@ class StageStack(NamedTuple):
 
 def stage_stack(layers: nn.Module, make_layers: Callable, schedule: Schedule) -> StageStack:
     """The bound scanned `layers` (whose variables are the stored [S R K, ...] arrays) as
-    `schedule`'s stages run them; `make_layers(length, parent=None)` makes an unbound scan."""
+    `schedule`'s stages run them; `make_layers(length, parent=None)` makes an unbound scan (length
+    None: one layer, unscanned)."""
     variables = dict(layers.variables)
     extra = set(variables) - {"params", FP8_COLLECTION}
     if extra:
@@ -355,7 +356,7 @@ def stage_stack(layers: nn.Module, make_layers: Callable, schedule: Schedule) ->
         lambda p: p.reshape(layout.stages, layout.repeats, layout.per_chunk, *p.shape[1:]), variables)
     padded = bool(layout.empty)
     return StageStack(stored["params"], stored.get(FP8_COLLECTION), jnp.asarray(layout.real), padded,
-                      make_layers(1 if padded else layout.per_chunk, parent=None))
+                      make_layers(None if padded else layout.per_chunk, parent=None))
 
 
 def _loop(schedule: Schedule, run_stage: Callable, params, fp8_per_iteration, real: Array,
@@ -477,7 +478,8 @@ def _run_stage(chunk_layers: nn.Module, padded: bool, pick_chunk: Callable, gath
 def run_chunk(chunk_layers: nn.Module, padded: bool, chunk_vars, chunk_real: Array, h: Array, pos: Array,
               seg: Array | None):
     """One chunk of layers (chunk_vars {collection: [K, ...]}, chunk_real [K]) run on `h`; returns
-    (h, what its layers sowed)."""
+    (h, what its layers sowed). `chunk_layers`: a scan of the K layers, or where `padded` one
+    layer, unscanned, run slot by slot (StageStack)."""
     if not padded:
         (h, _), sown = chunk_layers.apply(chunk_vars, h, pos, seg, mutable=[AUX_LOSSES])
         return h, sown
@@ -487,13 +489,17 @@ def run_chunk(chunk_layers: nn.Module, padded: bool, chunk_vars, chunk_real: Arr
 def _run_slot(one_layer: nn.Module, pos: Array, seg: Array | None, h: Array, slot_in):
     """A scan step over a chunk that may hold empty slots: one layer (`slot_in`: its variables and
     whether it is real) on the carried activations `h`; an empty slot passes h through (its zeros
-    get zero gradient)."""
+    get zero gradient). The layer takes the slot's variables as the scan hands them over: a
+    reshaped copy (a scan of one layer over v[None]) would be a new value the layer's remat keeps
+    as a residual, where the scan's own slice is recognised as its input. 1f1b keeps residuals
+    per microbatch slot, so the copy held every layer's weights once per slot (Llama 3.1 405B's
+    126 layers on 8 stages: 651 GiB of XLA buffers where the estimate read 200)."""
     v, is_real = slot_in
     if FP8_COLLECTION in v:  # an empty slot's zero scales would divide by zero
         v = {**v, FP8_COLLECTION: jax.tree_util.tree_map(
             lambda a: jnp.where(is_real, a, jnp.ones_like(a)), v[FP8_COLLECTION])}
-    (out, _), sown = one_layer.apply(jax.tree_util.tree_map(lambda a: a[None], v), h, pos, seg, mutable=[AUX_LOSSES])
-    return jnp.where(is_real, out, h), jax.tree_util.tree_map(lambda a: a[0], sown)
+    (out, _), sown = one_layer.apply(v, h, pos, seg, mutable=[AUX_LOSSES])
+    return jnp.where(is_real, out, h), sown
 
 
 # ----------------------------------------------------------------------------------------------

@@ -61,8 +61,14 @@ class GatheredOnce:
         boxed = jax.eval_shape(lambda: chunk_layers.init({"params": key, "dropout": key}, x[:1], positions[:1], seg))
         logical = nn.get_partition_spec(boxed)["params"]
 
+        def layer_axes(spec) -> tuple:
+            # A scan's leaves lead with its "layers" axis; one unscanned layer's (a padded stack's
+            # chunk_layers, pipeline.StageStack) have none.
+            spec = tuple(spec)
+            return spec[1:] if spec and spec[0] == "layers" else spec
+
         def layout(rules, lead):
-            return lambda spec: nn.logical_to_mesh_axes((*lead, *tuple(spec)[1:]), rules)
+            return lambda spec: nn.logical_to_mesh_axes((*lead, *layer_axes(spec)), rules)
         stacked = ("activation_stage", None, None)
         specs = {name: jax.tree_util.tree_map(layout(rules, lead), logical, is_leaf=lambda a: isinstance(a, P))
                  for name, rules, lead in (("gathered", rules_without_zero3(), stacked),
