@@ -14,6 +14,7 @@ import jax
 
 from maxtext_rocm import config as config_lib
 from maxtext_rocm.runtime import distributed, preemption, startup_signals
+from maxtext_rocm.runtime.peers import USER_ERROR_EXIT_STATUS
 from maxtext_rocm.runtime.watchdog import HangWatchdog
 from maxtext_rocm.trainer.divergence import TrainingDiverged
 from maxtext_rocm.trainer.trainer import Trainer
@@ -60,7 +61,7 @@ def _main(argv: list[str]) -> int:
         trainer.writer.close()
     except config_lib.UserError as error:
         print(f"error: {error}", file=sys.stderr)
-        return 2
+        return USER_ERROR_EXIT_STATUS
     except TrainingDiverged as error:
         print(f"error: {error}", file=sys.stderr)
         return 3

@@ -17,7 +17,7 @@ from maxtext_rocm.config.choices import (
     ATTENTION_IMPLEMENTATIONS, CHAT_TEMPLATES, CONTEXT_PARALLEL_MODES, DATA_FORMATS, DATA_SOURCES, FP8_FORMATS,
     FP8_SCALINGS, LORA_TARGETS, MESH_AXES, MODEL_FAMILIES, MOE_IMPLEMENTATIONS, NONFINITE_ACTIONS, NUMBER_RANGES,
     OBJECTIVES, PIPELINE_SCHEDULES, PIPELINE_WEIGHT_GATHERS, PRECISION_POLICIES, PROJECTION_FUSIONS, REMAT_POLICIES,
-    SCHEDULES)
+    SCHEDULES, VIRTUAL_STAGE_SCHEDULES)
 from maxtext_rocm.errors import ConfigError
 from maxtext_rocm.config.mesh_sizes import axis_sizes, mesh_shape  # noqa: F401  (part of this module's interface)
 
@@ -315,7 +315,7 @@ def _validate_pipeline(pipe) -> None:
              "(up to 4 per stage, as the batch allows)")
     _require(isinstance(pipe.repeats, int) and pipe.repeats >= 1,
              f"pipeline.repeats={pipe.repeats!r} is not valid; use a count >= 1 of virtual stages per device")
-    _require(pipe.repeats == 1 or pipe.schedule in ("circular", "1f1b"),
+    _require(pipe.repeats == 1 or pipe.schedule in VIRTUAL_STAGE_SCHEDULES,
              f"pipeline.repeats={pipe.repeats} needs a schedule with virtual stages (circular or 1f1b), which "
              f"pipeline.schedule={pipe.schedule!r} is not; set pipeline.repeats=1 or pipeline.schedule='circular' "
              "or '1f1b'")
@@ -398,7 +398,7 @@ def pipeline_microbatches(pipe, stages: int, sequences_per_shard: int) -> int:
 def chunks_per_device(pipe) -> int:
     """R: the chunks of layers each stage device runs, pipeline.repeats under the schedules with
     virtual stages (circular, 1f1b), 1 otherwise."""
-    return pipe.repeats if pipe.schedule in ("circular", "1f1b") else 1
+    return pipe.repeats if pipe.schedule in VIRTUAL_STAGE_SCHEDULES else 1
 
 
 def interleaved(pipe) -> bool:

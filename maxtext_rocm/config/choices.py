@@ -25,6 +25,7 @@ OBJECTIVES = ("lm", "dpo")  # train.objective: next-token cross-entropy, or pref
 # 1f1b: each microbatch's backward as soon as its loss exists, the loss run inside the pipeline
 # (parallel/pipeline_1f1b.py); interleaved with pipeline.repeats > 1 (pipeline_1f1b_order.py)
 PIPELINE_SCHEDULES = ("gpipe", "circular", "gpipe_recompute", "1f1b")
+VIRTUAL_STAGE_SCHEDULES = ("circular", "1f1b")  # those that run pipeline.repeats chunks per device
 # When a stage's ZeRO-3 weights are gathered (pipeline.weight_gather) and their gradient
 # reduce-scattered (pipeline.gradient_reduce): in each iteration of the pipeline loop, or once.
 PIPELINE_WEIGHT_GATHERS = ("per_iteration", "once")

@@ -65,6 +65,7 @@ from flax import linen as nn
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from maxtext_rocm.config.checks import pipeline_microbatches
+from maxtext_rocm.config.choices import VIRTUAL_STAGE_SCHEDULES
 from maxtext_rocm.errors import ConfigError
 from maxtext_rocm.numerics import fp8
 from maxtext_rocm.numerics.fp8 import FP8_COLLECTION
@@ -86,7 +87,7 @@ def bubble_fraction(schedule: str, stages: int, microbatches: int, repeats: int 
     """The share of a step each stage idles. GPipe, gpipe_recompute, 1f1b: (S-1)/(M+S-1).
     Circular and interleaved 1f1b, R virtual stages per device: (S-1)/(R M + S-1), each pass over
     the devices being 1/R as long."""
-    if schedule not in ("circular", "1f1b"):  # gpipe, gpipe_recompute: one chunk per device
+    if schedule not in VIRTUAL_STAGE_SCHEDULES:  # gpipe, gpipe_recompute: one chunk per device
         repeats = 1
     return (stages - 1) / (repeats * microbatches + stages - 1)
 

@@ -70,7 +70,6 @@ from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import linen as nn
 from jax.sharding import Mesh
 
@@ -79,7 +78,7 @@ from maxtext_rocm.models.moe import AUX_LOSSES
 from maxtext_rocm.numerics import fp8
 from maxtext_rocm.numerics.fp8 import FP8_COLLECTION
 from maxtext_rocm.parallel.pipeline import (
-    STAGE_AXIS, STATE_AXES, TOKEN_AXES, Schedule, _is_first, _permute, _real_work, _shift,
+    STAGE_AXIS, STATE_AXES, TOKEN_AXES, Schedule, _is_first, _permute, _real_work,
     embedded_per_stage, run_chunk, schedule_for, split_microbatches, stage_stack)
 from maxtext_rocm.parallel.pipeline_1f1b_order import OneFOneBOrder
 from maxtext_rocm.parallel.pipeline_gather import GatheredOnce
@@ -210,12 +209,9 @@ class _Loop:
     # One stage's work (vmapped over the stages)
 
     def _pick(self, stage_vars, stage_real, repeat):
-        """The chunk `repeat` of one stage's [R, K, ...] block and its [K] slots' reality. One
-        repeat: a static index (as GPipe's pick_chunk, for the same reason)."""
-        if self.repeats == 1:
-            return _only_chunk(stage_vars), stage_real[0]
-        def pick(a):
-            return jax.lax.dynamic_index_in_dim(a, repeat, axis=0, keepdims=False)
+        """The chunk `repeat` of one stage's [R, K, ...] block and its [K] slots' reality, as the
+        schedule picks it (GPipe's static index with one repeat, Circular's dynamic one)."""
+        pick = functools.partial(self.schedule.pick_chunk, repeat=repeat)
         return jax.tree_util.tree_map(pick, stage_vars), pick(stage_real)
 
     def _stage(self, stage_vars, stage_real, repeat, h, pos, seg):
@@ -433,14 +429,10 @@ def _zeros(shapes):
     return jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
 
-def _only_chunk(stage_vars):
-    """A stage's [1, K, ...] block (GPipe: one chunk per device) as its chunk [K, ...]."""
-    return jax.tree_util.tree_map(lambda a: a[0], stage_vars)
-
-
 def _merged(combined, update, uses: Array):
-    """fp8.combine_updates of `combined` and one backward's `update` [S, 1, K, ...] where `uses`
-    [S, 1, K] (a real layer on a real microbatch), `combined` elsewhere."""
+    """fp8.combine_updates of `combined` [S, R, K, ...] and one backward's `update` [S, 1, K, ...]
+    where `uses` [S, R, K] (a real layer of the chunk run, on a real microbatch), `combined`
+    elsewhere."""
     merged = fp8.combine_updates(combined, update)
     return jax.tree_util.tree_map(
         lambda new, old: jnp.where(uses.reshape(*uses.shape, *(1,) * (old.ndim - uses.ndim)), new, old),

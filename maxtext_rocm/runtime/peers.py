@@ -33,7 +33,7 @@ import threading
 import time
 
 PEER_LOST_EXIT_STATUS = 5
-USER_ERROR_EXIT_STATUS = 2  # train.py's for bad input
+USER_ERROR_EXIT_STATUS = 2  # bad input (train.py's status for a UserError)
 USER_ERROR_GRACE_S = 5.0
 KEY = "maxtext_rocm/peers/listener"
 
