@@ -196,16 +196,17 @@ def _named_gpu(platform, monkeypatch):
     """Names the GPU that Pallas' Triton lowering asks about, on a host without one. jax 0.10 fell
     back by itself; jax >= 0.12 asks the default device (or an abstract mesh's device, which this
     export cannot use: pallas_call needs devices present at lowering) and raises "No supported GPU
-    devices found" on a CPU. So answer for an H100 (CUDA) or an MI300X, gfx942 (ROCm)."""
-    try:
-        from jax._src.pallas.triton import gpu_info, pallas_call_registration
-    except ImportError:  # jax 0.10: no gpu_info module, nothing to name
+    devices found" on a CPU. So answer for an H100 (CUDA) or an MI300X, gfx942 (ROCm). The module
+    moved: jax 0.12.0 kept it beside the Triton lowering, 0.12.1 in jax._src."""
+    from jax._src.pallas.triton import pallas_call_registration
+    gpu_info = getattr(pallas_call_registration, "gpu_info_lib", None)
+    if gpu_info is None:  # jax 0.10: no gpu_info module, nothing to name
         return
     if platform == "cuda":
         info = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H100)
     else:
         info = gpu_info.GpuInfo(gpu_version=None, arch_name="gfx942", compute_capability=0)
-    monkeypatch.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info", lambda: info)
+    monkeypatch.setattr(gpu_info, "get_gpu_info", lambda: info)
 
 
 @pytest.mark.parametrize("platform", ["cuda", "rocm"])
