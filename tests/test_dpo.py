@@ -3,6 +3,8 @@ its loss and gradient on fixed log-probabilities, on a model's full logits, shar
 and in a short training run that learns a preference."""
 
 import math
+import os
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +20,8 @@ from helpers import assert_close, initial_run
 
 ONE_DEVICE = {f"mesh.ici.{a}": 1 for a in ("data", "fsdp", "expert", "sequence", "tensor")}
 LN2 = math.log(2.0)
+REPO = Path(__file__).resolve().parent.parent
+CLI_ENV = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")  # the CLI on 2 devices
 
 
 def trl_losses(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta, label_smoothing=0.0):
@@ -288,6 +292,10 @@ def test_reference_holds_matrices_in_the_compute_dtype_and_follows_loaded_params
     refreshed = dpo.refreshed_reference(reference, loaded)  # checkpoint.load_params_from's starting point
     assert refreshed["dense"]["kernel"].dtype == jnp.bfloat16 and float(refreshed["dense"]["kernel"][0, 0]) == 2.5
     assert refreshed["norm"]["scale"].dtype == jnp.float32 and float(refreshed["norm"]["scale"][0]) == 0.5
+    # Its own buffer where the dtype matches (the step donates both), laid out like the parameter.
+    scale, loaded_scale = refreshed["norm"]["scale"], loaded["norm"]["scale"]
+    assert scale.unsafe_buffer_pointer() != loaded_scale.unsafe_buffer_pointer()
+    assert scale.sharding == loaded_scale.sharding
 
 
 def test_lora_dpo_uses_the_base_without_adapters_as_its_reference(tmp_path):
@@ -313,3 +321,44 @@ def test_lora_dpo_uses_the_base_without_adapters_as_its_reference(tmp_path):
     assert rows[0]["loss"] == pytest.approx(LN2, abs=1e-6)
     assert rows[-1]["loss"] < LN2 - 0.02 and rows[-1]["dpo_reward_margin"] > 0
     assert_close(after, base, scale=0, rtol=0)  # the base (and so the reference) never moved
+
+
+TINY_MODEL = ["--config.model.vocab_size=512", "--config.model.d_model=64", "--config.model.n_layers=2",
+              "--config.model.n_heads=4", "--config.model.n_kv_heads=2", "--config.model.head_dim=16",
+              "--config.model.mlp_dim=128", "--config.model.scan_layers=true", "--config.train.seq_len=32", "--config.train.per_device_batch_size=2",
+              "--config.precision.policy=bf16", "--config.checkpoint.every=0", "--config.log.every=1",
+              "--config.log.tensorboard=false", "--config.optimizer.warmup_steps=0"]
+TINY_MESH = [f"--config.mesh.ici.{a}=1" for a in ("fsdp", "expert", "sequence", "tensor")]
+
+
+def test_full_dpo_from_a_params_export_trains_through_the_cli(tmp_path):
+    """A params export (as `convert from-hf` and `checkpoint export` write) as DPO's starting point,
+    through `python -m maxtext_rocm.train`: the reference is remade from the loaded parameters, and
+    the fp32 norm scales, whose dtype already matches, must be copies, not the parameters' own
+    buffers (the donated step was handed one buffer twice: INVALID_ARGUMENT before the fix)."""
+    import json
+    import subprocess
+    import sys
+
+    from chat_helpers import make_chat_tokenizer, write_jsonl
+    from maxtext_rocm import api, config as config_lib
+    from maxtext_rocm.checkpoint.params import write_params
+
+    cfg = small_config(**{"model.vocab_size": 512})  # TINY_MODEL's model
+    export = tmp_path / "export"
+    write_params(export, api.init_params(cfg, seed=3))
+    tok = make_chat_tokenizer(tmp_path / "tok")
+    pairs = write_jsonl(tmp_path / "pairs.jsonl", [{"prompt": f"what is {i} plus {i}?", "chosen": " the answer is four.",
+                                                   "rejected": " no"} for i in range(8)])
+    run = tmp_path / "run"
+    result = subprocess.run(
+        [sys.executable, "-m", "maxtext_rocm.train", "configs/tiny_llama.py", *TINY_MODEL, *TINY_MESH,
+         "--config.mesh.ici.data=2", "--config.train.steps=2", "--config.train.objective=dpo",
+         "--config.data.source=files", f"--config.data.paths={pairs}", "--config.data.format=preference",
+         f"--config.data.tokenizer={tok / 'tokenizer.json'}", f"--config.checkpoint.load_params_from={export}",
+         f"--config.output_dir={run}"],
+        cwd=REPO, env=CLI_ENV, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["loss"] == pytest.approx(LN2, abs=1e-6)  # the reference is the loaded start
+    assert len(rows) == 2 and all(math.isfinite(r["loss"]) for r in rows)

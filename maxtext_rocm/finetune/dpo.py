@@ -61,8 +61,11 @@ def reference_params(state) -> Any:
 
 def refreshed_reference(reference, params):
     """`reference` remade from new starting `params` (checkpoint.load_params_from), each leaf in
-    the dtype the reference holds it in."""
-    return jax.tree_util.tree_map(lambda r, p: p.astype(r.dtype), reference, params)
+    the dtype the reference holds it in, and always a buffer of its own: `astype` to the dtype an
+    array already has returns that same array (the fp32 norm scales), and the train step, which
+    donates the state, must never be handed one buffer as both a parameter and the reference."""
+    return jax.tree_util.tree_map(lambda r, p: p.astype(r.dtype) if p.dtype != r.dtype else jnp.copy(p),
+                                  reference, params)
 
 
 class SequenceLogprobs(NamedTuple):
