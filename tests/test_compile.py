@@ -133,3 +133,42 @@ def test_cpu_suite_runs_the_tiny_presets(tmp_path):
     assert all(r["mfu"] is None for r in rows)  # no peak is known for a CPU
     assert all(r["glibc_tunables"] == os.environ.get("GLIBC_TUNABLES", "") for r in rows)
     assert "tiny_mixtral" in (tmp_path / "results.md").read_text()
+
+
+# A tiny Llama for the one-device checks (a subprocess each: the tool sets its own device count).
+TINY = ["--config.data.source=synthetic", "--config.model.vocab_size=128", "--config.model.d_model=64",
+        "--config.model.n_layers=2", "--config.model.n_heads=4", "--config.model.n_kv_heads=2", "--config.model.head_dim=16",
+        "--config.model.mlp_dim=128", "--config.train.per_device_batch_size=1", "--config.train.seq_len=32"]
+
+
+def test_comm_on_one_device_reports_nothing_to_exchange(tmp_path):
+    """One device moves nothing: no collective, a minimum of zero, and no ratio of 0 / 0 (it died
+    with ZeroDivisionError in planner/comm.py)."""
+    out = tmp_path / "report.json"
+    result = fit_check("tiny_llama", "--target=mi300x:1", "--comm", f"--json={out}", *TINY)
+    assert result.returncode == 0, result.stderr
+    assert "measured communication: none (one device has nothing to exchange)" in result.stdout
+    comm = json.loads(out.read_text())["comm"]
+    assert comm["total_bytes"] == 0 and comm["minimum"]["cpu_bytes"] == 0 and comm["ratio"] is None
+
+
+def test_plan_on_one_device_compiles_its_one_layout(tmp_path):
+    out = tmp_path / "plan.json"
+    result = fit_check("tiny_llama", "--target=mi300x:1", "--plan", "--max-compiles=1", f"--json={out}", *TINY)
+    assert result.returncode == 0, result.stderr
+    assert "communication none (one device has nothing to exchange)" in result.stdout
+    best = json.loads(out.read_text())["ranked"][0]
+    assert best["compiled"] and best["comm_s"] == 0 and best["comm_ratio"] is None
+
+
+@pytest.mark.parametrize("flag, says", [
+    ("--max-compiles=abc", "--max-compiles='abc' is not valid; use a whole number"),
+    ("--usable=abc", "--usable='abc' is not valid"),
+    ("--usable=1.5", "--usable='1.5' is not valid"),
+])
+def test_a_bad_number_flag_is_named(flag, says):
+    """Without --plan too: `int()`'s own message named no flag."""
+    result = fit_check("tiny_llama", "--target=mi300x:8", flag)
+    assert result.returncode == 2 and result.stderr.startswith(f"error: {says}")
+    assert "invalid literal" not in result.stderr and "Traceback" not in result.stderr
+    assert result.stderr.count("\n") == 1

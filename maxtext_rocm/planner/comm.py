@@ -344,10 +344,26 @@ def report(hlo_text: str, layout: MeshLayout, model_cfg, train_cfg, policy: str,
                   "other_bytes": sum(r["bytes"] for r in on_stage if r["kind"] != "collective-permute"),
                   "link": "DCN" if any(r["link"] == "DCN" for r in on_stage) else "ICI",
                   "minimum_bytes": sum(t["cpu_bytes"] for t in least["terms"] if t["axes"] == "stage")}
-    return {**measured, "by_axes": dict(sorted(by_axes.items())), "minimum": least, "stages": stages, "ratio": measured["total_bytes"] / least["cpu_bytes"],
-            "target": kind, "link": LINKS[kind],
+    return {**measured, "by_axes": dict(sorted(by_axes.items())), "minimum": least, "stages": stages,
+            "ratio": ratio(measured["total_bytes"], least["cpu_bytes"]), "target": kind, "link": LINKS[kind],
             "measured_seconds": link_seconds(measured["bytes_by_link"], kind),
             "minimum_seconds": link_seconds(least_by_link, kind), "policy": policy}
+
+
+def ratio(measured_bytes: float, minimum_bytes: float) -> float | None:
+    """Measured over minimum; None where the layout needs no communication at all (one device, or no
+    axis over 1): there is nothing to hold the program to but zero, which describe_ratio reports."""
+    return measured_bytes / minimum_bytes if minimum_bytes else None
+
+
+def describe_ratio(r: dict) -> str:
+    """The measured bytes against the minimum, in words: "x1.02 its minimum", or what a layout that
+    needs no communication (one device) moved."""
+    if r["ratio"] is not None:
+        return f"x{r['ratio']:.2f} its minimum"
+    if not r["total_bytes"]:
+        return "none (one device has nothing to exchange)"
+    return f"{r['total_bytes'] / MIB:.2f} MiB where the layout needs none"
 
 
 def format_report(r: dict) -> str:
@@ -373,8 +389,10 @@ def format_report(r: dict) -> str:
         lines.append(f"  {t['term']:<26}{t['axes']:<22}{t['cpu_bytes'] / MIB:>10.2f} MiB   {t['formula']}")
     lines.append(f"  {'minimum':<48}{least['cpu_bytes'] / MIB:>10.2f} MiB   (GPU dtypes: "
                  f"{least['gpu_bytes'] / MIB:.2f} MiB)")
-    lines.append(f"measured / minimum = {r['ratio']:.2f}; by mesh axes: " + ", ".join(
-        f"{axes} {v['measured_bytes'] / MIB:.2f} / {v['minimum_bytes'] / MIB:.2f} MiB" for axes, v in r["by_axes"].items()))
+    by_axes = ", ".join(f"{axes} {v['measured_bytes'] / MIB:.2f} / {v['minimum_bytes'] / MIB:.2f} MiB"
+                        for axes, v in r["by_axes"].items())
+    lines.append(f"measured / minimum = {r['ratio']:.2f}; by mesh axes: {by_axes}" if r["ratio"] is not None
+                 else f"measured communication: {describe_ratio(r)}")
     if r.get("stages"):
         st = r["stages"]
         lines.append(f"between stages ({st['link']}): {(st['permute_bytes'] + st['other_bytes']) / MIB:.2f} MiB over "

@@ -122,7 +122,8 @@ class Candidate:
     bubble: float  # the pipeline's idle share (0 without one)
     compiled: bool = False
     compile_s: float | None = None
-    comm_ratio: float | None = None  # measured / minimum, once compiled
+    comm_ratio: float | None = None  # measured / minimum, once compiled (None: the layout needs none)
+    comm_described: str = ""  # the measured communication in words, once compiled (comm.describe_ratio)
     command: str = ""
 
     @property
@@ -355,7 +356,8 @@ def make_plan(cfg, spec: str, kind: str, nodes: int, gpus: int, usable: float, m
         c.memory_bytes = max(report.memory.analytic_total_bytes, report.memory.checkpoint_save_peak_bytes or 0)
         c.fits = report.fits
         c.comm_s, c.comm_ratio = measured_seconds(report.comm, c.layout, kind), report.comm["ratio"]
-        log(f" {c.compile_s:.0f} s, {'fits' if c.fits else 'does not fit'}, communication x{c.comm_ratio:.2f} its minimum")
+        c.comm_described = comm_lib.describe_ratio(report.comm)
+        log(f" {c.compile_s:.0f} s, {'fits' if c.fits else 'does not fit'}, communication {c.comm_described}")
     ranked.sort(key=rank_key)
     for c in ranked:
         c.command = " ".join(["python -m maxtext_rocm.train", spec, *user_overrides, *c.layout.overrides()])
@@ -368,7 +370,7 @@ def format_plan(plan: Plan, top: int = 8) -> str:
              "link bandwidth, no overlap, measured for compiled layouts, the analytic minimum for the rest)"]
     for i, c in enumerate(plan.ranked[:top], 1):
         fit = f"{'fits' if c.fits else 'DOES NOT FIT'}, {c.memory_bytes / GIB:.1f} GiB"
-        how = (f"compiled in {c.compile_s:.0f} s, communication x{c.comm_ratio:.2f} its minimum" if c.compiled
+        how = (f"compiled in {c.compile_s:.0f} s, communication {c.comm_described}" if c.compiled
                else "estimated")
         lines.append(f"{i}. {c.layout.describe()} | {fit} | compute {c.compute_s:.3g} s | "
                      f"communication {c.comm_s:.3g} s | bubble {c.bubble:.0%} | {how}")

@@ -98,8 +98,19 @@ def plan_refusal(options: dict, overrides: list[str]) -> str | None:
         return ("--plan chooses the mesh, the pipeline's microbatches, schedule and weight gathering, and the remat "
                 "policy itself; "
                 f"drop {chosen[0]}, or drop --plan to check that layout")
-    if options["max-compiles"] is not None and (not options["max-compiles"].isdigit()):
+    return None
+
+
+def number_refusal(options: dict) -> str | None:
+    """The one sentence refusing a --max-compiles or --usable that is not a number of its kind, or None."""
+    if options["max-compiles"] is not None and not options["max-compiles"].isdigit():
         return f"--max-compiles={options['max-compiles']!r} is not valid; use a whole number of compiles, 0 or more"
+    try:
+        usable = float(options["usable"])
+    except ValueError:
+        usable = None
+    if usable is None or not 0 < usable <= 1:
+        return f"--usable={options['usable']!r} is not valid; use the share of each GPU's memory to plan for, in (0, 1]"
     return None
 
 
@@ -132,6 +143,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: unexpected argument {arg!r}\n{USAGE}", file=sys.stderr)
             return 2
         i += 1
+    refusal = number_refusal(options)
+    if refusal:
+        print(f"error: {refusal}", file=sys.stderr)
+        return 2
     try:
         kind, n = parse_target(options["target"] or "")
         usable = float(options["usable"])
