@@ -39,7 +39,7 @@ def test_rope_scaling_from_command_line():
 
 @pytest.mark.parametrize("args, expected", [
     (["--config.train.stpes=3"], "unknown config key 'train.stpes'; did you mean 'train.steps'"),
-    (["--config.trian.steps=3"], "unknown config key 'trian'; did you mean 'train'"),
+    (["--config.trian.steps=3"], "unknown config key 'trian'; did you mean 'train.steps'"),
     (["--config.train.steps=many"], "config key 'train.steps' takes an int, not 'many'"),
     (["--config.model.scan_layers=maybe"], "config key 'model.scan_layers' takes true or false"),
     (["--config.train.steps"], "has no value"),
@@ -57,6 +57,68 @@ def test_cli_mistakes_name_the_key(args, expected):
         config_lib.load("configs/tiny_llama.py", args)
     assert expected in str(info.value)
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("key, meant", [
+    ("optimizer.learning_rate", "optimizer.lr"),  # another trainer's name (key_hints.SYNONYMS)
+    ("learning_rate", "optimizer.lr"),
+    ("train.max_steps", "train.steps"),
+    ("batch_size", "train.per_device_batch_size"),
+    ("lora.target_modules", "lora.targets"),
+    ("train.lr", "optimizer.lr"),  # the right name in another group
+    ("model.seq_len", "train.seq_len"),
+    ("optimiser.lr", "optimizer.lr"),  # a misspelt group, the rest of the key right
+    ("optimizer.warmup", "optimizer.warmup_steps"),
+])
+def test_unknown_keys_suggest_the_key_meant(key, meant):
+    with pytest.raises(ConfigError) as info:
+        config_lib.load("tiny_llama", [f"--config.{key}=1"])
+    unknown = "optimiser" if key.startswith("optimiser") else key  # the first part that does not exist
+    assert str(info.value).startswith(f"unknown config key {unknown!r}; did you mean {meant!r}? ")
+    assert "\n" not in str(info.value)
+
+
+def test_every_synonym_names_a_key_that_exists():
+    from maxtext_rocm.config import key_hints
+
+    keys = set(key_hints.dotted_keys(config_lib.defaults()))
+    assert {target for target in key_hints.SYNONYMS.values()} <= keys
+    assert not set(key_hints.SYNONYMS) & {k.split(".")[-1] for k in keys}  # a synonym never shadows a real name
+
+
+def test_a_key_under_a_value_is_named():
+    with pytest.raises(ConfigError, match=r"unknown config key 'train.steps.x'; 'train.steps' is a value"):
+        config_lib.load("tiny_llama", ["--config.train.steps.x=1"])
+
+
+@pytest.mark.parametrize("args, key, expected", [
+    (["--config.lora.targets=q,v"], "lora.targets", ("q", "v")),
+    (["--config.lora.targets= q , v "], "lora.targets", ("q", "v")),
+    (["--config.lora.targets=q"], "lora.targets", ("q",)),
+    (["--config.lora.targets=('q', 'v')"], "lora.targets", ("q", "v")),  # the literal form still taken
+    (["--config.lora.targets", "['o']"], "lora.targets", ("o",)),
+    (["--config.log.profile_steps=2,4"], "log.profile_steps", (2, 4)),  # items typed by the default's
+    (["--config.log.profile_steps=(2, 4)"], "log.profile_steps", (2, 4)),
+])
+def test_list_valued_keys_take_comma_separated_items(args, key, expected):
+    cfg = config_lib.load("tiny_llama", args)
+    group, leaf = key.split(".")
+    assert cfg[group][leaf] == expected
+
+
+def test_list_valued_keys_take_comma_separated_items_from_python_too():
+    assert config_lib.load("tiny_llama", overrides={"lora.targets": "q,v"}).lora.targets == ("q", "v")
+
+
+@pytest.mark.parametrize("arg, expected", [
+    ("--config.log.profile_steps=a,b", "config key 'log.profile_steps' takes whole numbers such as 0,0, not 'a,b'"),
+    ("--config.lora.targets=q,,v", "config key 'lora.targets' has an empty item in 'q,,v'"),
+    ("--config.lora.targets=q,x", "lora.targets=('q', 'x') is not valid"),
+])
+def test_bad_list_items_are_named(arg, expected):
+    with pytest.raises(ConfigError) as info:
+        config_lib.load("tiny_llama", [arg])
+    assert expected in str(info.value) and "\n" not in str(info.value)
 
 
 def test_missing_preset_and_variant():

@@ -52,6 +52,7 @@ def test_peak_override_gives_an_mfu(tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (["configs/tiny_llama.py", "--config.train.stpes=3"], "did you mean 'train.steps'"),
+    (["configs/tiny_llama.py", "--config.optimizer.learning_rate=1e-3"], "did you mean 'optimizer.lr'?"),
     (["configs/tiny_llama.py", "--config.mesh.ici.fsdp=3"], "mesh.ici sizes (fsdp=3) multiply to 3 but there are 8"),
     (["configs/tiny_llama.py", "--config.mesh.ici.tensor=8", "--config.mesh.ici.fsdp=1"], "does not divide over"),
     (["configs/missing.py"], "does not exist"),

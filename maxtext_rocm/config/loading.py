@@ -13,7 +13,6 @@ what would be valid; the command line turns it into exit status 2.
 from __future__ import annotations
 
 import ast
-import difflib
 import importlib.util
 import linecache
 import re
@@ -32,6 +31,7 @@ from maxtext_rocm.config.choices import (  # noqa: F401
 from maxtext_rocm.errors import CheckpointError, ConfigError, UserError  # noqa: F401
 # Validation lives in config/checks.py; its entry points are part of this module's interface.
 from maxtext_rocm.config.checks import axis_sizes, global_batch_size, mesh_shape, validate  # noqa: F401
+from maxtext_rocm.config import key_hints
 from maxtext_rocm.config.defaults import defaults
 
 
@@ -113,10 +113,11 @@ def _preset_error(preset: Path, error: Exception) -> ConfigError:
     unknown = re.search(r'Key "([^"]+)" does not exist and cannot be added since the config is locked', text)
     if unknown:
         close = re.search(r'Did you mean "([^"]+)"', text)
+        meant = close.group(1) if close else key_hints.SYNONYMS.get(unknown.group(1))
         source = linecache.getline(where_file, line).strip() if line else ""
         return ConfigError(
             f"{at} sets the unknown config key {unknown.group(1)!r}" + (f" ({source})" if source else "")
-            + (f"; did you mean {close.group(1)!r}?" if close else "; see config.defaults() for the keys"))
+            + (f"; did you mean {meant!r}?" if meant else "; see config.defaults() for the keys"))
     first = (text.strip().splitlines() or [""])[0][:300]
     return ConfigError(f"{at} raised {type(error).__name__}" + (f": {first}" if first else "")
                        + "; fix the preset or pass another one")
@@ -147,9 +148,12 @@ def _lookup(cfg: ml_collections.ConfigDict, key: str):
     for depth, part in enumerate(parts):
         here = ".".join(parts[: depth + 1])
         if not isinstance(node, ml_collections.ConfigDict) or part not in node:
-            siblings = list(node.keys()) if isinstance(node, ml_collections.ConfigDict) else []
-            close = difflib.get_close_matches(part, siblings, n=1)
-            hint = f"did you mean {'.'.join(parts[:depth] + close)!r}? " if close else ""
+            if not isinstance(node, ml_collections.ConfigDict):  # a key under a leaf: `train.steps.x`
+                raise ConfigError(f"unknown config key {key!r}; {'.'.join(parts[:depth])!r} is a value, "
+                                  "not a group of keys")
+            siblings = list(node.keys())
+            meant = key_hints.suggestion(cfg, key, depth)
+            hint = f"did you mean {meant!r}? " if meant else ""
             scope = ".".join(parts[:depth]) or "the config"
             raise ConfigError(
                 f"unknown config key {here!r}; {hint}keys in {scope} are: {', '.join(siblings)}"
@@ -197,9 +201,27 @@ def _coerce(key: str, current: Any, value: Any) -> Any:
         return float(value)
     if kind is tuple and isinstance(value, list):
         return tuple(value)
+    if kind is tuple and isinstance(value, str):
+        return _split_list(key, current, value)
     raise ConfigError(
         f"config key {key!r} takes a {kind.__name__} (default {current!r}), not {value!r}"
     )
+
+
+def _split_list(key: str, current: tuple, text: str) -> tuple:
+    """`a,b` for a tuple-valued key: its items, each of the type of the default's items (ints for
+    `log.profile_steps`, names for `lora.targets`); an empty string is the empty tuple."""
+    items = [item.strip() for item in text.split(",")] if text.strip() else []
+    if "" in items:
+        raise ConfigError(f"config key {key!r} has an empty item in {text!r}; write its items as a,b "
+                          f"(default {','.join(map(str, current))})")
+    if current and all(isinstance(x, int) and not isinstance(x, bool) for x in current):
+        try:
+            return tuple(int(item) for item in items)
+        except ValueError:
+            raise ConfigError(f"config key {key!r} takes whole numbers such as "
+                              f"{','.join(map(str, current))}, not {text!r}") from None
+    return tuple(items)
 
 
 def _parse_cli_value(key: str, current: Any, text: str) -> Any:
@@ -227,6 +249,8 @@ def _parse_cli_value(key: str, current: Any, text: str) -> Any:
         return number
     if isinstance(current, str):
         return text
+    if isinstance(current, tuple) and not text.lstrip().startswith(("(", "[")):
+        return text  # `a,b` (or one item): set_key splits it by the default's items (_split_list)
     # None-valued keys (e.g. model.rope_scaling) and tuples take Python literals.
     if text.lower() == "none":
         return None
