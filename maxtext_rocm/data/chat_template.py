@@ -190,11 +190,35 @@ def encode_rendered(tokenizer, text: str) -> list[int]:
     raise ConfigError("chat templates need a tokenizer file (data.tokenizer), not the byte tokenizer")
 
 
+PROBE_REPLY = "4242"  # a reply that trimming, case changes and escaping leave as it is
+
+
+def reply_problem(template: ChatTemplate) -> str | None:
+    """The sentence that refuses a template which would train nothing, or None: one that renders
+    nothing, or never writes the assistant's words (they are what a chat trains on), found by
+    rendering a probe conversation. A template that refuses the probe is judged on the data instead
+    (data/formats.py renders a record of each sequence of roles)."""
+    try:
+        text = template.render([{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": PROBE_REPLY}])
+    except TemplateError:
+        return None
+    remedy = (f"set data.chat_template to a Jinja file that writes every message, or one of "
+              f"{', '.join(map(repr, BUILT_IN))}")
+    if not text.strip():
+        return (f"the chat template of {template.where} renders nothing (an empty text for a user and an assistant "
+                f"turn), so no token would be trained; {remedy}")
+    if PROBE_REPLY not in text:
+        return (f"the chat template of {template.where} never renders the assistant's words (a reply "
+                f"{PROBE_REPLY!r} is not in its text for a user and an assistant turn), so no token would be "
+                f"trained; {remedy}")
+    return None
+
+
 def end_of_turn(template: ChatTemplate, tokenizer) -> EndOfTurn:
     """What the template writes after an assistant's words (Llama 3: `<|eot_id|>`; ChatML:
     `<|im_end|>\\n`), found by rendering a probe reply: the reply stops at its first token (and at
     the tokenizer's EOS)."""
-    probe = "4242"
+    probe = PROBE_REPLY
     asked = [{"role": "user", "content": "2+2?"}]
     prompt = template.render(asked, add_generation_prompt=True)
     full = template.render(asked + [{"role": "assistant", "content": probe}])

@@ -27,11 +27,33 @@ def json_record(line: bytes, path, number: int):
         raise DataError(f"{path} line {number} is not valid JSON") from None
 
 
+# The fields each data.format other than text reads from a JSON line (data/records.py), most
+# specific first: a line's fields name the format it was written for.
+FORMAT_FIELDS = {"preference": ("prompt", "chosen", "rejected"), "prompt_completion": ("prompt", "completion"),
+                 "chat": ("messages",)}
+
+
+def format_hint(record, given: str, text_field: str = "text") -> str:
+    """', which are those of data.format=X: set that' where `record`'s fields fit another format
+    than the `given` one (a preference file under data.format='chat'), else ''."""
+    if not isinstance(record, dict):
+        return ""
+    fits = next((fmt for fmt, fields in FORMAT_FIELDS.items() if all(f in record for f in fields)), None)
+    if fits is None and isinstance(record.get(text_field), str):
+        fits = "text"
+    if fits is None or fits == given:
+        return ""
+    extra = {"preference": " with train.objective='dpo'",
+             "text": f" (data.text_field={text_field!r})" if text_field != "text" else ""}.get(fits, "")
+    return f", which are those of data.format={fits!r}: set that{extra} if the file is meant so"
+
+
 def json_text(line: bytes, field: str, path, number: int) -> str:
     record = json_record(line, path, number)
     if not isinstance(record, dict) or field not in record:
         raise DataError(f"{path} line {number} has no field {field!r} (data.text_field); "
-                        f"its fields are: {', '.join(record) if isinstance(record, dict) else 'none'}")
+                        f"its fields are: {', '.join(record) if isinstance(record, dict) else 'none'}"
+                        f"{format_hint(record, 'text', field)}")
     text = record[field]
     if not isinstance(text, str):
         raise DataError(f"{path} line {number}: field {field!r} (data.text_field) is not a string")

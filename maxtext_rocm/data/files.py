@@ -46,7 +46,7 @@ def check_inputs(data_cfg, model_vocab_size: int, seq_len: int | None = None) ->
             if data_cfg.get("format", "text") != "text":  # chats, prompt/completion, preference: data/formats.py
                 from maxtext_rocm.data.formats import check_format_inputs
 
-                check_format_inputs(files, data_cfg, tokenizer, seq_len)
+                check_format_inputs(files, data_cfg, tokenizer, seq_len, f"data.{key}")
                 continue
             docs = Documents(files, data_cfg.text_field)
             _check_yields_tokens(tokenized_dataset(docs, tokenizer, data_cfg.add_bos, data_cfg.add_eos),

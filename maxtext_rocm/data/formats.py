@@ -164,16 +164,48 @@ def format_source(files, data_cfg, tokenizer, local_rows: int) -> FormatSource:
     return FormatSource(records, dataset, PairPacker)
 
 
-def check_format_inputs(files, data_cfg, tokenizer, seq_len: int | None) -> None:
-    """Before any device work: every record's shape (Records); the template renders and masks the
-    first record of each sequence of roles (a template refuses a role or an order of turns, e.g.
-    "roles must alternate", by the roles, so one of each is rendered, not every record); and
-    without packing (chat, prompt_completion) no example loses every trained token to the row's
-    end, which tokenizes every record once."""
+def trains_a_token(example: TokenizedExample) -> bool:
+    """Whether a row of `example` carries loss somewhere: a target (every token but the first) that
+    is trained (data/packing.py weighs token i + 1 by trained[i + 1])."""
+    return len(example.tokens) >= 2 and (example.trained is None or bool(example.trained[1:].any()))
+
+
+def usable_pair(pair: PreferencePair, seq_len: int | None) -> bool:
+    """Whether a preference pair moves DPO at all: its two rows, as truncated into seq_len, differ
+    (identical rows have identical log-probabilities: the loss stays at ln 2, the gradient at 0)."""
+    from maxtext_rocm.data.preference import truncate_pair
+
+    chosen, rejected = truncate_pair(*pair, seq_len) if seq_len else pair
+    if not (trains_a_token(chosen) or trains_a_token(rejected)):
+        return False
+    return not (np.array_equal(chosen.tokens, rejected.tokens) and np.array_equal(chosen.trained, rejected.trained))
+
+
+def _names(files) -> str:
+    return ", ".join(str(f) for f in files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
+
+
+def check_format_inputs(files, data_cfg, tokenizer, seq_len: int | None, key: str = "data.paths") -> None:
+    """Before any device work: every record's shape (Records); the chat template writes the
+    assistant's words (chat_template.reply_problem); the template renders and masks the first
+    record of each sequence of roles (a template refuses a role or an order of turns, e.g. "roles
+    must alternate", by the roles, so one of each is rendered, not every record); without packing
+    (chat, prompt_completion) no example loses every trained token to the row's end, which
+    tokenizes every record once; and the data trains something: some record leaves a trained
+    token (preference: some pair whose rows differ). Usually the first record does, so that costs
+    nothing more; data that trains nothing costs one pass over it, once, to be refused."""
+    from maxtext_rocm.data.chat_template import load_chat_template, reply_problem
+
     records, dataset = format_dataset(files, data_cfg, tokenizer)
+    if records.has_messages:
+        problem = reply_problem(load_chat_template(data_cfg, tokenizer))
+        if problem:
+            raise TemplateError(problem)
+    preference = data_cfg.get("format") == "preference"
     unpacked = data_cfg.get("packing", "concat") == "none"  # the one mode that truncates
-    exhaustive = data_cfg.get("format") != "preference" and unpacked and seq_len
-    seen = set()
+    exhaustive = not preference and unpacked and seq_len
+    trains = lambda item: usable_pair(item, seq_len) if preference else trains_a_token(item)  # noqa: E731
+    seen, trained = set(), False
     for index in range(len(records)):
         if not exhaustive:
             pattern = role_pattern(records[index][0])
@@ -181,5 +213,20 @@ def check_format_inputs(files, data_cfg, tokenizer, seq_len: int | None) -> None
                 continue
             seen.add(pattern)
         example = dataset[index]
+        trained = trained or trains(example)
         if exhaustive:
             check_trained_within(example, seq_len, records.where(index))
+    if not trained and not any(trains(dataset[index]) for index in range(len(records))):
+        raise _trains_nothing(data_cfg, files, key)
+
+
+def _trains_nothing(data_cfg, files, key: str) -> DataError:
+    fmt = data_cfg.get("format")
+    if fmt == "preference":
+        return DataError(f"no pair of {key} ({_names(files)}) has a chosen response that differs from its rejected "
+                         "one, so DPO would stay at ln 2 with no gradient; give pairs whose chosen and rejected "
+                         "responses differ")
+    what = "assistant turn" if fmt == "chat" else "completion"
+    eos = "" if data_cfg.get("add_eos", True) or fmt == "chat" else ", or set data.add_eos=true to train each end"
+    return DataError(f"no record of {key} ({_names(files)}) leaves a token to train on (every weight would be 0, "
+                     f"and so the loss and the gradient at every step); give records whose {what} is not empty{eos}")

@@ -16,12 +16,11 @@ from pathlib import Path
 import numpy as np
 
 from maxtext_rocm.data.chat_template import ROLES
-from maxtext_rocm.data.checks import DataError, _version, json_record
+from maxtext_rocm.data.checks import FORMAT_FIELDS, DataError, _version, format_hint, json_record
 from maxtext_rocm.data.documents import JSONL, file_format
 
 FORMATS = ("text", "chat", "prompt_completion", "preference")
-FIELDS = {"chat": ("messages",), "prompt_completion": ("prompt", "completion"),
-          "preference": ("prompt", "chosen", "rejected")}
+FIELDS = FORMAT_FIELDS
 # File versions whose every line passed, per format -> whether some prompt is a list of messages.
 _CHECKED: dict[tuple, bool] = {}
 
@@ -48,7 +47,7 @@ def check_record(record, fmt: str, where: str) -> None:
     missing = [k for k in FIELDS[fmt] if k not in record]
     if missing:
         raise DataError(f"{where} has no {missing[0]!r}, which data.format={fmt!r} needs; its fields are: "
-                        f"{', '.join(record) or 'none'}")
+                        f"{', '.join(record) or 'none'}{format_hint(record, fmt)}")
     if fmt == "chat":
         return check_messages(record["messages"], where)
     prompt = record["prompt"]
