@@ -6,8 +6,10 @@
 `from-hf` writes a params export (`OUT_DIR/params` through orbax, `OUT_DIR/config.json`) that
 `checkpoint.load_params_from` starts a run from, plus `OUT_DIR/preset.py`, a preset that does so:
 `python -m maxtext_rocm.train OUT_DIR/preset.py`. `to-hf` takes an export, a run directory or one of
-its checkpoints and writes safetensors shards and a config.json that transformers loads; of a LoRA
-run, the merged model, or with `--adapter` a PEFT adapter for its base (lora_export.py).
+its checkpoints and writes safetensors shards, config.json and generation_config.json that
+transformers loads; of a LoRA run, the merged model, or with `--adapter` a PEFT adapter for its base
+(lora_export.py). Whatever the run, the original's config keys (token ids, context length) and
+generation config are kept, found through the export it started from (origin.py).
 
 From Python:
 
@@ -17,13 +19,13 @@ From Python:
 
 Memory: the parameters are held once (in fp32, the trainer's parameter dtype) plus one tensor
 being read or one shard being written. Nothing is written to OUT_DIR until everything has been
-read and checked; the folder appears by a rename at the end, so a failure leaves no half of it.
+read and checked; the folder appears by a rename at the end, so a failure leaves no half of it
+(output.py).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 from pathlib import Path
@@ -35,6 +37,8 @@ from maxtext_rocm import config as config_lib
 from maxtext_rocm.convert import files as files_lib
 from maxtext_rocm.convert.hf_config import ConvertError, hf_config, model_updates
 from maxtext_rocm.convert.mapping import IGNORED, aliases, leaf, plan
+from maxtext_rocm.convert.origin import find_origin, find_record, generation_config, read_generation_config
+from maxtext_rocm.convert.output import check_output_dir, written_atomically
 from maxtext_rocm.convert.preset import finetune_keys, preset_source, tokenizer_files, validate_without_data
 
 __all__ = ["ConvertError", "from_hf", "hf_to_export", "checkpoint_to_hf", "to_hf"]
@@ -152,36 +156,20 @@ def from_hf(hf_dir, overrides: Mapping[str, Any] | Iterable[str] | None = None, 
     return cfg, params
 
 
-def _staging(out_dir: Path) -> Path:
-    """A fresh temporary folder beside out_dir (same filesystem, so the final rename is atomic)."""
-    if out_dir.exists():
-        raise ConvertError(f"{out_dir} already exists; choose a new directory for the output")
-    if not out_dir.parent.is_dir():
-        raise ConvertError(f"{out_dir.parent} does not exist; create it or choose another output directory")
-    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    return tmp
-
-
 def hf_to_export(hf_dir, out_dir, overrides=None) -> Path:
     """`from-hf`: a params export + config.json + preset.py in out_dir."""
     from maxtext_rocm.checkpoint.params import write_params
 
     hf_dir, out_dir = Path(hf_dir), Path(out_dir).absolute()
-    if out_dir.exists():  # checked before the (long) read too
-        raise ConvertError(f"{out_dir} already exists; choose a new directory for the output")
+    check_output_dir(out_dir)  # before the (long) read too
     cfg, params = from_hf(hf_dir, overrides, name=out_dir.name)  # its runs go to runs/<OUT_DIR's name>
-    tmp = _staging(out_dir)
-    try:
+    with written_atomically(out_dir) as tmp:
         write_params(tmp, params)  # params/ + checksums.json, verified by every reader
-        record = {"config": cfg.to_dict(), "hf_config": read_hf_config(hf_dir), "converted_from": str(hf_dir.resolve())}
+        # The original, for `to-hf` of this export and of every run started from it (origin.py).
+        record = {"config": cfg.to_dict(), "hf_config": read_hf_config(hf_dir), "converted_from": str(hf_dir.resolve()),
+                  "generation_config": read_generation_config(hf_dir)}
         (tmp / "config.json").write_text(json.dumps(record, indent=2) + "\n")
         (tmp / "preset.py").write_text(preset_source(cfg, hf_dir.resolve()))
-        tmp.rename(out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out_dir
 
 
@@ -190,12 +178,14 @@ def hf_to_export(hf_dir, out_dir, overrides=None) -> Path:
 
 
 def to_hf(cfg, params, out_dir, *, dtype: str = "float32", max_shard_size: str | int = DEFAULT_SHARD_SIZE,
-          hf_base: Mapping[str, Any] | None = None) -> Path:
+          hf_base: Mapping[str, Any] | None = None, generation: Mapping[str, Any] | None = None) -> Path:
     """Writes `params` of `cfg` as a Hugging Face folder: safetensors shards (+ index), config.json
     and the tokenizer files beside cfg.data.tokenizer (convert/preset.py), so AutoTokenizer loads it.
 
     `hf_base` is the original config.json of an imported model, whose other keys (token ids,
-    max_position_embeddings, ...) are kept.
+    max_position_embeddings, ...) are kept; `generation`, where given, is written as
+    generation_config.json (origin.generation_config). Each tensor is cast to `dtype` once, from
+    the precision `params` hold.
     """
     from safetensors.numpy import save_file
 
@@ -215,8 +205,7 @@ def to_hf(cfg, params, out_dir, *, dtype: str = "float32", max_shard_size: str |
     shapes = [slot.hf_shape(leaf(params, slot.path).shape[len(slot.index):]) for slot in slots]
     shard_of = files_lib.plan_shards([files_lib.nbytes(s, np_dtype) for s in shapes], limit)
     names = files_lib.shard_names(shard_of[-1] + 1)
-    tmp = _staging(out_dir)
-    try:
+    with written_atomically(out_dir) as tmp:
         total = 0
         for shard, filename in enumerate(names):
             tensors = {}
@@ -233,28 +222,11 @@ def to_hf(cfg, params, out_dir, *, dtype: str = "float32", max_shard_size: str |
             (tmp / files_lib.INDEX).write_text(json.dumps(index, indent=2) + "\n")
         config = hf_config(cfg.model, hf_base, dtype, max_position=cfg.train.seq_len)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        if generation:
+            (tmp / "generation_config.json").write_text(json.dumps(dict(generation), indent=2) + "\n")
         for path in tokenizer_files(cfg.data.get("tokenizer", "") if "data" in cfg else ""):
             shutil.copyfile(path, tmp / path.name)
-        tmp.rename(out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out_dir
-
-
-def _find_record(path: Path) -> tuple[dict, Path]:
-    """The config.json record of an export, a run directory, its checkpoints/ or one checkpoint."""
-    for folder in (path, path.parent, path.parent.parent):
-        candidate = folder / "config.json"
-        if candidate.is_file():
-            try:
-                record = json.loads(candidate.read_text())
-            except ValueError:
-                continue
-            if isinstance(record, dict) and "config" in record:
-                return record, candidate
-    raise ConvertError(f"found no config.json of a run or export at or above {path}; give a directory written "
-                       "by `from-hf`, `maxtext_rocm.checkpoint export` or a training run")
 
 
 def checkpoint_to_hf(checkpoint_dir, out_dir, *, dtype: str | None = None,
@@ -262,7 +234,9 @@ def checkpoint_to_hf(checkpoint_dir, out_dir, *, dtype: str | None = None,
     """`to-hf`: an export, run directory or checkpoint -> a Hugging Face folder. A LoRA run gives
     its merged model, or with `adapter` a PEFT adapter for its base (convert/lora_export.py).
 
-    dtype defaults to the imported original's (an export written by `from-hf`), else float32.
+    Full and LoRA runs alike carry the original's config keys and generation config, and dtype
+    defaults to the original's, found through the export the run started from (origin.py); a
+    model with no Hugging Face origin is written in float32.
     """
     import ml_collections
 
@@ -272,21 +246,22 @@ def checkpoint_to_hf(checkpoint_dir, out_dir, *, dtype: str | None = None,
     checkpoint_dir, out_dir = Path(checkpoint_dir).absolute(), Path(out_dir).absolute()
     if not checkpoint_dir.is_dir():
         raise ConvertError(f"{checkpoint_dir} is not a directory; give an export, a run directory or a checkpoint")
-    if out_dir.exists():
-        raise ConvertError(f"{out_dir} already exists; choose a new directory for the output")
-    record, _ = _find_record(checkpoint_dir)
+    check_output_dir(out_dir)  # before the (long) restore too
+    record, _ = find_record(checkpoint_dir)
     cfg = ml_collections.ConfigDict(record["config"])
-    hf_base = record.get("hf_config")
+    origin = find_origin(record)
     is_lora = "lora" in cfg and cfg.lora.rank > 0
     if adapter and not is_lora:
         raise ConvertError(f"--adapter exports a LoRA run's adapters, and {checkpoint_dir} is not from a LoRA run "
                            "(its lora.rank is 0); leave --adapter out to export its model")
-    if is_lora and lora_export.base_pointer(cfg) and hf_base is None:  # the base's origin, for its config keys
-        hf_base = _find_record(Path(lora_export.base_pointer(cfg)).absolute())[0].get("hf_config")
     if dtype is None:
-        dtype = str((hf_base or {}).get("dtype") or (hf_base or {}).get("torch_dtype") or "float32")
+        original = origin.hf_config or {}
+        dtype = str(original.get("dtype") or original.get("torch_dtype") or "float32")
     files_lib.numpy_dtype(dtype)  # a bad --dtype fails before the restore
-    if adapter:
-        return lora_export.write_adapter(checkpoint_dir, cfg, out_dir, dtype, _staging)
+    if adapter:  # PEFT loads the base by the name it records: the original Hugging Face folder, where known
+        base_name = str(origin.hf_dir) if origin.hf_dir is not None else lora_export.base_pointer(cfg)
+        return lora_export.write_adapter(checkpoint_dir, cfg, out_dir, dtype, base_name)
+    generation = generation_config(origin, cfg)
     params = lora_export.merged_params(checkpoint_dir, cfg) if is_lora else restore_params_to_host(checkpoint_dir, cfg)
-    return to_hf(cfg, params, out_dir, dtype=dtype, max_shard_size=max_shard_size, hf_base=hf_base)
+    return to_hf(cfg, params, out_dir, dtype=dtype, max_shard_size=max_shard_size, hf_base=origin.hf_config,
+                 generation=generation)

@@ -4,13 +4,14 @@ model the run started from, which `peft.PeftModel.from_pretrained(base, OUT)` lo
 
 A run's checkpoints hold its adapters; the base is found where the run found it (its config.json's
 checkpoint.load_params_from, or without one train.seed's initialisation, made again), verified as
-every reader verifies it.
+every reader verifies it, in `load_base` alone. The merge reads the base in the precision it was
+stored (the export's fp32, not the compute-dtype copy the run trained against) and the output
+dtype is applied once, when the tensors are written.
 """
 
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -61,31 +62,43 @@ def base_pointer(cfg) -> str:
     return cfg.checkpoint.get("load_params_from", "") or ""
 
 
-def lora_run_params(checkpoint_dir: Path, cfg):
-    """(base params, adapters) of a LoRA run on the host, both verified; the base in the compute
-    dtype the run trained against (the frozen base is held so), as numpy arrays."""
-    import jax
-    import jax.numpy as jnp
+def load_base(cfg):
+    """The LoRA run's base parameters on the host, verified, as stored (the parameter dtype: fp32):
+    the one place a LoRA export reads its base. (A check of the base's identity against the one the
+    run recorded belongs here, beside the verification of its checksums.)"""
+    from maxtext_rocm.checkpoint import restore_params_to_host
 
-    from maxtext_rocm.checkpoint import restore_params, restore_params_to_host
-    from maxtext_rocm.numerics.precision import policy_from_config
+    pointer = base_pointer(cfg)
+    if not pointer:
+        return _initialised(cfg, "params", abstract_only=False)
+    if not Path(pointer).is_dir():
+        raise ConvertError(f"the LoRA run's base, checkpoint.load_params_from={pointer!r} in its config.json, "
+                           "is not a directory; put the base back there to export the run")
+    return restore_params_to_host(pointer, cfg)
+
+
+def load_adapters(checkpoint_dir: Path, cfg):
+    """The run's adapters from `checkpoint_dir` on the host, verified."""
+    import jax
+
+    from maxtext_rocm.checkpoint import restore_params
 
     adapters = restore_params(checkpoint_dir, _initialised(cfg, lora.ADAPTERS, abstract_only=True))
-    pointer = base_pointer(cfg)
-    if pointer:
-        if not Path(pointer).is_dir():
-            raise ConvertError(f"the LoRA run's base, checkpoint.load_params_from={pointer!r} in its config.json, "
-                               "is not a directory; put the base back there to export the run")
-        base = restore_params_to_host(pointer, cfg)
-    else:
-        base = _initialised(cfg, "params", abstract_only=False)
-    dtype = policy_from_config(cfg.precision, jax.local_devices(backend="cpu")[0]).compute_dtype
-    base = jax.tree_util.tree_map(lambda x: np.asarray(jnp.asarray(x).astype(dtype)), base)
-    return base, jax.tree_util.tree_map(np.asarray, adapters)
+    return jax.tree_util.tree_map(np.asarray, adapters)
+
+
+def lora_run_params(checkpoint_dir: Path, cfg):
+    """(base params, adapters) of a LoRA run on the host as numpy arrays, both verified, each in
+    the precision it was stored in."""
+    import jax
+
+    base = jax.tree_util.tree_map(np.asarray, load_base(cfg))
+    return base, load_adapters(checkpoint_dir, cfg)
 
 
 def merged_params(checkpoint_dir: Path, cfg):
-    """The merged model of a LoRA run: base + (alpha / r) A B in each adapted kernel, in fp32."""
+    """The merged model of a LoRA run: W + (alpha / r) A B in each adapted kernel, computed in fp32
+    from the base as stored (never from a rounded copy), in fp32."""
     import jax
 
     base, adapters = lora_run_params(checkpoint_dir, cfg)
@@ -127,25 +140,17 @@ def adapter_config(cfg, base_name: str) -> dict:
             "use_dora": False, "init_lora_weights": True, "modules_to_save": None, "inference_mode": True}
 
 
-def write_adapter(checkpoint_dir: Path, cfg, out_dir: Path, dtype: str, staging) -> Path:
-    """`to-hf RUN OUT --adapter`: PEFT's two files in out_dir, written into `staging(out_dir)` and
-    renamed into place at the end."""
+def write_adapter(checkpoint_dir: Path, cfg, out_dir: Path, dtype: str, base_name: str) -> Path:
+    """`to-hf RUN OUT --adapter`: PEFT's two files in out_dir (written whole or not at all), for the
+    base model `base_name` names (the original Hugging Face folder, which PEFT loads by that name)."""
     from safetensors.numpy import save_file
 
-    from maxtext_rocm.checkpoint import restore_params
     from maxtext_rocm.convert import files as files_lib
+    from maxtext_rocm.convert.output import written_atomically
 
-    adapters = restore_params(checkpoint_dir, _initialised(cfg, lora.ADAPTERS, abstract_only=True))
-    import jax
-
-    tensors = peft_tensors(jax.tree_util.tree_map(np.asarray, adapters), cfg, files_lib.numpy_dtype(dtype))
-    tmp = staging(out_dir)
-    try:
+    tensors = peft_tensors(load_adapters(checkpoint_dir, cfg), cfg, files_lib.numpy_dtype(dtype))
+    with written_atomically(out_dir) as tmp:
         save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
-        config = adapter_config(cfg, base_pointer(cfg))
+        config = adapter_config(cfg, base_name)
         (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
-        tmp.rename(out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out_dir
