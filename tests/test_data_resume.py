@@ -82,7 +82,7 @@ def changed_files(tmp_path, corpus, how):
 
 @pytest.mark.parametrize("how, message", [
     ("appended", "c.jsonl grew from"),
-    ("replaced", "c.jsonl was replaced (same size, other content)"),
+    ("replaced", "c.jsonl was changed (same size, other content)"),
     ("added", "the data paths now also name"),
     ("removed", None),
     ("renamed_and_changed", "the data files differ from"),
@@ -183,3 +183,39 @@ def test_a_truncated_arrayrecord_is_one_sentence(tmp_path, capsys):
         path.write_bytes(data[:cut])
         status, err = run_main(capsys, *files_args(path, f"--config.output_dir={tmp_path / 'run'}"))
         assert_one_sentence(status, err, str(path), "cannot be read as ArrayRecord", "truncated or corrupt")
+
+
+def edit_in_the_middle(path):
+    """A same-size edit of one document half-way through `path` (its mtime moves, as an editor's would)."""
+    data = bytearray(path.read_bytes())
+    at = data.index(b"alpha", len(data) // 2)
+    data[at:at + 5] = b"ALPHA"
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("fmt", ["text", "prompt_completion"])
+def test_a_same_size_edit_in_the_middle_is_seen_on_resume(tmp_path, capsys, fmt):
+    """The fingerprint hashes every byte (beyond the first and last 64 KiB that it read before,
+    which let this edit through and resumed over changed data): one sentence naming the file."""
+    texts = make_docs(3000, lo=20, hi=40)  # ~600 KB: the middle lies far from both ends
+    if fmt == "text":
+        data = write_jsonl(tmp_path / "big.jsonl", texts)
+        extra = []
+    else:
+        data = tmp_path / "big.jsonl"
+        data.write_text("".join(json.dumps({"prompt": t[:20], "completion": t[20:]}) + "\n" for t in texts))
+        extra = ["--config.data.format=prompt_completion", f"--config.data.tokenizer={chat_tokenizer(tmp_path)}"]
+    assert data.stat().st_size > 8 * resume.ENDS_BYTES
+    run = ["--config.checkpoint.async_save=false", f"--config.output_dir={tmp_path / 'run'}", *extra]
+    status, _ = run_main(capsys, *files_args(data, *run))
+    assert status == 0
+    edit_in_the_middle(data)
+    status, err = run_main(capsys, *files_args(data, *run, "--config.train.steps=3"))
+    assert_one_sentence(status, err, f"{data} was changed (same size, other content)",
+                        "since checkpoint step 2 was saved", "data.allow_changed=true")
+
+
+def chat_tokenizer(tmp_path):
+    from chat_helpers import make_chat_tokenizer
+
+    return make_chat_tokenizer(tmp_path / "tok") / "tokenizer.json"

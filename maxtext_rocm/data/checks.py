@@ -77,7 +77,11 @@ def check_text(path: Path) -> None:
     key = _version(path)
     if key in _CHECKED:
         return
+    from maxtext_rocm.data import filehash
+
+    stat = path.stat()
     data = path.read_bytes()
+    filehash.of_bytes(filehash.version(path, stat), data)  # the fingerprint's hash, from this one reading
     nul = data.find(b"\0")
     if nul >= 0:
         raise DataError(f"{path} holds a NUL byte at offset {nul}, so it is binary, not text; "

@@ -6,7 +6,9 @@ default: it is JSON with the text field; the same sentences as before, naming fi
 records its start and length as int64. The index is kept in a sidecar file, `.NAME.idx.npy` beside
 the data (or in the temp directory when that is read-only), keyed by the file's size and
 modification time and by what was checked, so later runs, other processes and the data workers
-load it (memory-mapped) instead of reading the corpus again. 16 bytes per document.
+load it (memory-mapped) instead of reading the corpus again. 16 bytes per document. The same pass
+hashes the file (SHA-256, kept in the sidecar's header) for the data fingerprint that checkpoints
+keep (data/filehash.py, data/resume.py): the corpus is read once for both.
 """
 from __future__ import annotations
 
@@ -21,11 +23,15 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
+from maxtext_rocm.data import filehash
 from maxtext_rocm.data.checks import DataError
 
 CHUNK = 8 << 20  # bytes read per step of the index pass: bounded memory whatever the file's size
-MAGIC = 0x4D58544A534F4E31  # "MXTJSON1": a sidecar of this layout
-HEADER = 5  # MAGIC, size, mtime_ns, check key hash, document count; then starts[n], lengths[n]
+MAGIC = 0x4D58544A534F4E32  # "MXTJSON2": a sidecar of this layout (an older one is built again)
+# MAGIC, size, mtime_ns, check key hash, document count, the file's SHA-256 (4 x int64); then
+# starts[n], lengths[n].
+HEADER = 9
+DIGEST = slice(5, 9)
 SIDECAR_PREFIX, SIDECAR_SUFFIX = ".", ".idx.npy"  # and ".idx.npy.lock", taken while one is built
 
 # Indexes built or loaded in this process, by (path, size, mtime, check key): config validation,
@@ -69,13 +75,14 @@ def line_index(path: Path, check: Callable[[bytes, int], None] | None, check_key
     key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns, check_key)
     if key in _LOADED:
         return _LOADED[key]
-    header = np.array([MAGIC, stat.st_size, stat.st_mtime_ns, _key_hash(check_key), 0], np.int64)
+    header = np.array([MAGIC, stat.st_size, stat.st_mtime_ns, _key_hash(check_key), 0, 0, 0, 0, 0], np.int64)
 
     def saved():
         for sidecar in sidecar_paths(path):
             found = _load(sidecar, header, any_check=check is None)
             if found is not None:
-                return found
+                filehash.remember(filehash.version(path, stat), found[1])
+                return found[0]
         return None
 
     index = saved()
@@ -83,8 +90,10 @@ def line_index(path: Path, check: Callable[[bytes, int], None] | None, check_key
         with _building(path):  # the processes of a node start together: one reads the file, the others wait
             index = saved()
             if index is None:
-                index = _build(path, check)
+                index, digest = _build(path, check)
+                filehash.remember(filehash.version(path, stat), digest)
                 header[4] = len(index.starts)
+                header[DIGEST] = np.frombuffer(bytes.fromhex(digest), np.int64)
                 flat = np.concatenate([header, index.starts, index.lengths])
                 any(_save(sidecar, flat) for sidecar in sidecar_paths(path))
     _LOADED[key] = index
@@ -110,7 +119,8 @@ def _building(path: Path):
     yield
 
 
-def _load(sidecar: Path, header: np.ndarray, any_check: bool) -> LineIndex | None:
+def _load(sidecar: Path, header: np.ndarray, any_check: bool) -> tuple[LineIndex, str] | None:
+    """(the index, the file's SHA-256) from `sidecar` if it describes the version in `header`."""
     try:
         flat = np.load(sidecar, mmap_mode="r", allow_pickle=False)
     except (OSError, ValueError):
@@ -122,7 +132,8 @@ def _load(sidecar: Path, header: np.ndarray, any_check: bool) -> LineIndex | Non
     n = int(flat[4])
     if len(flat) != HEADER + 2 * n:
         return None
-    return LineIndex(flat[HEADER:HEADER + n], flat[HEADER + n:])
+    digest = np.ascontiguousarray(flat[DIGEST]).tobytes().hex()
+    return LineIndex(flat[HEADER:HEADER + n], flat[HEADER + n:]), digest
 
 
 def _save(sidecar: Path, flat: np.ndarray) -> bool:
@@ -143,13 +154,15 @@ def _save(sidecar: Path, flat: np.ndarray) -> bool:
         return False
 
 
-def _build(path: Path, check: Callable[[bytes, int], None] | None) -> LineIndex:
-    """One pass over the file in CHUNK-byte reads: a line cut by a chunk's end is carried over."""
-    starts, lengths = [], []
+def _build(path: Path, check: Callable[[bytes, int], None] | None) -> tuple[LineIndex, str]:
+    """(the index, the file's SHA-256) in one pass over the file in CHUNK-byte reads: a line cut by a
+    chunk's end is carried over."""
+    starts, lengths, digest = [], [], hashlib.sha256()
     number, offset, carry = 0, 0, b""
     with open(path, "rb") as f:
         while True:
             chunk = f.read(CHUNK)
+            digest.update(chunk)
             data = carry + chunk if carry else chunk
             if not chunk:  # the end: a last line without a newline
                 pieces, carry = ([data] if data else []), b""
@@ -169,7 +182,7 @@ def _build(path: Path, check: Callable[[bytes, int], None] | None) -> LineIndex:
             lengths.append(np.asarray(chunk_lengths, np.int64))
             if not chunk:
                 break
-    return LineIndex(np.concatenate(starts), np.concatenate(lengths))
+    return LineIndex(np.concatenate(starts), np.concatenate(lengths)), digest.hexdigest()
 
 
 def line_number(path: Path, offset: int) -> int:

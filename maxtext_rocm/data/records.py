@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from maxtext_rocm.data import filehash
 from maxtext_rocm.data.chat_template import ROLES
 from maxtext_rocm.data.checks import FORMAT_FIELDS, DataError, _version, format_hint, json_record
 from maxtext_rocm.data.documents import JSONL, file_format
@@ -71,7 +72,10 @@ class Records:
             if file_format(path) != JSONL:
                 raise DataError(f"{path}: data.format={fmt!r} reads JSON Lines (.jsonl) records; convert it or "
                                 "use data.format='text'")
-            numbered = [(n, line) for n, line in enumerate(path.read_bytes().splitlines(), 1) if line.strip()]
+            stat = path.stat()
+            data = path.read_bytes()
+            filehash.of_bytes(filehash.version(path, stat), data)  # the fingerprint's hash, from this one reading
+            numbered = [(n, line) for n, line in enumerate(data.splitlines(), 1) if line.strip()]
             if not numbered:
                 raise DataError(f"{path} is empty (no JSON lines); give it records")
             key = _version(path, fmt)

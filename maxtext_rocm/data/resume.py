@@ -5,7 +5,8 @@ process's position, gathered before the save, and a fingerprint of the data file
 
     {"step": 12, "shards": 2, "positions": [{"epoch": 0, "cursor": 22, "offset": 14},
                                             {"epoch": 0, "cursor": 33, "offset": 54}],
-     "files": [{"file": "corpus/a.jsonl", "size": 123456, "hash": "9f0c..."}, ...], "packing": "concat"}
+     "files": [{"file": "corpus/a.jsonl", "size": 123456, "hash": "9f0c...", "sha256": "e3b0..."}, ...],
+     "packing": "concat"}
 
 `shards` counts the groups of processes that load distinct batch rows (sharding.batch_rows_of_process:
 usually the process count; pipeline stages across hosts load the same rows); `positions[i]` is
@@ -25,35 +26,46 @@ from pathlib import Path
 
 import numpy as np
 
+from maxtext_rocm.data import filehash
 from maxtext_rocm.data.checks import DataError
 
-FINGERPRINT_BYTES = 64 * 1024  # hashed from each end of a file: cheap on corpora of any size
+ENDS_BYTES = 64 * 1024  # "hash": of the size and this much from each end, as checkpoints before "sha256" kept
 POSITION_KEYS = ("epoch", "cursor", "offset")
 ALLOW = "set data.allow_changed=true"
 
 
 def fingerprint(files: list[Path]) -> list[dict]:
-    """Each file's name, size and a hash of its size, first and last 64 KiB: an append, a truncation or
-    a replacement by other content shows (an edit in the middle of a large file of the same size does
-    not; that would need reading it all). Not the modification time, which a plain copy changes."""
+    """Each file's name, size, the SHA-256 of its every byte ("sha256": an edit anywhere shows, a
+    same-size one in the middle too) and, for checkpoints written before that, the older hash of
+    its size and first and last 64 KiB ("hash"). Not the modification time, which a plain copy
+    changes. The SHA-256 comes from the pass that indexed or read the file already, or from a
+    sidecar of an earlier launch (data/filehash.py says where, and what it costs: ~140 s of one
+    core per 100 GB, once per version of a JSON Lines corpus)."""
     out = []
     for path in files:
         size = path.stat().st_size
         digest = hashlib.blake2b(str(size).encode(), digest_size=16)
         with open(path, "rb") as f:
-            digest.update(f.read(FINGERPRINT_BYTES))
-            if size > FINGERPRINT_BYTES:
-                f.seek(max(FINGERPRINT_BYTES, size - FINGERPRINT_BYTES))
+            digest.update(f.read(ENDS_BYTES))
+            if size > ENDS_BYTES:
+                f.seek(max(ENDS_BYTES, size - ENDS_BYTES))
                 digest.update(f.read())
-        out.append({"file": str(path), "size": size, "hash": digest.hexdigest()})
+        out.append({"file": str(path), "size": size, "hash": digest.hexdigest(), "sha256": filehash.file_sha256(path)})
     return out
+
+
+def _same(then: dict, now: dict) -> bool:
+    """Same content: by the SHA-256 where both fingerprints have one, else (a checkpoint from before
+    it) by the size and ends hash."""
+    kind = "sha256" if "sha256" in then and "sha256" in now else "hash"
+    return (then["size"], then[kind]) == (now["size"], now[kind])
 
 
 def first_difference(saved: list[dict], now: list[dict]) -> str | None:
     """How the data files differ from the ones a checkpoint was saved over (content, in order; a
     file that moved or was renamed with the same content is the same data), or None."""
     for then, current in zip(saved, now):
-        if (then["size"], then["hash"]) == (current["size"], current["hash"]):
+        if _same(then, current):
             continue
         if then["file"] != current["file"]:
             return f"the data files differ from {current['file']} on (the checkpoint's data had {then['file']} there)"
@@ -61,7 +73,7 @@ def first_difference(saved: list[dict], now: list[dict]) -> str | None:
             return f"{current['file']} grew from {then['size']:,} to {current['size']:,} bytes"
         if current["size"] < then["size"]:
             return f"{current['file']} shrank from {then['size']:,} to {current['size']:,} bytes"
-        return f"{current['file']} was replaced (same size, other content)"
+        return f"{current['file']} was changed (same size, other content)"
     if len(now) > len(saved):
         return f"the data paths now also name {now[len(saved)]['file']} ({len(now)} files, the checkpoint's data had {len(saved)})"
     if len(now) < len(saved):
