@@ -13,6 +13,7 @@ import sys
 import jax
 
 from maxtext_rocm import config as config_lib
+from maxtext_rocm.reporting import run_summary
 from maxtext_rocm.runtime import distributed, preemption, startup_signals
 from maxtext_rocm.runtime.peers import USER_ERROR_EXIT_STATUS
 from maxtext_rocm.runtime.watchdog import HangWatchdog
@@ -52,6 +53,11 @@ def _main(argv: list[str]) -> int:
             watchdog = HangWatchdog(cfg.train.hang_timeout_s, cfg.train.startup_timeout_s, cfg.output_dir,
                                     cfg.train.steps, process_index=jax.process_index()).start()
         trainer = Trainer(cfg)
+        if trainer.is_finished():  # a finished run relaunched: one line, not a header and silence
+            if trainer.is_logger:
+                print(run_summary.already_trained(cfg.output_dir, trainer.step_count, cfg.train.steps), flush=True)
+            trainer.close()
+            return 0
         if watchdog is not None:
             trainer.on_step = watchdog.dispatched
         if trainer.is_logger:
@@ -59,6 +65,8 @@ def _main(argv: list[str]) -> int:
         trainer.run()
         trainer.commit_run_record()
         trainer.writer.close()
+        if trainer.is_logger:
+            print(run_summary.format_summary(trainer.summary()), flush=True)
     except config_lib.UserError as error:
         print(f"error: {error}", file=sys.stderr)
         return USER_ERROR_EXIT_STATUS

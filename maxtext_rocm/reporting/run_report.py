@@ -20,7 +20,26 @@ def objective_description(cfg) -> str:
     if cfg.train.objective != "dpo":
         return "objective lm"
     smoothing = f", label_smoothing {cfg.dpo.label_smoothing:g}" if cfg.dpo.label_smoothing else ""
-    return f"objective dpo (beta {cfg.dpo.beta:g}{smoothing}; reference: frozen copy of the starting parameters)"
+    # Under LoRA the frozen base is the reference, with no copy of it (trainer/launch.py).
+    reference = ("the frozen base without its adapters" if cfg.lora.rank
+                 else "frozen copy of the starting parameters")
+    return f"objective dpo (beta {cfg.dpo.beta:g}{smoothing}; reference: {reference})"
+
+
+def warmup_warning(cfg) -> str | None:
+    """One sentence where the learning rate never reaches optimizer.lr: a warmup as long as the run
+    or longer is cut to the run's length (trainer/optimizer.py), so the rate rises to its last step
+    and never decays. A warning, not a refusal: short trial runs of a preset made for a long one
+    (and the defaults' 100 steps of warmup) are legitimate, and nothing is wrong with the schedule
+    but that it is not the one the numbers suggest."""
+    warmup, steps, lr = cfg.optimizer.warmup_steps, cfg.train.steps, cfg.optimizer.lr
+    if warmup < steps:
+        return None
+    peak = lr * (steps - 1) / steps  # optimizer step s (0-based) runs at lr * s / warmup while warming up
+    decay = ", and the cosine decay never starts" if cfg.optimizer.schedule == "cosine" else ""
+    return (f"optimizer.warmup_steps={warmup} is not below train.steps={steps}: the warmup is cut to the run's "
+            f"{steps} steps, so the learning rate rises for the whole run to {peak:.3g} at the last step, never "
+            f"reaching optimizer.lr={lr:g}{decay}; set optimizer.warmup_steps below {steps} to reach it")
 
 
 def logged_row(cfg, step_metrics: dict, step_time: float | None, global_batch: int, n_devices: int,

@@ -20,6 +20,7 @@ from maxtext_rocm.parallel.context import mesh_layout
 from maxtext_rocm.reporting import metrics as metrics_lib, run_report
 from maxtext_rocm.reporting.profiling import Profiler
 from maxtext_rocm.reporting.run_info import write_config_json
+from maxtext_rocm.reporting.run_summary import RunSummary
 from maxtext_rocm.runtime import run_lock
 from maxtext_rocm.runtime.preemption import PreemptionGuard
 from maxtext_rocm.trainer import compilation, divergence
@@ -41,6 +42,11 @@ class Trainer:
         checkpointed; the signal is then in `stopped_by_signal` (runtime/preemption.py)."""
         end = self.cfg.train.steps if steps is None else self.step_count + steps
         clock, step_metrics, logged = StepClock(), None, None
+        if self.step_count < end and not self._schedule_said:  # said once, before the first step trained
+            self._schedule_said = True
+            warning = run_report.warmup_warning(self.cfg)
+            if warning:
+                self.log(f"warning: {warning}")
         # The guard covers the final save too: a signal while it commits is answered with a line.
         with PreemptionGuard(self.step_count, describe_saved=self._describe_saved,
                              timeout_s=self._stop_timeout_s()) as preemption:
@@ -117,6 +123,7 @@ class Trainer:
         with clock.left_out():
             evaluated = self.evaluate()
             self.writer.write(self.step_count, evaluated)
+            self.last_eval = (self.step_count, evaluated)
             detail = (f"perplexity {evaluated['eval_perplexity']:.2f}" if "eval_perplexity" in evaluated else
                       f"accuracy {evaluated['eval_dpo_accuracy']:.3f}, margin {evaluated['eval_dpo_reward_margin']:.4f}")
             self.log(f"step {self.step_count}: eval loss {evaluated['eval_loss']:.4f}, {detail}")
@@ -153,6 +160,7 @@ class Trainer:
         logged = run_report.logged_row(self.cfg, fetched, clock.step_time(self.step_count), self.global_batch,
                                        self.n_devices, self.flops_per_token, self.peak_tflops)
         self.writer.write(self.step_count, logged)
+        self.last_logged = (self.step_count, logged)
         if self.is_logger:
             self.log(metrics_lib.format_line(self.step_count, self.cfg.train.steps, logged))
         clock.logged(self.step_count)
@@ -197,7 +205,7 @@ class Trainer:
 
     def __init__(self, cfg, devices=None, log=print):
         self.cfg, self.log = cfg, log
-        started = time.perf_counter()
+        started = self._started = time.perf_counter()
         devices = list(jax.devices() if devices is None else devices)
         check_run(cfg, len(devices), len({d.process_index for d in devices}))
         memory_fit.check_fits(cfg, devices)  # sizes that cannot fit stop here, before any allocation
@@ -235,6 +243,9 @@ class Trainer:
         launched = launch(cfg, self.model, self.mesh, self.batch_sharding, self._batch_dtypes,
                           self.checkpointer, self.sharding_rules, self.log)
         self.state, self.step_count, self._compiled_step = launched.state, launched.step_count, launched.compiled_step
+        self.launched_at_step = launched.step_count  # where this launch began: 0, or the step it resumed from
+        self.last_logged = self.last_eval = None  # (step, row) of the newest logged row and evaluation
+        self._schedule_said = False  # run_report.warmup_warning, said by the first run() that trains
         self.state_sharding = launched.state_sharding
         # A pipeline's own layer order (parallel/pipeline_layout.py) <-> the model's, or None.
         self.storage_order = launched.storage_order
@@ -300,6 +311,27 @@ class Trainer:
 
     def describe(self) -> str:
         return run_report.describe(self)
+
+    def is_finished(self) -> bool:
+        """Whether the state is at train.steps already (a finished run relaunched): nothing to train."""
+        return self.step_count >= self.cfg.train.steps
+
+    def summary(self) -> RunSummary:
+        """This launch's end, for run_summary.format_summary: losses, token positions, wall time, the
+        newest checkpoint."""
+        from maxtext_rocm.checkpoint import committed_steps
+
+        steps = committed_steps(self.checkpointer.directory) if self.checkpointer else []
+        launch_steps = self.step_count - self.launched_at_step
+        (loss_step, row), (eval_step, evaluated) = self.last_logged or (None, {}), self.last_eval or (None, {})
+        return RunSummary(
+            name=self.cfg.name, output_dir=self.cfg.output_dir, step=self.step_count, total_steps=self.cfg.train.steps,
+            launch_steps=launch_steps, token_positions=launch_steps * self.global_batch * self.cfg.train.seq_len,
+            wall_s=time.perf_counter() - self._started, loss=row.get("loss"), loss_step=loss_step,
+            objective=self.cfg.train.objective, eval_loss=evaluated.get("eval_loss"), eval_step=eval_step,
+            checkpoint=str(self.checkpointer.directory / str(steps[-1])) if steps else None,
+            checkpoints_enabled=self.checkpointer is not None, lora=self.cfg.lora.rank > 0,
+            stopped_by_signal=self.stopped_by_signal)
 
 
 class RunDirectory:
