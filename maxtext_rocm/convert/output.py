@@ -27,7 +27,8 @@ def check_output_dir(out_dir: Path) -> None:
         if nearest is not None and not nearest.is_dir():
             raise ConvertError(f"{nearest} is a file, not a directory, so {out_dir} cannot be created there; "
                                "choose another output directory")
-        raise ConvertError(f"{parent} does not exist; create it or choose another output directory")
+        raise ConvertError(f"{parent} does not exist, so {out_dir} cannot be created; create it or choose "
+                           "another output directory")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise ConvertError(f"{parent} is not writable, so {out_dir} cannot be created there; choose another "
                            "output directory")
