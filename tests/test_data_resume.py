@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from maxtext_rocm.data import resume
+from maxtext_rocm.data import lineindex, resume
 from maxtext_rocm.data.checks import DataError
 from test_bad_inputs import assert_one_sentence, files_args, run_main
 from test_data_files import make_docs, source, write_jsonl
@@ -219,3 +219,38 @@ def chat_tokenizer(tmp_path):
     from chat_helpers import make_chat_tokenizer
 
     return make_chat_tokenizer(tmp_path / "tok") / "tokenizer.json"
+
+
+def test_each_files_sha256_is_hashlibs_of_its_bytes_from_every_reading(tmp_path, monkeypatch):
+    """The fingerprint's SHA-256 against hashlib over the whole file, where it comes from the index
+    pass, from the index's sidecar in a process that never read the file, from the records of a
+    chat file, from the text check, and streamed (Parquet)."""
+    import hashlib
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from maxtext_rocm.data import filehash
+    from maxtext_rocm.data.checks import check_text
+    from maxtext_rocm.data.documents import Documents
+    from maxtext_rocm.data.records import Records
+
+    jsonl = write_jsonl(tmp_path / "a.jsonl", make_docs(400))
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},
+                                              {"role": "assistant", "content": "ho"}]}) + "\n")
+    text = tmp_path / "t.txt"
+    text.write_text("some plain text\n" * 100)
+    table = tmp_path / "p.parquet"
+    pq.write_table(pa.table({"text": make_docs(50)}), table)
+    want = {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in (jsonl, chats, text, table)}
+    fresh = {}
+    monkeypatch.setattr(filehash, "_DIGESTS", fresh)
+    Documents([jsonl]), Records([chats], "chat"), check_text(text)
+    assert {k[0] for k in fresh} == {str(p.resolve()) for p in (jsonl, chats, text)}  # hashed as they were read
+    assert [f["sha256"] for f in resume.fingerprint([jsonl, chats, text, table])] == list(want.values())
+    monkeypatch.setattr(filehash, "_DIGESTS", {})
+    monkeypatch.setattr(lineindex, "_LOADED", {})
+    monkeypatch.setattr(lineindex, "_build", lambda *a: pytest.fail("the sidecar should have served"))
+    Documents([jsonl])
+    assert filehash._DIGESTS == {filehash.version(jsonl): want[jsonl]}

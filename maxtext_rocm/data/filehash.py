@@ -8,11 +8,14 @@ preference records (data/records.py) and the text-file check (data/checks.py) re
 and hash those bytes. Parquet and ArrayRecord files, which nothing reads whole, are streamed once
 per process and launch for it (`file_sha256`).
 
-Cost, measured on this project's 2-core CI machine (2026-12): SHA-256 runs at ~710 MB/s on one core
-(SHA-NI; BLAKE2b ~375, MD5 ~300), the index pass itself (splitting lines and parsing each as JSON)
-at well under that, so hashing adds about a third to a first indexing of a corpus. A 100 GB corpus
-costs ~140 s of one core once per version of its files (then nothing: the sidecar keeps it); 100 GB
-of Parquet ~140 s per process at every launch, or the disk's read time where that is slower.
+Cost, measured on this project's 2-core CI machine (2026-12, shared and loaded): SHA-256 runs at
+~710 MB/s on one core over bytes in memory (SHA-NI; BLAKE2b ~375, MD5 ~300) and ~390 MB/s reading a
+100 MB file from the page cache; the index pass that checks every line as JSON runs at ~34 MB/s
+with the hash in it (~136 MB/s without the check), so the hash is under a tenth of a first indexing.
+A 100 GB corpus costs ~2.5-4 minutes of one core once per version of its files (the index pass
+itself, ~50 minutes, is what dominates), and nothing at later launches: the sidecar keeps it.
+100 GB of Parquet costs those minutes per process at every launch, or the disk's read time where
+that is slower.
 """
 from __future__ import annotations
 

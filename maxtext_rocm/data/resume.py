@@ -39,8 +39,8 @@ def fingerprint(files: list[Path]) -> list[dict]:
     same-size one in the middle too) and, for checkpoints written before that, the older hash of
     its size and first and last 64 KiB ("hash"). Not the modification time, which a plain copy
     changes. The SHA-256 comes from the pass that indexed or read the file already, or from a
-    sidecar of an earlier launch (data/filehash.py says where, and what it costs: ~140 s of one
-    core per 100 GB, once per version of a JSON Lines corpus)."""
+    sidecar of an earlier launch (data/filehash.py says where, and what it costs: 2.5-4 minutes of
+    one core per 100 GB, once per version of a JSON Lines corpus)."""
     out = []
     for path in files:
         size = path.stat().st_size
