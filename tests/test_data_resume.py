@@ -204,7 +204,7 @@ def test_a_same_size_edit_in_the_middle_is_seen_on_resume(tmp_path, capsys, fmt)
     else:
         data = tmp_path / "big.jsonl"
         data.write_text("".join(json.dumps({"prompt": t[:20], "completion": t[20:]}) + "\n" for t in texts))
-        extra = ["--config.data.format=prompt_completion", f"--config.data.tokenizer={chat_tokenizer(tmp_path)}"]
+        extra = ["--config.data.format=prompt_completion"]  # plain-text prompts: the byte tokenizer
     assert data.stat().st_size > 8 * resume.ENDS_BYTES
     run = ["--config.checkpoint.async_save=false", f"--config.output_dir={tmp_path / 'run'}", *extra]
     status, _ = run_main(capsys, *files_args(data, *run))
@@ -213,12 +213,6 @@ def test_a_same_size_edit_in_the_middle_is_seen_on_resume(tmp_path, capsys, fmt)
     status, err = run_main(capsys, *files_args(data, *run, "--config.train.steps=3"))
     assert_one_sentence(status, err, f"{data} was changed (same size, other content)",
                         "since checkpoint step 2 was saved", "data.allow_changed=true")
-
-
-def chat_tokenizer(tmp_path):
-    from chat_helpers import make_chat_tokenizer
-
-    return make_chat_tokenizer(tmp_path / "tok") / "tokenizer.json"
 
 
 def test_each_files_sha256_is_hashlibs_of_its_bytes_from_every_reading(tmp_path, monkeypatch):

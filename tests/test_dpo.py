@@ -340,14 +340,13 @@ def test_full_dpo_from_a_params_export_trains_through_the_cli(tmp_path):
     import subprocess
     import sys
 
-    from chat_helpers import make_chat_tokenizer, write_jsonl
+    from chat_helpers import write_jsonl
     from maxtext_rocm import api, config as config_lib
     from maxtext_rocm.checkpoint.params import write_params
 
     cfg = small_config(**{"model.vocab_size": 512})  # TINY_MODEL's model
     export = tmp_path / "export"
     write_params(export, api.init_params(cfg, seed=3))
-    tok = make_chat_tokenizer(tmp_path / "tok")
     pairs = write_jsonl(tmp_path / "pairs.jsonl", [{"prompt": f"what is {i} plus {i}?", "chosen": " the answer is four.",
                                                    "rejected": " no"} for i in range(8)])
     run = tmp_path / "run"
@@ -355,7 +354,7 @@ def test_full_dpo_from_a_params_export_trains_through_the_cli(tmp_path):
         [sys.executable, "-m", "maxtext_rocm.train", "configs/tiny_llama.py", *TINY_MODEL, *TINY_MESH,
          "--config.mesh.ici.data=2", "--config.train.steps=2", "--config.train.objective=dpo",
          "--config.data.source=files", f"--config.data.paths={pairs}", "--config.data.format=preference",
-         f"--config.data.tokenizer={tok / 'tokenizer.json'}", f"--config.checkpoint.load_params_from={export}",
+         f"--config.checkpoint.load_params_from={export}",
          f"--config.output_dir={run}"],
         cwd=REPO, env=CLI_ENV, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
