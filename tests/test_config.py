@@ -156,3 +156,12 @@ def test_valid_meshes_pass():
         check_run(small_config(**overrides), device_count=8)
     shape = config_lib.mesh_shape(small_config(**{"mesh.ici.tensor": 2}).mesh, 8)
     assert shape["ici"]["fsdp"] == 4 and shape["dcn"] == {a: 1 for a in config_lib.MESH_AXES}
+
+
+def test_a_preset_setting_another_trainers_name_gets_the_key_meant(tmp_path):
+    preset = tmp_path / "mine.py"
+    preset.write_text("from maxtext_rocm.config import defaults\n\n\ndef get_config(variant=''):\n"
+                      "    cfg = defaults()\n    cfg.optimizer.learning_rate = 1e-3\n    return cfg\n")
+    with pytest.raises(ConfigError, match=r"line 6 sets the unknown config key 'learning_rate' .*; "
+                                          r"did you mean 'optimizer.lr'\?$"):
+        config_lib.load(str(preset))
