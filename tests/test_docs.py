@@ -40,6 +40,13 @@ PLACEHOLDER = re.compile(r"\.\.\.|\b[A-Z][A-Z_]+\b")  # `[--config.KEY=VALUE ...
 ENV_ASSIGNMENT = re.compile(r"^[A-Z_][A-Z0-9_]*=")
 # Paths a reader supplies (their data, an earlier run): stood in for by files of the right kind.
 USER_INPUT_KEYS = ("data.paths", "data.eval_paths", "checkpoint.load_params_from")
+# A stand-in for the reader's data file holds one record of the command's data.format.
+STAND_IN_RECORDS = {
+    "text": {"text": "a document " * 50},
+    "chat": {"messages": [{"role": "user", "content": "a question"}, {"role": "assistant", "content": "an answer"}]},
+    "prompt_completion": {"prompt": "a question", "completion": "an answer"},
+    "preference": {"prompt": "a question", "chosen": "a good answer", "rejected": "a bad one"},
+}
 
 
 def bash_blocks(path: Path) -> list[str]:
@@ -108,10 +115,12 @@ def check_config(spec: str | None, overrides: list[str], tmp_path: Path, shape: 
     if spec and (REPO / spec.split(":", 1)[0]).exists():  # a repository path, whatever the cwd
         spec = str(REPO / spec)
     cfg = config_lib.load_preset(spec if spec and _is_preset(spec) else "tiny_llama")
+    if spec and not _is_preset(spec):
+        cfg.data.source = "files"  # as the preset that from-hf writes
     config_lib.apply_cli_overrides(cfg, overrides)
     stand_in = tmp_path / "stand_in"
     stand_in.mkdir(exist_ok=True)
-    (stand_in / "docs.jsonl").write_text(json.dumps({"text": "a document " * 50}) + "\n")
+    (stand_in / "docs.jsonl").write_text(json.dumps(STAND_IN_RECORDS[cfg.data.format]) + "\n")
     for key in USER_INPUT_KEYS:
         group, name = key.split(".")
         value = cfg[group][name]

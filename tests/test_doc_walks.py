@@ -1,0 +1,185 @@
+"""The docs are a test: each page that describes a workflow is walked top to bottom as its reader
+walks it, in a fresh directory, every shell command run for real in the page's order with the
+page's own arguments and relative paths (tests/doc_walk.py says what the directory holds).
+
+What the test adds, and only this:
+- the reader's own inputs, under the page's names: a tiny Llama saved by transformers with a chat
+  tokenizer as `Meta-Llama-3.1-8B-Instruct/` (and `Meta-Llama-3.1-8B/`), `chats.jsonl`,
+  `corpus.jsonl`, `preferences.jsonl`;
+- doc_walk.TINY_TRAINING appended to every training command (3 steps of 2 x 64 tokens; the page's
+  arguments are kept, the appended ones come later and win), so a walk takes seconds per command;
+- one CPU device, W&B offline.
+A command is left out only where NOT_WALKED says why (a GPU node's work, or an AOT compile that the
+slow test_compile_commands walks); every other command a page shows is walked, so a command added
+to a page is walked from then on. The pages that follow the README (lora, dpo, notebooks) start
+where the README's walk left its reader: with runs/tiny_llama in the directory. Each walk then checks what the page promises of its results.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from doc_walk import (BOS_ID, CHATS, CORPUS, EOS_IDS, MAX_POSITIONS, PREFERENCES, Walk, described,  # noqa: E402
+                      fresh_directory, make_hf_llama, page_commands, write_jsonl)
+
+# Commands a page shows that the default walk leaves out, with why; each must still be on its page.
+# The AOT compiles run on a CPU but take 10 s to minutes each: test_compile_commands (slow) walks them.
+COMPILES = {
+    "python -m maxtext_rocm.compile configs/llama3_1_405b.py:fp8 --target=mi355x:8x8 --plan --max-compiles=6":
+        "ranks Llama 3.1 405B's layouts on 64 GPUs, compiling six: minutes on a 2-core CPU",
+    "python -m maxtext_rocm.compile configs/llama3_1_405b.py:fp8 --target=mi355x:8x8 --comm --config.mesh.dcn.stage=8 "
+    "--config.mesh.ici.fsdp=2 --config.mesh.ici.tensor=4 --config.pipeline.schedule=1f1b --config.pipeline.repeats=2 "
+    "--config.pipeline.microbatches=32 --config.pipeline.weight_gather=once --config.model.remat=full":
+        "compiles Llama 3.1 405B for 64 GPUs: 30 s on a 2-core CPU",
+    "python -m maxtext_rocm.compile configs/llama3_8b.py --target=mi300x:1": "compiles Llama 3 8B: 10-30 s",
+    "python -m maxtext_rocm.compile configs/llama3_8b.py --target=mi300x:1 --config.lora.rank=16":
+        "compiles Llama 3 8B under LoRA: 10-40 s",
+}
+NOT_WALKED = {
+    "python -m maxtext_rocm.train configs/llama3_8b.py --config.mesh.ici.fsdp=8 --config.train.steps=50":
+        "trains Llama 3 8B on one 8-GPU node",
+    **COMPILES,
+}
+
+
+def walk(page: str, cwd: Path, section: str | None = None) -> Walk:
+    """Every command of `page` (of its `section`) in order, in `cwd`, but NOT_WALKED's."""
+    lines = page_commands(page, section)
+    walked = Walk(page, cwd)
+    for number, line in enumerate(lines, 1):
+        if line in NOT_WALKED:
+            continue
+        step = walked.run(line)
+        if step.returncode != 0:
+            print(walked.timings())
+            pytest.fail(f"{page}, command {number} of {len(lines)}: {described(step)}")
+    assert walked.steps, f"{page} shows no command to walk"
+    print(walked.timings())
+    return walked
+
+
+def test_not_walked_commands_are_on_their_pages():
+    shown = {line for page in ("README.md", "docs/lora.md") for line in page_commands(page)}
+    assert set(NOT_WALKED) <= shown, set(NOT_WALKED) - shown
+
+
+@pytest.fixture(scope="module")
+def hf_model(tmp_path_factory) -> Path:
+    return make_hf_llama(tmp_path_factory.mktemp("published") / "model")
+
+
+def bring(hf_model: Path, cwd: Path, *names: str) -> None:
+    """The reader's published model folders, under the names the page uses."""
+    for name in names:
+        shutil.copytree(hf_model, cwd / name)
+
+
+@pytest.fixture(scope="module")
+def readme_walk(tmp_path_factory) -> Walk:
+    return walk("README.md", fresh_directory(tmp_path_factory.mktemp("readme") / "clone"), section="Train")
+
+
+def after_the_readme(readme_walk: Walk, cwd: Path) -> Path:
+    """A directory where the README's Train section has been walked: the reader's next page."""
+    shutil.copytree(readme_walk.cwd, cwd, symlinks=True)
+    return cwd
+
+
+def metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_readme_train(readme_walk):
+    run = readme_walk.cwd / "runs" / "tiny_llama"
+    for name in ("config.json", "metrics.jsonl", "checkpoints", "tensorboard"):  # the README's table
+        assert (run / name).exists(), name
+    assert [m["step"] for m in metrics(run) if "loss" in m] == [1, 2, 3]
+
+
+def test_finetuning(tmp_path, hf_model):
+    cwd = fresh_directory(tmp_path / "clone")
+    bring(hf_model, cwd, "Meta-Llama-3.1-8B-Instruct")
+    write_jsonl(cwd / "chats.jsonl", [{"messages": chat} for chat in CHATS] * 4)
+    walked = walk("docs/finetuning.md", cwd)
+    chats = [s for s in walked.steps if "--chat" in s.argv]
+    assert len(chats) == 2
+    # "Back to Hugging Face": transformers loads the export, and its tokenizer with the chat template.
+    tokenizer = transformers.AutoTokenizer.from_pretrained(cwd / "llama31_8b_chat_hf")
+    assert tokenizer.apply_chat_template(CHATS[0], tokenize=False).endswith("hello world<|eot_id|>")
+    transformers.AutoModelForCausalLM.from_pretrained(cwd / "llama31_8b_chat_hf")
+
+
+def test_lora(tmp_path, hf_model, readme_walk):
+    cwd = after_the_readme(readme_walk, tmp_path / "clone")
+    bring(hf_model, cwd, "Meta-Llama-3.1-8B-Instruct")
+    write_jsonl(cwd / "chats.jsonl", [{"messages": chat} for chat in CHATS] * 4)
+    walk("docs/lora.md", cwd)
+    assert (cwd / "runs" / "tiny_llama" / "checkpoints").is_dir()  # the README's run, untouched
+    assert [m["step"] for m in metrics(cwd / "runs" / "tiny_lora") if "loss" in m] == [1, 2, 3]
+    transformers.AutoModelForCausalLM.from_pretrained(cwd / "merged_hf")
+    peft = pytest.importorskip("peft")
+    base = transformers.AutoModelForCausalLM.from_pretrained(cwd / "Meta-Llama-3.1-8B-Instruct")
+    peft.PeftModel.from_pretrained(base, cwd / "adapter_hf")  # as the page says PEFT loads it
+
+
+def test_dpo(tmp_path, hf_model, readme_walk):
+    cwd = after_the_readme(readme_walk, tmp_path / "clone")
+    bring(hf_model, cwd, "Meta-Llama-3.1-8B-Instruct")
+    write_jsonl(cwd / "preferences.jsonl", PREFERENCES * 4)
+    walked = walk("docs/dpo.md", cwd)
+    assert "objective dpo" in walked.steps[0].stdout + walked.steps[0].stderr  # "What a DPO run logs"
+    first = [m for m in metrics(cwd / "runs" / "llama31_8b_dpo") if "loss" in m][0]
+    assert first["loss"] == pytest.approx(0.6931, abs=1e-3) and "dpo_reward_margin" in first
+    transformers.AutoModelForCausalLM.from_pretrained(cwd / "llama31_8b_dpo_hf")
+
+
+def test_huggingface(tmp_path, hf_model):
+    cwd = fresh_directory(tmp_path / "clone")
+    bring(hf_model, cwd, "Meta-Llama-3.1-8B")
+    write_jsonl(cwd / "corpus.jsonl", CORPUS * 4)
+    walk("docs/huggingface.md", cwd)
+    out = cwd / "llama31_8b_hf"
+    transformers.AutoModelForCausalLM.from_pretrained(out)
+    transformers.AutoTokenizer.from_pretrained(out)  # "copied along, so AutoTokenizer loads OUT_DIR too"
+    # "the original config's other keys (token ids, max positions) are kept"
+    config = json.loads((out / "config.json").read_text())
+    kept = {"bos_token_id": config.get("bos_token_id"), "eos_token_id": config.get("eos_token_id"),
+            "max_position_embeddings": config.get("max_position_embeddings")}
+    expected = {"bos_token_id": BOS_ID, "eos_token_id": EOS_IDS, "max_position_embeddings": MAX_POSITIONS}
+    assert kept == expected
+    generation = json.loads((out / "generation_config.json").read_text())
+    assert (generation["bos_token_id"], generation["eos_token_id"]) == (BOS_ID, EOS_IDS)
+
+
+def test_notebooks(tmp_path, readme_walk):
+    cwd = after_the_readme(readme_walk, tmp_path / "clone")
+    walked = walk("docs/notebooks.md", cwd)
+    assert walked.steps[-1].stdout.strip()  # the continuation of "def "
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("page", ["README.md", "docs/lora.md"])
+def test_compile_commands(tmp_path, page):
+    """The AOT compile commands that the default walks leave out, in their page's order."""
+    walked = Walk(page, fresh_directory(tmp_path / "clone"))
+    for line in page_commands(page):
+        if line in COMPILES:
+            step = walked.run(line, timeout=900)
+            assert step.returncode == 0, described(step)
+    assert len(walked.steps) == 2
+    print(walked.timings())
+
+
+def test_a_walk_fails_on_a_command_that_fails_its_reader(tmp_path):
+    """The walk can fail: a page whose training command names a file the reader was never told to
+    bring stops the walk, naming the step and the run's own sentence."""
+    page = tmp_path / "page.md"  # absolute: page_commands reads it where it is
+    page.write_text("```bash\npython -m maxtext_rocm.convert to-hf runs/tiny_llama tiny_hf\n```\n")
+    with pytest.raises(pytest.fail.Exception, match=r"(?s)page.md, command 1 of 1: .*exited 2.*runs/tiny_llama"):
+        walk(str(page), fresh_directory(tmp_path / "clone"))
