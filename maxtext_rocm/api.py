@@ -71,17 +71,24 @@ def load_params(path, cfg=None):
     """The parameters saved in a run directory (its newest intact checkpoint), a checkpoints/<step>
     directory or a params export, sharded like `init_params` would shard them, verified against
     the checksums saved with them (CheckpointError if a named step or export is damaged). `cfg`
-    defaults to the run's own config (`run_config(path)`)."""
-    cfg = run_config(path) if cfg is None else cfg
-    if "lora" in cfg and cfg.lora.rank > 0:  # its checkpoints hold adapters, not a model
-        from maxtext_rocm.checkpoint import CheckpointError
+    defaults to the run's own config (`run_config(path)`).
 
-        raise CheckpointError(f"{path} is a LoRA run (lora.rank={cfg.lora.rank}), whose checkpoints hold adapters "
-                              "alone; write its merged model with python -m maxtext_rocm.convert to-hf RUN OUT "
-                              "(and from-hf OUT DIR to read it here; docs/lora.md)")
+    A LoRA run's parameters are its merged model, W + (alpha / r) A B in each adapted kernel, on
+    the base the run trained on (verified against the run's record: finetune/lora_base.py)."""
+    cfg = run_config(path) if cfg is None else cfg
     _, boxed, shardings = _abstract_params(cfg)
     abstract = jax.tree_util.tree_map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                                       nn.meta.unbox(boxed), shardings)
+    from maxtext_rocm.finetune import lora_base
+
+    if lora_base.is_lora_run(cfg):  # its checkpoints hold adapters; the model is base + adapters
+        import sys
+
+        run = lora_base.load_run(path, cfg)
+        if run.warning:
+            print(f"warning: {run.warning}", file=sys.stderr)
+        merged = lora_base.merged_params(run, cfg)
+        return jax.tree_util.tree_map(lambda x, a: jax.device_put(x.astype(a.dtype), a.sharding), merged, abstract)
     from maxtext_rocm.checkpoint import restore_params  # orbax, imported when needed
 
     return restore_params(path, abstract)

@@ -3,7 +3,8 @@
 A checkpoint is `output_dir/checkpoints/<step>/` with three items:
 - `state`: the TrainState (step, params, optimizer state, non-finite counters), sharded arrays;
 - `data`:  the data iterator's position, so the batch after a resume is the one that would have come;
-- `meta`:  the step, the model config, and checksums of every array and of the data position
+- `meta`:  the step, the model config, checksums of every array and of the data position, and
+           what the run was built from (`Checkpointer.built_from`: a LoRA run's base)
            (maxtext_rocm/checkpoint/checksums.py), for people and for checks.
 
 Orbax writes each step into a temporary directory and renames it when complete, so a process
@@ -89,6 +90,9 @@ class Checkpointer:
         self._pending = None  # the step whose background write has not been seen to succeed yet
         self._skipped = (None, [])  # (the Resume, [(step, why)]) of the damaged checkpoints it passed over
         self._launched = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())  # names what this launch set aside
+        # What the run was built from beyond its config, saved in every step's meta so that a
+        # resume or an export reads it back: a LoRA run's settings and base (finetune/lora_base.py).
+        self.built_from: dict = {}
         quiet_orbax_error_logs()
 
     def _print_warning(self, message: str) -> None:
@@ -128,7 +132,7 @@ class Checkpointer:
                                  "it was not saved")
         self._last_saved = step
         meta = {"step": step, "model": model_cfg.to_dict(), "checksum_algorithm": checksums.ALGORITHM,
-                "checksums": sums, "data_checksum": checksums.json_digest(data_state)}
+                "checksums": sums, "data_checksum": checksums.json_digest(data_state), **self.built_from}
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             self.manager.save(step, force=True, args=ocp.args.Composite(**{

@@ -4,8 +4,9 @@
     python -m maxtext_rocm.checkpoint verify DIR
 
 `export` writes a params-only export (`OUT_DIR/params` + `checksums.json` + `config.json`) that
-`checkpoint.load_params_from` (or a notebook) starts from; `verify` checks the parameters of a
-run's newest intact step, of one step or of an export against their checksums.
+`checkpoint.load_params_from` (or a notebook) starts from; of a LoRA run, its merged model.
+`verify` checks the parameters of a run's newest intact step, of one step or of an export against
+their checksums; of a LoRA run, its adapters and its base (finetune/lora_base.py).
 """
 
 from __future__ import annotations
@@ -14,6 +15,13 @@ import sys
 
 from maxtext_rocm.checkpoint.params import export_params, verify_params
 from maxtext_rocm.errors import UserError
+
+
+def _step(text: str) -> int:
+    if not text.isdigit():
+        raise UserError(f"--step {text!r} is not a step number; give a saved step such as --step 100, or leave "
+                        "--step out for the newest intact checkpoint")
+    return int(text)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
         if argv[0] == "verify":
             print(verify_params(argv[1]))
         else:
-            step = int(argv[4]) if len(argv) == 5 else None
+            step = _step(argv[4]) if len(argv) == 5 else None
             print(f"wrote {export_params(argv[1], argv[2], step)}")
     except (UserError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)

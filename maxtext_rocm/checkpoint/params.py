@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import jax
 import ml_collections
@@ -153,10 +155,18 @@ def _read_verified(source: _Source, abstract_params):
     return params, computed
 
 
-def restore_params_checked(path, abstract_params):
-    """(params, their checksums) from any place `_sources` understands, verified: the newest
-    intact step of a run (warning about each damaged newer one), or exactly the step or export
-    named, else one CheckpointError sentence."""
+class ReadParams(NamedTuple):
+    """Parameters read and verified, their checksums, and the directory they came from: the
+    checkpoint step (`.../checkpoints/<step>`, whose `meta` describes it) or the export."""
+    params: Any
+    checksums: dict[str, str]
+    directory: Path
+
+
+def read_params(path, abstract_params) -> ReadParams:
+    """The parameters from any place `_sources` understands, verified: the newest intact step of
+    a run (warning about each damaged newer one), or exactly the step or export named, else one
+    CheckpointError sentence."""
     quiet_closed_loop_callbacks()
     quiet_orbax_error_logs()
     sources, explicit = _sources(Path(path).absolute())
@@ -175,17 +185,35 @@ def restore_params_checked(path, abstract_params):
         for bad, why in skipped:
             _warn(f"{bad.label} {why}; reading {source.label} instead, the newest intact one (the other is "
                   f"left where it is; python -m maxtext_rocm.checkpoint verify {bad.tree_dir.parent} checks it)")
-        return params, computed
+        return ReadParams(params, computed, source.tree_dir.parent)
     raise CheckpointError(f"no checkpoint under {Path(path).absolute()} is intact ("
                           + "; ".join(f"{s.tree_dir.parent.name}: {why}" for s, why in skipped) + ")")
 
 
+def restore_params_checked(path, abstract_params):
+    """(params, their checksums): `read_params` without the directory."""
+    read = read_params(path, abstract_params)
+    return read.params, read.checksums
+
+
 def restore_params(path, abstract_params):
     """Only the parameters, verified, from any of the places `_sources` understands."""
-    return restore_params_checked(path, abstract_params)[0]
+    return read_params(path, abstract_params).params
 
 
-def _host_abstract(cfg):
+def checkpoint_meta(step_dir) -> dict | None:
+    """The `meta` record a checkpoint step was saved with (its step, model, checksums and, for a
+    LoRA run, its adapters' settings and base: finetune/lora_base.py); None where there is none
+    (an export, a checkpoint written before the record existed)."""
+    record = Path(step_dir) / META / "metadata"
+    try:
+        return json.loads(record.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def host_abstract_params(cfg):
+    """The shapes of `cfg`'s model parameters (no LoRA adapters), placed in host memory."""
     from flax import linen as nn
 
     from maxtext_rocm.models import abstract_params
@@ -198,7 +226,7 @@ def _host_abstract(cfg):
 def restore_params_to_host(path, cfg):
     """`cfg`'s parameters from `path` into host memory, verified: for exports and conversions,
     which go to disk next and whose model need not fit one accelerator."""
-    return restore_params(path, _host_abstract(cfg))
+    return restore_params(path, host_abstract_params(cfg))
 
 
 def write_params(directory: Path, params, sums: dict[str, str] | None = None) -> None:
@@ -213,12 +241,46 @@ def write_params(directory: Path, params, sums: dict[str, str] | None = None) ->
         {"checksum_algorithm": checksums.ALGORITHM, "checksums": sums}, indent=1, sort_keys=True) + "\n")
 
 
+def _check_destination(out_dir: Path) -> None:
+    """Refuses, in one sentence, an export directory that exists or cannot be made."""
+    if out_dir.exists() or out_dir.is_symlink():
+        raise CheckpointError(f"{out_dir} already exists; choose a new directory for the export")
+    parent = out_dir.parent
+    if not parent.exists():
+        raise CheckpointError(f"cannot write the export to {out_dir}: {parent} does not exist; create it first "
+                              "or choose an OUT_DIR in an existing directory")
+    if not parent.is_dir():
+        raise CheckpointError(f"cannot write the export to {out_dir}: {parent} is a file, not a directory; "
+                              "choose an OUT_DIR in a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise CheckpointError(f"cannot write the export to {out_dir}: {parent} is not writable; choose an OUT_DIR "
+                              "in a directory you can write to")
+
+
+def _lora_export(source: Path, cfg, record: dict):
+    """(merged params, the export's config.json record) of a LoRA run: its merged model, which is a
+    plain model (lora.rank=0 in the record; what it was merged from under "merged_from_lora")."""
+    from maxtext_rocm.finetune import lora_base
+
+    run = lora_base.load_run(source, cfg)
+    if run.warning:
+        _warn(run.warning)
+    record = json.loads(json.dumps(record))  # a copy
+    lora_settings = dict(record["config"]["lora"])
+    record["config"]["lora"]["rank"] = 0
+    record["merged_from_lora"] = {"checkpoint": str(run.checkpoint), **lora_settings,
+                                  "base": run.identity.to_record()}
+    return lora_base.merged_params(run, cfg), record
+
+
 def export_params(run_dir, out_dir, step: int | None = None) -> Path:
     """Writes `out_dir/params`, `out_dir/checksums.json` and `out_dir/config.json` from a run's
-    checkpoint (the newest intact one unless `step`), after verifying it."""
+    checkpoint (the newest intact one unless `step`), after verifying it. A LoRA run's export is
+    its merged model (W + (alpha / r) A B on the base it trained on), a plain model's export."""
+    from maxtext_rocm.finetune import lora_base
+
     run_dir, out_dir = Path(run_dir).absolute(), Path(out_dir).absolute()
-    if out_dir.exists():
-        raise CheckpointError(f"{out_dir} already exists; choose a new directory for the export")
+    _check_destination(out_dir)
     config_path = run_dir / "config.json"
     if not config_path.is_file():
         raise CheckpointError(f"{config_path} does not exist; give the output_dir of a run")
@@ -227,12 +289,20 @@ def export_params(run_dir, out_dir, step: int | None = None) -> Path:
     source = run_dir / "checkpoints" / str(step) if step is not None else run_dir
     if step is not None and not (source / STATE).is_dir():
         raise CheckpointError(f"{source} is not a saved checkpoint of {run_dir}")
-    params, sums = restore_params_checked(source, _host_abstract(cfg))
+    if lora_base.is_lora_run(cfg):
+        (params, record), sums = _lora_export(source, cfg, record), None
+    else:
+        params, sums = restore_params_checked(source, host_abstract_params(cfg))
     tmp = out_dir.with_name(out_dir.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    write_params(tmp, params, sums)
-    (tmp / "config.json").write_text(json.dumps(record, indent=2) + "\n")
-    tmp.rename(out_dir)
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)
+        write_params(tmp, params, sums)
+        (tmp / "config.json").write_text(json.dumps(record, indent=2) + "\n")
+        tmp.rename(out_dir)
+    except Exception as error:  # noqa: BLE001 - a full disk, a read-only directory: orbax and tensorstore raise many types
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"cannot write the export to {out_dir} ({cause(error)}); "
+                              "choose an OUT_DIR you can write to, with room for the model") from None
     return out_dir
 
 
@@ -257,7 +327,12 @@ def verify_params(path) -> str:
     """`checkpoint verify PATH`: reads the parameters of PATH (a run directory: its newest intact
     step) with its own config and checks them; a sentence saying what was verified, or
     CheckpointError saying what failed."""
+    from maxtext_rocm.finetune import lora_base
+
     path = Path(path).absolute()
-    params, sums = restore_params_checked(path, _host_abstract(run_config(path)))
+    cfg = run_config(path)
+    if lora_base.is_lora_run(cfg):
+        return lora_base.verify_run(path, cfg)
+    params, sums = restore_params_checked(path, host_abstract_params(cfg))
     n = len(jax.tree_util.tree_leaves(params))
     return f"the parameters in {path} are intact ({n} arrays match their checksums, none holds inf/NaN)"

@@ -16,6 +16,8 @@ import dataclasses
 import functools
 from collections.abc import Callable
 from concurrent.futures import Future
+from pathlib import Path
+from typing import NamedTuple
 
 import jax
 import jax.extend.core as jax_core
@@ -23,7 +25,7 @@ import ml_collections
 import numpy as np
 from flax import linen as nn
 
-from maxtext_rocm.finetune import lora
+from maxtext_rocm.finetune import lora, lora_base
 from maxtext_rocm.trainer import compilation, optimizer as optim
 from maxtext_rocm.parallel import sharding
 from maxtext_rocm.config import ConfigError
@@ -182,10 +184,18 @@ def launch(cfg, model, mesh, batch_sharding, batch_dtypes, checkpointer, shardin
                 "output_dir to start from those parameters")
     init_jit = jax.jit(lambda k: nn.meta.unbox(layout.init(k)), out_shardings=layout.sharding)
     if resume and lora.enabled(cfg.lora):  # the adapters from the checkpoint, the base from where it always comes
-        made = compilation.in_thread(restored_lora_state, cfg.checkpoint, compilation.lower_init(init_jit, layout.key),
+        # Before anything is read: other adapters' settings would otherwise read as "does not fit this model".
+        from maxtext_rocm.checkpoint.params import checkpoint_meta
+
+        newest = Path(resume.manager.directory) / str(resume.steps[0])
+        lora_base.check_hyperparameters(lora_base.recorded(checkpoint_meta(newest)), cfg.lora, newest)
+        made = compilation.in_thread(restored_lora_state, cfg, compilation.lower_init(init_jit, layout.key),
                                      layout.key, checkpointer, resume, layout.abstract, log)
     elif resume:
         made = compilation.in_thread(restored_state, checkpointer, resume, layout.abstract, log, layout.storage_order)
+    elif lora.enabled(cfg.lora):
+        made = compilation.in_thread(fresh_lora_state, cfg, compilation.lower_init(init_jit, layout.key),
+                                     layout.key, checkpointer, layout.abstract, log)
     else:
         made = compilation.in_thread(fresh_state, cfg.checkpoint, compilation.lower_init(init_jit, layout.key),
                                      layout.key, layout.abstract, log, layout.storage_order)
@@ -233,10 +243,7 @@ def fresh_state(checkpoint_cfg, init_lowered, key, abstract, log, storage_order=
     sharding), optionally with parameters from another run (checkpoint.load_params_from)."""
     n_values = sum(x.size for x in jax.tree_util.tree_leaves((abstract.params, frozen_base(abstract))))
     state = compilation.run_init(init_lowered, key, n_values)
-    if checkpoint_cfg.load_params_from and frozen_base(abstract):  # LoRA: the parameters are the frozen base
-        state = state.replace(frozen=load_lora_base(checkpoint_cfg.load_params_from, abstract.frozen))
-        log(f"LoRA base from {checkpoint_cfg.load_params_from}; fresh adapters and optimizer at step 0")
-    elif checkpoint_cfg.load_params_from:
+    if checkpoint_cfg.load_params_from:
         from maxtext_rocm.checkpoint import restore_params
 
         if storage_order is None:
@@ -253,27 +260,66 @@ def fresh_state(checkpoint_cfg, init_lowered, key, abstract, log, storage_order=
     return state, 0, None
 
 
-def load_lora_base(path, abstract_frozen):
+class LoraBase(NamedTuple):
+    """A LoRA run's frozen base as the state holds it, and which base it is (finetune/lora_base.py)."""
+    frozen: object
+    identity: lora_base.BaseIdentity
+
+
+def load_lora_base(path, abstract_frozen) -> LoraBase:
     """A LoRA run's frozen base from `path`, verified, in the compute dtype of `abstract_frozen`.
     Read in the stored fp32 (the checksums are of those values) and cast: for a moment the base is
     held twice (fp32 + compute dtype)."""
-    from maxtext_rocm.checkpoint import restore_params
+    from maxtext_rocm.checkpoint.params import restore_params_checked
 
     stored = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, np.float32, sharding=x.sharding),
                                     abstract_frozen)
-    base = restore_params(path, stored)
-    return jax.tree_util.tree_map(lambda x, a: x.astype(a.dtype), base, abstract_frozen)
+    base, sums = restore_params_checked(path, stored)
+    return LoraBase(jax.tree_util.tree_map(lambda x, a: x.astype(a.dtype), base, abstract_frozen),
+                    lora_base.loaded_identity(path, sums))
 
 
-def restored_lora_state(checkpoint_cfg, init_lowered, key, checkpointer, resume, abstract, log):
+def lora_base_of(cfg, initialised_frozen, abstract_frozen) -> LoraBase:
+    """The base a LoRA run trains on: checkpoint.load_params_from's, or (without one) train.seed's
+    initialisation, `initialised_frozen`, already in the state."""
+    pointer = lora_base.base_pointer(cfg)
+    if pointer:
+        return load_lora_base(pointer, abstract_frozen)
+    return LoraBase(initialised_frozen, lora_base.seed_identity(cfg.train.seed, initialised_frozen, "train"))
+
+
+def fresh_lora_state(cfg, init_lowered, key, checkpointer, abstract, log):
+    """(state, 0, None) of a new LoRA run: fresh adapters and optimizer on its base, whose identity
+    every checkpoint of the run records (`checkpointer.built_from`)."""
+    n_values = sum(x.size for x in jax.tree_util.tree_leaves((abstract.params, abstract.frozen)))
+    state = compilation.run_init(init_lowered, key, n_values)
+    base = lora_base_of(cfg, state.frozen, abstract.frozen)
+    if checkpointer:
+        checkpointer.built_from = lora_base.run_record(cfg.lora, base.identity)
+    if lora_base.base_pointer(cfg):
+        log(f"LoRA base from {cfg.checkpoint.load_params_from}; fresh adapters and optimizer at step 0")
+    return state.replace(frozen=base.frozen), 0, None
+
+
+def restored_lora_state(cfg, init_lowered, key, checkpointer, resume, abstract, log):
     """(state, its step, data position) of a resumed LoRA run: adapters, optimizer state and
     counters from checkpoint `resume` (which holds no base), the base from checkpoint.load_params_from
-    as at the start, or, without it, train.seed's initialisation made again."""
+    as at the start, or, without it, train.seed's initialisation made again; refused (BaseChanged)
+    where that base is not the one the checkpoint records, unless lora.allow_base_change."""
     restored, data_state, step = checkpointer.restore(resume, abstract.replace(frozen={}))
-    fresh, _, _ = fresh_state(checkpoint_cfg, init_lowered, key, abstract, lambda _: None)
+    n_values = sum(x.size for x in jax.tree_util.tree_leaves((abstract.params, abstract.frozen)))
+    initialised = compilation.run_init(init_lowered, key, n_values).frozen
+    base = lora_base_of(cfg, initialised, abstract.frozen)
+    where = Path(resume.manager.directory) / str(step)
+    from maxtext_rocm.checkpoint.params import checkpoint_meta
+
+    warning = lora_base.check_base(lora_base.recorded(checkpoint_meta(where)), base.identity, cfg.lora, where)
+    if warning:
+        log(f"warning: {warning}")
+    checkpointer.built_from = lora_base.run_record(cfg.lora, base.identity)
     log(f"resumed from {resume.manager.directory}/{step}"
-        + (f" (LoRA base from {checkpoint_cfg.load_params_from})" if checkpoint_cfg.load_params_from else ""))
-    return restored.replace(frozen=fresh.frozen), int(data_state["step"]), data_state
+        + (f" (LoRA base from {cfg.checkpoint.load_params_from})" if lora_base.base_pointer(cfg) else ""))
+    return restored.replace(frozen=base.frozen), int(data_state["step"]), data_state
 
 
 def data_sources(cfg, global_batch: int, resumed_data_state: dict | None, mesh=None):
