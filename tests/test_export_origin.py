@@ -114,6 +114,14 @@ def test_full_run_export_keeps_the_original_config_and_stops_at_eot(tmp_path, de
                                logits_processor=transformers.LogitsProcessorList([ForceToken(eot)]))
     assert reply[0, prompt.shape[1]:].tolist() == [eot]  # stopped at the end of the turn
 
+    # The run's `checkpoint export` (a second hop to the original) gives the same two files.
+    from maxtext_rocm.checkpoint.params import export_params
+
+    export_params(tmp_path / "run", tmp_path / "run_export")
+    assert convert_main(["to-hf", str(tmp_path / "run_export"), str(tmp_path / "out2")]) == 0
+    for name in ("config.json", "generation_config.json"):
+        assert (tmp_path / "out2" / name).read_text() == (out / name).read_text(), name
+
 
 def test_lora_run_export_merges_fp32_base_and_adapter_loads_by_its_base_name(tmp_path, devices):
     """A bf16-policy LoRA run from an fp32 import: the merged kernels are W_fp32 + (alpha/r) A B to
