@@ -242,18 +242,18 @@ def write_params(directory: Path, params, sums: dict[str, str] | None = None) ->
 
 
 def _check_destination(out_dir: Path) -> None:
-    """Refuses, in one sentence, an export directory that exists or cannot be made."""
+    """Refuses, in one sentence, an export directory that exists or cannot be made (missing
+    parent directories are made, as they always were, when the export is written)."""
     if out_dir.exists() or out_dir.is_symlink():
         raise CheckpointError(f"{out_dir} already exists; choose a new directory for the export")
-    parent = out_dir.parent
-    if not parent.exists():
-        raise CheckpointError(f"cannot write the export to {out_dir}: {parent} does not exist; create it first "
-                              "or choose an OUT_DIR in an existing directory")
-    if not parent.is_dir():
-        raise CheckpointError(f"cannot write the export to {out_dir}: {parent} is a file, not a directory; "
+    ancestor = out_dir.parent
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise CheckpointError(f"cannot write the export to {out_dir}: {ancestor} is a file, not a directory; "
                               "choose an OUT_DIR in a directory")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise CheckpointError(f"cannot write the export to {out_dir}: {parent} is not writable; choose an OUT_DIR "
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise CheckpointError(f"cannot write the export to {out_dir}: {ancestor} is not writable; choose an OUT_DIR "
                               "in a directory you can write to")
 
 
@@ -296,6 +296,7 @@ def export_params(run_dir, out_dir, step: int | None = None) -> Path:
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     try:
         shutil.rmtree(tmp, ignore_errors=True)
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
         write_params(tmp, params, sums)
         (tmp / "config.json").write_text(json.dumps(record, indent=2) + "\n")
         tmp.rename(out_dir)
