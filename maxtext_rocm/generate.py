@@ -8,6 +8,9 @@
 (data/chat_template.py) and its generation prompt, and stops the reply at the template's
 end-of-turn token (Llama 3: `<|eot_id|>`) or the tokenizer's EOS.
 
+A LoRA run generates with its adapters applied: `load_params` gives its merged model, on the base
+the run recorded (finetune/lora_base.py; another base is refused in one sentence).
+
 Prompts of different lengths are left-padded to one length. Padding gets position -1, which
 attention never attends to (models/attention.py), and each real token keeps the position it has
 alone, so every prompt of a batch continues as it would alone. The cache holds kv_heads (not
