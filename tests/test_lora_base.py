@@ -85,9 +85,9 @@ def test_a_base_replaced_between_stop_and_resume_is_refused_by_the_resume_and_ev
     before = snapshot(run)
     assert train(run, *overrides, steps=4) == 2
     err = errors(capsys)
-    assert len(err) == 1 and err[0].startswith(f"error: the LoRA adapters in {run / 'checkpoints' / '3'} do not "
-                                               f"go with this base: the base at checkpoint.load_params_from={str(moved)!r}"
-                                               " holds other parameters than when the run trained on it"), err
+    assert len(err) == 1 and err[0].startswith(
+        f"error: the LoRA adapters in {run / 'checkpoints' / '3'} do not go with this base: the base at "
+        f"checkpoint.load_params_from={str(moved)!r} holds other parameters than when the run trained on it"), err
     assert "put the original base back there, or set lora.allow_base_change=True" in err[0]
     assert snapshot(run) == before  # nothing written, nothing moved
 
@@ -187,8 +187,8 @@ def test_allow_base_change_lets_a_new_base_through_with_a_warning():
     assert lora_base.check_base(record, lora_base.BaseIdentity("", 3, "z", "reader on cpu 1 device"),
                                 ml_collections.ConfigDict(), "RUN") is None
     with pytest.raises(lora_base.BaseChanged, match="its checksums differ"):  # on the same mesh: the checksum too
-        lora_base.check_base(record, lora_base.BaseIdentity("", 3, "z", "train on cpu fsdp=8"), ml_collections.ConfigDict(),
-                             "RUN")
+        lora_base.check_base(record, lora_base.BaseIdentity("", 3, "z", "train on cpu fsdp=8"),
+                             ml_collections.ConfigDict(), "RUN")
 
 
 @pytest.mark.parametrize("below", [("out",), ("missing", "out")])

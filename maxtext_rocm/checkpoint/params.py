@@ -300,7 +300,7 @@ def export_params(run_dir, out_dir, step: int | None = None) -> Path:
         write_params(tmp, params, sums)
         (tmp / "config.json").write_text(json.dumps(record, indent=2) + "\n")
         tmp.rename(out_dir)
-    except Exception as error:  # noqa: BLE001 - a full disk, a read-only directory: orbax and tensorstore raise many types
+    except Exception as error:  # noqa: BLE001 - a full disk, a read-only directory: orbax raises many types
         shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointError(f"cannot write the export to {out_dir} ({cause(error)}); "
                               "choose an OUT_DIR you can write to, with room for the model") from None

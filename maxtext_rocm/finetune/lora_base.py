@@ -156,7 +156,8 @@ def _what_changed(was: BaseIdentity, now: BaseIdentity) -> str | None:
                 f"give train.seed={was.seed}")
     if was.made_on == now.made_on and was.checksum != now.checksum:
         return (f"{now.describe()} holds other parameters than when the run trained on it (its checksums differ: "
-                "the model or precision settings changed); use the run's own config.json")
+                "the initialisation changed, with the jax version or the model or precision settings); make the "
+                "base with what the run was trained with")
     return None
 
 
