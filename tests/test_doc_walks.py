@@ -22,9 +22,6 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-
 from doc_walk import (BOS_ID, CHATS, CORPUS, EOS_IDS, MAX_POSITIONS, PREFERENCES, Walk, described,  # noqa: E402
                       fresh_directory, make_hf_llama, page_commands, write_jsonl)
 
@@ -71,7 +68,19 @@ def test_not_walked_commands_are_on_their_pages():
 
 @pytest.fixture(scope="module")
 def hf_model(tmp_path_factory) -> Path:
+    """The published model the fine-tuning pages start from, made with transformers: the walks
+    that need it are skipped where torch or transformers is missing (the README's and the
+    notebooks' walks are not)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
     return make_hf_llama(tmp_path_factory.mktemp("published") / "model")
+
+
+def load_hf(kind: str, folder: Path):
+    """transformers' AutoModelForCausalLM or AutoTokenizer on a folder the walk wrote."""
+    import transformers
+
+    return getattr(transformers, kind).from_pretrained(folder)
 
 
 def bring(hf_model: Path, cwd: Path, *names: str) -> None:
@@ -110,9 +119,9 @@ def test_finetuning(tmp_path, hf_model):
     chats = [s for s in walked.steps if "--chat" in s.argv]
     assert len(chats) == 2
     # "Back to Hugging Face": transformers loads the export, and its tokenizer with the chat template.
-    tokenizer = transformers.AutoTokenizer.from_pretrained(cwd / "llama31_8b_chat_hf")
+    tokenizer = load_hf("AutoTokenizer", cwd / "llama31_8b_chat_hf")
     assert tokenizer.apply_chat_template(CHATS[0], tokenize=False).endswith("hello world<|eot_id|>")
-    transformers.AutoModelForCausalLM.from_pretrained(cwd / "llama31_8b_chat_hf")
+    load_hf("AutoModelForCausalLM", cwd / "llama31_8b_chat_hf")
 
 
 def test_lora(tmp_path, hf_model, readme_walk):
@@ -122,9 +131,9 @@ def test_lora(tmp_path, hf_model, readme_walk):
     walk("docs/lora.md", cwd)
     assert (cwd / "runs" / "tiny_llama" / "checkpoints").is_dir()  # the README's run, untouched
     assert [m["step"] for m in metrics(cwd / "runs" / "tiny_lora") if "loss" in m] == [1, 2, 3]
-    transformers.AutoModelForCausalLM.from_pretrained(cwd / "merged_hf")
+    load_hf("AutoModelForCausalLM", cwd / "merged_hf")
     peft = pytest.importorskip("peft")
-    base = transformers.AutoModelForCausalLM.from_pretrained(cwd / "Meta-Llama-3.1-8B-Instruct")
+    base = load_hf("AutoModelForCausalLM", cwd / "Meta-Llama-3.1-8B-Instruct")
     peft.PeftModel.from_pretrained(base, cwd / "adapter_hf")  # as the page says PEFT loads it
 
 
@@ -136,7 +145,7 @@ def test_dpo(tmp_path, hf_model, readme_walk):
     assert "objective dpo" in walked.steps[0].stdout + walked.steps[0].stderr  # "What a DPO run logs"
     first = [m for m in metrics(cwd / "runs" / "llama31_8b_dpo") if "loss" in m][0]
     assert first["loss"] == pytest.approx(0.6931, abs=1e-3) and "dpo_reward_margin" in first
-    transformers.AutoModelForCausalLM.from_pretrained(cwd / "llama31_8b_dpo_hf")
+    load_hf("AutoModelForCausalLM", cwd / "llama31_8b_dpo_hf")
 
 
 def test_huggingface(tmp_path, hf_model):
@@ -145,8 +154,8 @@ def test_huggingface(tmp_path, hf_model):
     write_jsonl(cwd / "corpus.jsonl", CORPUS * 4)
     walk("docs/huggingface.md", cwd)
     out = cwd / "llama31_8b_hf"
-    transformers.AutoModelForCausalLM.from_pretrained(out)
-    transformers.AutoTokenizer.from_pretrained(out)  # "copied along, so AutoTokenizer loads OUT_DIR too"
+    load_hf("AutoModelForCausalLM", out)
+    load_hf("AutoTokenizer", out)  # "copied along, so AutoTokenizer loads OUT_DIR too"
     # "the original config's other keys (token ids, max positions) are kept"
     config = json.loads((out / "config.json").read_text())
     kept = {"bos_token_id": config.get("bos_token_id"), "eos_token_id": config.get("eos_token_id"),
