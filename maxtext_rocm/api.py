@@ -84,10 +84,12 @@ def load_params(path, cfg=None):
     if lora_base.is_lora_run(cfg):  # its checkpoints hold adapters; the model is base + adapters
         import sys
 
-        run = lora_base.load_run(path, cfg)
+        from maxtext_rocm.checkpoint import lora_run
+
+        run = lora_run.load_run(path, cfg)
         if run.warning:
             print(f"warning: {run.warning}", file=sys.stderr)
-        merged = lora_base.merged_params(run, cfg)
+        merged = lora_run.merged_params(run, cfg)
         return jax.tree_util.tree_map(lambda x, a: jax.device_put(x.astype(a.dtype), a.sharding), merged, abstract)
     from maxtext_rocm.checkpoint import restore_params  # orbax, imported when needed
 

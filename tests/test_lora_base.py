@@ -1,4 +1,4 @@
-"""A LoRA run is bound to its base (finetune/lora_base.py), and the readers take LoRA runs (issue 43).
+"""A LoRA run is bound to its base (finetune/lora_base.py, checkpoint/lora_run.py), and the readers take LoRA runs (issue 43).
 
 Driven through what a user runs: `python -m maxtext_rocm.train`, `checkpoint verify|export`,
 `generate` and `mr.load_params`, in this process (their `main`s) on a tiny model. The base's
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import maxtext_rocm as mr
-from maxtext_rocm.checkpoint import main as checkpoint_main
+from maxtext_rocm.checkpoint import lora_run as lora_reader, main as checkpoint_main
 from maxtext_rocm.finetune import lora, lora_base
 from maxtext_rocm.generate import main as generate_main
 from maxtext_rocm.train import main as train_main
@@ -67,7 +67,7 @@ def test_the_base_is_recorded_in_each_checkpoint(lora_run, bases):
     assert (record["rank"], record["alpha"], record["targets"]) == (4, 8.0, ["q", "v"])
     assert record["base"]["load_params_from"] == str(bases[0]) and record["base"]["seed"] is None
     sums = json.loads((bases[0] / "checksums.json").read_text())["checksums"]
-    assert record["base"]["checksum"] == lora_base.loaded_identity(bases[0], sums).checksum
+    assert record["base"]["checksum"] == lora_reader.loaded_identity(bases[0], sums).checksum
 
 
 def test_a_base_replaced_between_stop_and_resume_is_refused_by_the_resume_and_every_reader(
@@ -91,7 +91,7 @@ def test_a_base_replaced_between_stop_and_resume_is_refused_by_the_resume_and_ev
     assert "put the original base back there, or set lora.allow_base_change=True" in err[0]
     assert snapshot(run) == before  # nothing written, nothing moved
 
-    # The readers say the same, exit 2 (convert to-hf: through lora_base.load_run, see the report).
+    # The readers say the same, exit 2 (convert to-hf: once it reads through checkpoint/lora_run.load_run).
     assert checkpoint_main(["verify", str(run)]) == 2
     assert "do not go with this base" in errors(capsys)[0]
     assert checkpoint_main(["export", str(run), str(tmp_path / "merged")]) == 2
@@ -141,7 +141,7 @@ def test_readers_take_a_lora_run_as_its_merged_model(lora_run, bases, tmp_path, 
     base = mr.load_params(bases[0])
     from maxtext_rocm.checkpoint import restore_params
 
-    adapters = restore_params(lora_run, lora_base.initialised(cfg, lora.ADAPTERS, abstract_only=True))
+    adapters = restore_params(lora_run, lora_reader.initialised(cfg, lora.ADAPTERS, abstract_only=True))
     # An independent merge: W + (alpha / r) A B written out per layer.
     expected = jax.tree_util.tree_map(np.asarray, base)
     for name in cfg.lora.targets:

@@ -1,5 +1,6 @@
 """Checkpoints: the Checkpointer's orbax saves and verified restores (checkpointer.py), checksums that
-do not depend on the mesh (checksums.py), verified readers of parameters and exports (params.py),
+do not depend on the mesh (checksums.py), verified readers of parameters and exports (reading.py),
+params exports (params.py), a LoRA run's base and adapters for every reader (lora_run.py),
 orbax's failures in one sentence (errors.py), and the command line (cli.py: export, verify).
 
 A checkpoint is `output_dir/checkpoints/<step>/` with three items:

@@ -33,7 +33,7 @@ from orbax.checkpoint.checkpoint_managers import preservation_policy as policies
 
 from maxtext_rocm.checkpoint import checksums
 from maxtext_rocm.checkpoint.errors import cause, quiet_closed_loop_callbacks, quiet_orbax_error_logs, release_orbax_waiters
-from maxtext_rocm.checkpoint.params import _on_every_process, _shape_mismatch
+from maxtext_rocm.checkpoint.reading import _on_every_process, _shape_mismatch
 from maxtext_rocm.errors import CheckpointError
 
 STATE, DATA, META = "state", "data", "meta"

@@ -1,5 +1,6 @@
-"""A LoRA run is bound to its base: what it records about it, the checks a resume and every reader
-make against that record, and the one loader of a run's base and adapters.
+"""A LoRA run is bound to its base: what it records about it, and the checks a resume and every
+reader make against that record (the one loader of a run's base and adapters, which reads
+checkpoints, is checkpoint/lora_run.py).
 
 A LoRA checkpoint holds the adapters alone; the base is found again where the run found it
 (checkpoint.load_params_from, or train.seed's initialisation, made again). What it was is recorded
@@ -27,11 +28,8 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
 from maxtext_rocm.errors import UserError
 from maxtext_rocm.finetune import lora
@@ -79,34 +77,15 @@ def allows_base_change(lora_cfg) -> bool:
     return bool(lora_cfg.get(ALLOW_KEY, False))
 
 
-def _digest(sums: dict[str, str]) -> str:
-    from maxtext_rocm.checkpoint.checksums import json_digest
-
-    return json_digest(sums)
-
-
-def loaded_identity(pointer: str, sums: dict[str, str]) -> BaseIdentity:
-    """The identity of a base read from `pointer`, verified against its stored checksums `sums`."""
-    return BaseIdentity(str(pointer), None, _digest(sums), jax.default_backend())
-
-
-def _made_on(tree) -> str:
-    """The platform and mesh `tree`'s arrays lie on: "cpu fsdp=8", "gpu 1 device"."""
+def made_on(tree, program: str) -> str:
+    """`program` ("train": the trainer's init; "reader": a reader's) and the platform and mesh
+    `tree`'s arrays lie on: "train on cpu fsdp=8", "reader on cpu 1 device"."""
     leaf = jax.tree_util.tree_leaves(tree)[0]
     mesh = getattr(leaf.sharding, "mesh", None)
     platform = next(iter(leaf.devices())).platform
     if mesh is None or mesh.size == 1:
-        return f"{platform} 1 device"
-    return platform + " " + ",".join(f"{axis}={size}" for axis, size in mesh.shape.items() if size > 1)
-
-
-def seed_identity(seed: int, base, program: str) -> BaseIdentity:
-    """The identity of a base made from `seed`: `base` in the compute dtype, as the run holds it,
-    made by `program` ("train": the trainer's init; "reader": a reader's, on the host)."""
-    from maxtext_rocm.checkpoint.checksums import summarise
-
-    sums, _ = summarise({"params": base})
-    return BaseIdentity("", int(seed), _digest(sums), f"{program} on {_made_on(base)}")
+        return f"{program} on {platform} 1 device"
+    return f"{program} on {platform} " + ",".join(f"{axis}={size}" for axis, size in mesh.shape.items() if size > 1)
 
 
 def run_record(lora_cfg, identity: BaseIdentity) -> dict:
@@ -180,100 +159,5 @@ def check_base(record: dict | None, identity: BaseIdentity, lora_cfg, where) -> 
                       f"lora.{ALLOW_KEY}=True to use the new base on purpose")
 
 
-# ----------------------------------------------------------------------------------------------
-# Readers: a run's base and adapters on the host
-
-
-def _host_tree(abstract):
-    host = jax.sharding.SingleDeviceSharding(jax.local_devices(backend="cpu")[0])
-    return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=host), abstract)
-
-
-def _lora_model(cfg):
-    from maxtext_rocm.models import build_model
-    from maxtext_rocm.numerics.precision import policy_from_config
-
-    cpu = jax.local_devices(backend="cpu")[0]
-    return build_model(cfg.model, lora.policy_with_lora(policy_from_config(cfg.precision, cpu), cfg.lora))
-
-
-def initialised(cfg, collection: str, abstract_only: bool = False):
-    """`collection` ("params": the base in fp32; lora.ADAPTERS) of the LoRA model's initialisation
-    from train.seed, as the trainer made it (launch.stored_state), as numpy arrays on the host; or
-    only its shapes, placed on the host."""
-    from flax import linen as nn
-
-    model = _lora_model(cfg)
-    tokens = jnp.zeros((1, min(cfg.train.seq_len, 8)), jnp.int32)
-    init = lambda key: nn.meta.unbox(model.init(key, tokens)[collection])  # noqa: E731
-    if abstract_only:
-        return _host_tree(jax.eval_shape(init, jax.random.key(cfg.train.seed)))
-    with jax.default_device(jax.local_devices(backend="cpu")[0]):
-        return jax.tree_util.tree_map(np.asarray, jax.jit(init)(jax.random.key(cfg.train.seed)))
-
-
-def compute_dtype(cfg):
-    from maxtext_rocm.numerics.precision import policy_from_config
-
-    return policy_from_config(cfg.precision, jax.local_devices(backend="cpu")[0]).compute_dtype
-
-
-class LoraRun(NamedTuple):
-    """A LoRA run's parts on the host, each verified: `base` as it is stored (fp32: an export's
-    values, or the seed's initialisation before the cast to the compute dtype), `adapters`, the
-    checkpoint step they came from, and the base's identity (checked against the run's record)."""
-    base: Any
-    adapters: Any
-    checkpoint: Path
-    identity: BaseIdentity
-    warning: str | None  # check_base's, where it let the base through
-
-
-def load_run(path, cfg) -> LoraRun:
-    """The base and adapters of the LoRA run at `path` (a run directory: its newest intact step;
-    a checkpoints/<step>), verified against their checksums and the run's record
-    (BaseChanged if the base or the adapters' settings are not the run's). `cfg`: its config."""
-    from maxtext_rocm.checkpoint.params import (checkpoint_meta, host_abstract_params, read_params,
-                                                restore_params_checked)
-
-    read = read_params(path, initialised(cfg, lora.ADAPTERS, abstract_only=True))
-    record = recorded(checkpoint_meta(read.directory))
-    check_hyperparameters(record, cfg.lora, read.directory)
-    pointer = base_pointer(cfg)
-    if pointer:
-        if not Path(pointer).is_dir():
-            raise BaseChanged(f"the LoRA run's base, checkpoint.load_params_from={pointer!r} in its config.json, is "
-                              f"not a directory; put the base the run trained on back there to read {read.directory}")
-        base, sums = restore_params_checked(pointer, host_abstract_params(cfg))
-        identity = loaded_identity(pointer, sums)
-    else:
-        base = initialised(cfg, "params")
-        cpu = jax.local_devices(backend="cpu")[0]
-        with jax.default_device(cpu):
-            identity = seed_identity(cfg.train.seed, lora.to_compute_dtype(
-                jax.tree_util.tree_map(lambda x: jax.device_put(x, cpu), base), compute_dtype(cfg)), "reader")
-    warning = check_base(record, identity, cfg.lora, read.directory)
-    return LoraRun(base, jax.tree_util.tree_map(np.asarray, read.params), read.directory, identity, warning)
-
-
-def merged_params(run: LoraRun, cfg):
-    """The merged model of a LoRA run on the host, in fp32: W + (alpha / r) A B in each adapted
-    kernel, on the base as it is stored (not rounded to the compute dtype the run trained in)."""
-    base = jax.tree_util.tree_map(lambda x: np.asarray(x, np.float32), run.base)
-    return lora.merge(base, run.adapters, cfg.lora, xp=np)
-
-
 def is_lora_run(cfg) -> bool:
     return "lora" in cfg and lora.enabled(cfg.lora)
-
-
-def verify_run(path, cfg) -> str:
-    """`checkpoint verify` of a LoRA run: its adapters against their checksums, its base against
-    its own and against the identity the run recorded; a sentence saying what was verified."""
-    run = load_run(path, cfg)
-    n = len(jax.tree_util.tree_leaves(run.adapters))
-    said = (f"the LoRA adapters in {run.checkpoint} are intact ({n} arrays match their checksums, none holds "
-            f"inf/NaN) and {run.identity.describe()} is ")
-    if run.warning:
-        return said + f"intact, but: {run.warning}"
-    return said + "the one they were trained on"

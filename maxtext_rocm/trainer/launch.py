@@ -185,7 +185,7 @@ def launch(cfg, model, mesh, batch_sharding, batch_dtypes, checkpointer, shardin
     init_jit = jax.jit(lambda k: nn.meta.unbox(layout.init(k)), out_shardings=layout.sharding)
     if resume and lora.enabled(cfg.lora):  # the adapters from the checkpoint, the base from where it always comes
         # Before anything is read: other adapters' settings would otherwise read as "does not fit this model".
-        from maxtext_rocm.checkpoint.params import checkpoint_meta
+        from maxtext_rocm.checkpoint.reading import checkpoint_meta
 
         newest = Path(resume.manager.directory) / str(resume.steps[0])
         lora_base.check_hyperparameters(lora_base.recorded(checkpoint_meta(newest)), cfg.lora, newest)
@@ -270,22 +270,25 @@ def load_lora_base(path, abstract_frozen) -> LoraBase:
     """A LoRA run's frozen base from `path`, verified, in the compute dtype of `abstract_frozen`.
     Read in the stored fp32 (the checksums are of those values) and cast: for a moment the base is
     held twice (fp32 + compute dtype)."""
-    from maxtext_rocm.checkpoint.params import restore_params_checked
+    from maxtext_rocm.checkpoint.lora_run import loaded_identity
+    from maxtext_rocm.checkpoint.reading import restore_params_checked
 
     stored = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, np.float32, sharding=x.sharding),
                                     abstract_frozen)
     base, sums = restore_params_checked(path, stored)
     return LoraBase(jax.tree_util.tree_map(lambda x, a: x.astype(a.dtype), base, abstract_frozen),
-                    lora_base.loaded_identity(path, sums))
+                    loaded_identity(path, sums))
 
 
 def lora_base_of(cfg, initialised_frozen, abstract_frozen) -> LoraBase:
     """The base a LoRA run trains on: checkpoint.load_params_from's, or (without one) train.seed's
     initialisation, `initialised_frozen`, already in the state."""
+    from maxtext_rocm.checkpoint.lora_run import seed_identity
+
     pointer = lora_base.base_pointer(cfg)
     if pointer:
         return load_lora_base(pointer, abstract_frozen)
-    return LoraBase(initialised_frozen, lora_base.seed_identity(cfg.train.seed, initialised_frozen, "train"))
+    return LoraBase(initialised_frozen, seed_identity(cfg.train.seed, initialised_frozen, "train"))
 
 
 def fresh_lora_state(cfg, init_lowered, key, checkpointer, abstract, log):
@@ -311,7 +314,7 @@ def restored_lora_state(cfg, init_lowered, key, checkpointer, resume, abstract, 
     initialised = compilation.run_init(init_lowered, key, n_values).frozen
     base = lora_base_of(cfg, initialised, abstract.frozen)
     where = Path(resume.manager.directory) / str(step)
-    from maxtext_rocm.checkpoint.params import checkpoint_meta
+    from maxtext_rocm.checkpoint.reading import checkpoint_meta
 
     warning = lora_base.check_base(lora_base.recorded(checkpoint_meta(where)), base.identity, cfg.lora, where)
     if warning:
