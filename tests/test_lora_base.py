@@ -15,6 +15,7 @@ import pytest
 
 import maxtext_rocm as mr
 from maxtext_rocm.checkpoint import lora_run as lora_reader, main as checkpoint_main
+from maxtext_rocm.convert.__main__ import main as convert_main
 from maxtext_rocm.finetune import lora, lora_base
 from maxtext_rocm.generate import main as generate_main
 from maxtext_rocm.train import main as train_main
@@ -91,13 +92,19 @@ def test_a_base_replaced_between_stop_and_resume_is_refused_by_the_resume_and_ev
     assert "put the original base back there, or set lora.allow_base_change=True" in err[0]
     assert snapshot(run) == before  # nothing written, nothing moved
 
-    # The readers say the same, exit 2 (convert to-hf: once it reads through checkpoint/lora_run.load_run).
+    # The readers say the same, exit 2.
     assert checkpoint_main(["verify", str(run)]) == 2
     assert "do not go with this base" in errors(capsys)[0]
     assert checkpoint_main(["export", str(run), str(tmp_path / "merged")]) == 2
     assert "do not go with this base" in errors(capsys)[0] and not (tmp_path / "merged").exists()
     assert generate_main([str(run), "--prompt", "ab", "--max-new-tokens", "2"]) == 2
     assert "do not go with this base" in errors(capsys)[0]
+    for adapter in ([], ["--adapter"]):  # the merged model, and an adapter named for the original base
+        assert convert_main(["to-hf", str(run), str(tmp_path / "hf"), *adapter]) == 2
+        assert "do not go with this base" in errors(capsys)[0] and not (tmp_path / "hf").exists()
+    # Said on purpose: the run goes on with the new base, and says so.
+    assert train(run, *overrides, "--config.lora.allow_base_change=true", steps=4) == 0
+    assert "going on with it as lora.allow_base_change=True asks" in capsys.readouterr().out
 
 
 def test_a_seed_made_base_resumed_with_another_seed_is_refused(tmp_path, capsys):

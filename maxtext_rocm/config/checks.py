@@ -261,6 +261,8 @@ def _validate_lora(lora, m, mesh) -> None:
     _require(not isinstance(targets, str) and len(targets) > 0 and all(t in LORA_TARGETS for t in targets)
              and len(set(targets)) == len(targets),
              f"lora.targets={targets!r} is not valid; use distinct names from {', '.join(LORA_TARGETS)}")
+    _require(isinstance(lora.allow_base_change, bool),
+             f"lora.allow_base_change={lora.allow_base_change!r} is not valid; use True or False")
     if lora.rank == 0:
         return
     experts = sorted(set(targets) & {"gate", "up", "down"}) if m.family == "mixtral" else []

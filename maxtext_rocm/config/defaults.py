@@ -202,6 +202,10 @@ def defaults() -> ml_collections.ConfigDict:
         # the dense layers that get adapters: any of q, k, v, o (attention), gate, up, down (MLP)
         targets=("q", "k", "v", "o", "gate", "up", "down"),
         dropout=0.0,  # dropout on the adapters' input during training (PEFT's lora_dropout)
+        # A resume or a reader (verify, export, generate, to-hf) on another base than the one the
+        # run recorded (its checksums; a seed-made base's train.seed) is refused; True goes on with
+        # the new base on purpose, with a warning (finetune/lora_base.py).
+        allow_base_change=False,
     )
     cfg.log = dict(
         every=10,

@@ -242,6 +242,7 @@ def checkpoint_to_hf(checkpoint_dir, out_dir, *, dtype: str | None = None,
 
     from maxtext_rocm.checkpoint import restore_params_to_host
     from maxtext_rocm.convert import lora_export
+    from maxtext_rocm.finetune import lora_base
 
     checkpoint_dir, out_dir = Path(checkpoint_dir).absolute(), Path(out_dir).absolute()
     if not checkpoint_dir.is_dir():
@@ -259,7 +260,7 @@ def checkpoint_to_hf(checkpoint_dir, out_dir, *, dtype: str | None = None,
         dtype = str(original.get("dtype") or original.get("torch_dtype") or "float32")
     files_lib.numpy_dtype(dtype)  # a bad --dtype fails before the restore
     if adapter:  # PEFT loads the base by the name it records: the original Hugging Face folder, where known
-        base_name = str(origin.hf_dir) if origin.hf_dir is not None else lora_export.base_pointer(cfg)
+        base_name = str(origin.hf_dir) if origin.hf_dir is not None else lora_base.base_pointer(cfg)
         return lora_export.write_adapter(checkpoint_dir, cfg, out_dir, dtype, base_name)
     generation = generation_config(origin, cfg)
     params = lora_export.merged_params(checkpoint_dir, cfg) if is_lora else restore_params_to_host(checkpoint_dir, cfg)

@@ -3,10 +3,11 @@
 model the run started from, which `peft.PeftModel.from_pretrained(base, OUT)` loads.
 
 A run's checkpoints hold its adapters; the base is found where the run found it (its config.json's
-checkpoint.load_params_from, or without one train.seed's initialisation, made again), verified as
-every reader verifies it, in `load_base` alone. The merge reads the base in the precision it was
-stored (the export's fp32, not the compute-dtype copy the run trained against) and the output
-dtype is applied once, when the tensors are written.
+checkpoint.load_params_from, or without one train.seed's initialisation, made again) by
+checkpoint/lora_run.py, which every reader shares: verified, and compared with the base identity
+the run recorded. The merge reads the base in the precision it was stored (the export's fp32, not
+the compute-dtype copy the run trained against) and the output dtype is applied once, when the
+tensors are written.
 """
 
 from __future__ import annotations
@@ -16,9 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from maxtext_rocm.convert.hf_config import ConvertError
 from maxtext_rocm.convert.mapping import ATTENTION, DENSE_MLP
-from maxtext_rocm.finetune import lora
 
 # Our (block module, layer) -> the Hugging Face module inside a decoder layer, from the weight
 # mapping ("self_attn.q_proj.weight" <- ("attention", "q", "kernel")).
@@ -26,84 +25,26 @@ HF_MODULES = {path[:2]: name.removesuffix(".weight") for name, (path, _) in {**A
               if path[-1] == "kernel"}
 
 
-def _host_tree(abstract):
-    import jax
+def _loaded_run(checkpoint_dir: Path, cfg):
+    """The run's base and adapters through the one loader every reader uses (checkpoint/lora_run.py):
+    verified, and refused in one sentence where the base or the adapters' settings are not the ones
+    the run trained with (lora.allow_base_change lets another base through, with a warning)."""
+    import sys
 
-    host = jax.sharding.SingleDeviceSharding(jax.local_devices(backend="cpu")[0])
-    return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=host), abstract)
+    from maxtext_rocm.checkpoint import lora_run
 
-
-def _lora_model(cfg):
-    import jax
-    from maxtext_rocm.models import build_model
-    from maxtext_rocm.numerics.precision import policy_from_config
-
-    cpu = jax.local_devices(backend="cpu")[0]
-    return build_model(cfg.model, lora.policy_with_lora(policy_from_config(cfg.precision, cpu), cfg.lora))
-
-
-def _initialised(cfg, collection: str, abstract_only: bool):
-    """`collection` of the LoRA model's initialisation from train.seed, as the trainer made it
-    (launch.stored_state), on the host; or only its shapes."""
-    import jax
-    import jax.numpy as jnp
-    from flax import linen as nn
-
-    model = _lora_model(cfg)
-    tokens = jnp.zeros((1, min(cfg.train.seq_len, 8)), jnp.int32)
-    init = lambda key: nn.meta.unbox(model.init(key, tokens)[collection])  # noqa: E731
-    if abstract_only:
-        return _host_tree(jax.eval_shape(init, jax.random.key(cfg.train.seed)))
-    with jax.default_device(jax.local_devices(backend="cpu")[0]):
-        return jax.tree_util.tree_map(np.asarray, jax.jit(init)(jax.random.key(cfg.train.seed)))
-
-
-def base_pointer(cfg) -> str:
-    return cfg.checkpoint.get("load_params_from", "") or ""
-
-
-def load_base(cfg):
-    """The LoRA run's base parameters on the host, verified, as stored (the parameter dtype: fp32):
-    the one place a LoRA export reads its base. (A check of the base's identity against the one the
-    run recorded belongs here, beside the verification of its checksums.)"""
-    from maxtext_rocm.checkpoint import restore_params_to_host
-
-    pointer = base_pointer(cfg)
-    if not pointer:
-        return _initialised(cfg, "params", abstract_only=False)
-    if not Path(pointer).is_dir():
-        raise ConvertError(f"the LoRA run's base, checkpoint.load_params_from={pointer!r} in its config.json, "
-                           "is not a directory; put the base back there to export the run")
-    return restore_params_to_host(pointer, cfg)
-
-
-def load_adapters(checkpoint_dir: Path, cfg):
-    """The run's adapters from `checkpoint_dir` on the host, verified."""
-    import jax
-
-    from maxtext_rocm.checkpoint import restore_params
-
-    adapters = restore_params(checkpoint_dir, _initialised(cfg, lora.ADAPTERS, abstract_only=True))
-    return jax.tree_util.tree_map(np.asarray, adapters)
-
-
-def lora_run_params(checkpoint_dir: Path, cfg):
-    """(base params, adapters) of a LoRA run on the host as numpy arrays, both verified, each in
-    the precision it was stored in."""
-    import jax
-
-    base = jax.tree_util.tree_map(np.asarray, load_base(cfg))
-    return base, load_adapters(checkpoint_dir, cfg)
+    run = lora_run.load_run(checkpoint_dir, cfg)
+    if run.warning:
+        print(f"warning: {run.warning}", file=sys.stderr)
+    return run
 
 
 def merged_params(checkpoint_dir: Path, cfg):
     """The merged model of a LoRA run: W + (alpha / r) A B in each adapted kernel, computed in fp32
     from the base as stored (never from a rounded copy), in fp32."""
-    import jax
+    from maxtext_rocm.checkpoint import lora_run
 
-    base, adapters = lora_run_params(checkpoint_dir, cfg)
-    base = jax.tree_util.tree_map(lambda x: np.asarray(x, np.float32), base)
-    return lora.merge(base, adapters, cfg.lora, xp=np)
+    return lora_run.merged_params(_loaded_run(checkpoint_dir, cfg), cfg)
 
 
 def _per_layer(tree, n_layers: int, scanned: bool):
@@ -148,7 +89,8 @@ def write_adapter(checkpoint_dir: Path, cfg, out_dir: Path, dtype: str, base_nam
     from maxtext_rocm.convert import files as files_lib
     from maxtext_rocm.convert.output import written_atomically
 
-    tensors = peft_tensors(load_adapters(checkpoint_dir, cfg), cfg, files_lib.numpy_dtype(dtype))
+    # The base is read too: an adapter exported for another base than the one it trained on is refused.
+    tensors = peft_tensors(_loaded_run(checkpoint_dir, cfg).adapters, cfg, files_lib.numpy_dtype(dtype))
     with written_atomically(out_dir) as tmp:
         save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
         config = adapter_config(cfg, base_name)
