@@ -91,3 +91,25 @@ def test_a_lora_summary_names_both_exports():
     assert text.startswith("run r stopped by signal 15 at step 5 of 10, 1 min 15 s wall time: dpo loss 0.5000 (step 5)")
     assert ("export: python -m maxtext_rocm.convert to-hf 'runs/my run' 'runs/my run-hf'   (the merged model; "
             "add --adapter for the PEFT adapter alone)") in text
+
+
+def test_a_finished_run_relaunched_compiles_no_step_until_one_runs(devices, tmp_path):
+    """The relaunch that only says "already trained" does not pay for compiling the step (minutes
+    for an 8B model); a caller that trains on past train.steps (a notebook's run(n)) still can."""
+    from conftest import small_config
+    from maxtext_rocm.trainer.launch import CompiledOnFirstUse
+    from maxtext_rocm.train import Trainer
+
+    cfg = small_config(**{"train.steps": 1, "mesh.ici.fsdp": 1, "output_dir": str(tmp_path / "run"),
+                          "checkpoint.async_save": False})
+    first = Trainer(cfg, devices=devices[:1], log=lambda *_: None)
+    first.run()
+    first.close()
+    again = Trainer(cfg, devices=devices[:1], log=lambda *_: None)
+    try:
+        assert again.is_finished() and isinstance(again._compiled_step, CompiledOnFirstUse)
+        assert not again._compiled_step.done()
+        again.run(1)  # one step past train.steps: compiled now, and it trains
+        assert again.step_count == 2 and again._compiled_step is not None
+    finally:
+        again.close()

@@ -199,14 +199,20 @@ def launch(cfg, model, mesh, batch_sharding, batch_dtypes, checkpointer, shardin
     else:
         made = compilation.in_thread(fresh_state, cfg.checkpoint, compilation.lower_init(init_jit, layout.key),
                                      layout.key, layout.abstract, log, layout.storage_order)
-    with sharding_rules():
-        lowered = lower_step(step, cfg, mesh, layout.abstract, batch_sharding, batch_dtypes)
-    if compilation.compile_overlaps_init():
-        compiled = compilation.in_thread(lowered.compile)
+    def lowered():
+        with sharding_rules():
+            return lower_step(step, cfg, mesh, layout.abstract, batch_sharding, batch_dtypes)
+
+    if resume and resume.steps[0] == cfg.train.steps:  # a finished run relaunched: compiled only if a step runs
+        compiled = CompiledOnFirstUse(lowered)
+        state, step_count, data_state = made.result()
+    elif compilation.compile_overlaps_init():
+        compiled = compilation.in_thread(lowered().compile)
         state, step_count, data_state = made.result()
     else:
+        lowering = lowered()
         state, step_count, data_state = made.result()
-        compiled = lowered.compile()
+        compiled = lowering.compile()
         compilation.release_freed_host_memory()
     if resume:  # checkpoints the resume skipped or passed over move out of the way of this run's saves
         moved = checkpointer.set_aside(step_count)
@@ -214,6 +220,21 @@ def launch(cfg, model, mesh, batch_sharding, batch_dtypes, checkpointer, shardin
             log(f"checkpoints newer than step {step_count} moved to {moved[0].parent}: "
                 + ", ".join(p.name for p in moved))
     return Launched(state, step_count, data_state, compiled, layout.sharding, layout.storage_order)
+
+
+class CompiledOnFirstUse(Future):
+    """The train step of a run whose checkpoint is at train.steps already: compiled when it is first
+    asked for (`Trainer.run(n)` past the end, a notebook's `step()`), never for a relaunch that
+    only says the run is done (an 8B step takes minutes to compile)."""
+
+    def __init__(self, lowered: Callable[[], jax.stages.Lowered]):
+        super().__init__()
+        self._lowered = lowered
+
+    def result(self, timeout=None):
+        if not self.done():
+            self.set_result(self._lowered().compile())
+        return super().result(timeout)
 
 
 def lower_step(step, cfg, mesh, abstract, batch_sharding, batch_dtypes) -> jax.stages.Lowered:
