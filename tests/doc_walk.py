@@ -31,7 +31,7 @@ CLONED = ("configs", "scripts", "notebooks")
 
 def page_commands(page: str, section: str | None = None) -> list[str]:
     """The page's shell commands in order, as one line each (continuations joined); `section`: only
-    those under that `## ` heading. Optional `[...]` parts are left out, as a first reading runs it."""
+    those under that `## ` heading."""
     text = (REPO / page).read_text()
     if section is not None:
         text = text.split(f"\n## {section}\n", 1)[1].split("\n## ", 1)[0]
@@ -61,11 +61,10 @@ class Walk:
     steps: list[Step] = field(default_factory=list)
 
     def run(self, line: str, timeout: float = 300) -> Step:
-        argv = forms(line)[0]
-        if argv[:2] in (["python", "-m"], ["python3", "-m"]):
-            argv = [sys.executable, *argv[1:]]
-        else:
-            raise AssertionError(f"{self.page}: {line!r} is not a `python -m` command; teach tests/doc_walk.py to run it")
+        argv = forms(line)[0]  # optional `[...]` parts left out, as a first reading runs the command
+        if argv[:2] not in (["python", "-m"], ["python3", "-m"]):
+            raise AssertionError(f"{self.page}: {line!r} is not a `python -m` command; teach doc_walk.py to run it")
+        argv = [sys.executable, *argv[1:]]
         if argv[2] == "maxtext_rocm.train":
             argv = [*argv, *TINY_TRAINING]
         start = time.perf_counter()
@@ -84,7 +83,8 @@ class Walk:
 
 def walk_env() -> dict[str, str]:
     """The reader's environment: one CPU device (the test session's 8 fake devices removed), W&B
-    offline (CI has no network), this checkout's package."""
+    offline (CI has no network), this checkout's package. The session's compilation cache
+    (tests/conftest.py) is kept: a program that two walks compile is compiled once."""
     env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "JAX_PLATFORMS": "cpu",
            "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])}
     flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", "")).strip()

@@ -12,7 +12,13 @@ What the test adds, and only this:
 A command is left out only where NOT_WALKED says why (a GPU node's work, or an AOT compile that the
 slow test_compile_commands walks); every other command a page shows is walked, so a command added
 to a page is walked from then on. The pages that follow the README (lora, dpo, notebooks) start
-where the README's walk left its reader: with runs/tiny_llama in the directory. Each walk then checks what the page promises of its results.
+where the README's walk left its reader: with runs/tiny_llama in the directory. Each walk then
+checks what the page promises of its results.
+
+Measured 2026-12-06 on the 2-core machine (load 3-4, -n 0): README 11 s, finetuning 28 s, lora
+55 s, dpo 39 s, huggingface 12 s, notebooks 7 s; 160 s for the file. lora and dpo are past the
+~30 s that marks a test slow, but issue #43 keeps the walks in CI's default run: a page that fails
+its reader must fail CI. Most of a walk is process start-up and compiling a tiny program.
 """
 from __future__ import annotations
 
@@ -29,11 +35,11 @@ from doc_walk import (BOS_ID, CHATS, CORPUS, EOS_IDS, MAX_POSITIONS, PREFERENCES
 # The AOT compiles run on a CPU but take 10 s to minutes each: test_compile_commands (slow) walks them.
 COMPILES = {
     "python -m maxtext_rocm.compile configs/llama3_1_405b.py:fp8 --target=mi355x:8x8 --plan --max-compiles=6":
-        "ranks Llama 3.1 405B's layouts on 64 GPUs, compiling six: minutes on a 2-core CPU",
+        "ranks Llama 3.1 405B's layouts on 64 GPUs, compiling six: 162 s on a 2-core CPU",
     "python -m maxtext_rocm.compile configs/llama3_1_405b.py:fp8 --target=mi355x:8x8 --comm --config.mesh.dcn.stage=8 "
     "--config.mesh.ici.fsdp=2 --config.mesh.ici.tensor=4 --config.pipeline.schedule=1f1b --config.pipeline.repeats=2 "
     "--config.pipeline.microbatches=32 --config.pipeline.weight_gather=once --config.model.remat=full":
-        "compiles Llama 3.1 405B for 64 GPUs: 30 s on a 2-core CPU",
+        "compiles Llama 3.1 405B for 64 GPUs: 10-30 s on a 2-core CPU",
     "python -m maxtext_rocm.compile configs/llama3_8b.py --target=mi300x:1": "compiles Llama 3 8B: 10-30 s",
     "python -m maxtext_rocm.compile configs/llama3_8b.py --target=mi300x:1 --config.lora.rank=16":
         "compiles Llama 3 8B under LoRA: 10-40 s",
