@@ -61,7 +61,7 @@ class Walk:
     steps: list[Step] = field(default_factory=list)
 
     def run(self, line: str, timeout: float = 300) -> Step:
-        argv = forms(line)[0]  # optional `[...]` parts left out, as a first reading runs the command
+        argv = forms(line)[-1]  # with its optional `[...]` parts, unless they hold a placeholder
         if argv[:2] not in (["python", "-m"], ["python3", "-m"]):
             raise AssertionError(f"{self.page}: {line!r} is not a `python -m` command; teach doc_walk.py to run it")
         argv = [sys.executable, *argv[1:]]

@@ -9,6 +9,8 @@ What the test adds, and only this:
 - doc_walk.TINY_TRAINING appended to every training command (3 steps of 2 x 64 tokens; the page's
   arguments are kept, the appended ones come later and win), so a walk takes seconds per command;
 - one CPU device, W&B offline.
+Optional parts a page writes `[--flag VALUE]` are run with the command, unless they hold a
+placeholder (`KEY=VALUE ...`).
 A command is left out only where NOT_WALKED says why (a GPU node's work, or an AOT compile that the
 slow test_compile_commands walks); every other command a page shows is walked, so a command added
 to a page is walked from then on. The pages that follow the README (lora, dpo, notebooks) start
@@ -168,6 +170,7 @@ def test_huggingface(tmp_path, hf_model):
             "max_position_embeddings": config.get("max_position_embeddings")}
     expected = {"bos_token_id": BOS_ID, "eos_token_id": EOS_IDS, "max_position_embeddings": MAX_POSITIONS}
     assert kept == expected
+    assert config.get("dtype", config.get("torch_dtype")) == "bfloat16"  # the page's `[--dtype bfloat16]`
     generation = json.loads((out / "generation_config.json").read_text())
     assert (generation["bos_token_id"], generation["eos_token_id"]) == (BOS_ID, EOS_IDS)
 
