@@ -24,6 +24,7 @@ its reader must fail CI. Most of a walk is process start-up and compiling a tiny
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import shutil
 from pathlib import Path
@@ -98,13 +99,24 @@ def bring(hf_model: Path, cwd: Path, *names: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def readme_walk(tmp_path_factory) -> Walk:
-    return walk("README.md", fresh_directory(tmp_path_factory.mktemp("readme") / "clone"), section="Train")
+def readme_walk(tmp_path_factory, worker_id) -> Path:
+    """The directory of the README's walk, walked once per session: under pytest-xdist the first
+    worker to ask walks it into the session's shared temporary folder, the others wait and read it."""
+    base = tmp_path_factory.getbasetemp()
+    shared = base if worker_id == "master" else base.parent  # pytest-N/, above each popen-gwK/
+    cwd = shared / "readme_walk" / "clone"
+    with open(shared / "readme_walk.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not (cwd.parent / "walked").exists():
+            shutil.rmtree(cwd.parent, ignore_errors=True)  # a walk that failed part way
+            walk("README.md", fresh_directory(cwd), section="Train")
+            (cwd.parent / "walked").touch()
+    return cwd
 
 
-def after_the_readme(readme_walk: Walk, cwd: Path) -> Path:
+def after_the_readme(readme_walk: Path, cwd: Path) -> Path:
     """A directory where the README's Train section has been walked: the reader's next page."""
-    shutil.copytree(readme_walk.cwd, cwd, symlinks=True)
+    shutil.copytree(readme_walk, cwd, symlinks=True)
     return cwd
 
 
@@ -113,7 +125,7 @@ def metrics(run: Path) -> list[dict]:
 
 
 def test_readme_train(readme_walk):
-    run = readme_walk.cwd / "runs" / "tiny_llama"
+    run = readme_walk / "runs" / "tiny_llama"
     for name in ("config.json", "metrics.jsonl", "checkpoints", "tensorboard"):  # the README's table
         assert (run / name).exists(), name
     assert [m["step"] for m in metrics(run) if "loss" in m] == [1, 2, 3]
