@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 USAGE = """usage:
   python -m maxtext_rocm.convert from-hf HF_DIR OUT_DIR [--config.GROUP.KEY=VALUE ...]
@@ -38,8 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     command, source, out, rest = argv[0], argv[1], argv[2], argv[3:]
     try:
         if command == "from-hf":
-            written = hf_to_export(source, out, overrides=rest)
-            print(f"wrote {written} (fine-tune from it: python -m maxtext_rocm.train {written}/preset.py "
+            written = Path(hf_to_export(source, out, overrides=rest))
+            print(f"wrote {written} (fine-tune from it: python -m maxtext_rocm.train {written / 'preset.py'} "
                   "--config.data.paths=YOUR_DATA.jsonl; docs/finetuning.md)")
         else:
             adapter = "--adapter" in rest  # a flag: the LoRA run's PEFT adapter instead of the merged model

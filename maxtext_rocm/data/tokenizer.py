@@ -208,7 +208,8 @@ def _load(kind: str, path: str, _versions: tuple):
     try:
         return _KINDS[kind](path)
     except ImportError as error:
-        raise ConfigError(f"data.tokenizer={path!r} needs the {error.name!r} package; pip install it") from None
+        raise ConfigError(f"data.tokenizer={path!r} needs the {error.name!r} package; install "
+                          "the package's hf extra (pip install -e '.[hf]'), or that package alone") from None
     except Exception as error:  # noqa: BLE001 - each library raises its own types
         first = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
         raise ConfigError(f"data.tokenizer={path!r} cannot be read as a {kind} tokenizer ({first})") from None
