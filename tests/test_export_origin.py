@@ -171,3 +171,16 @@ def flat(tree, prefix=""):
         else:
             out[f"{prefix}{key}"] = value
     return out
+
+
+def test_a_chat_run_whose_tokenizer_is_gone_still_exports_and_says_what_is_missing(capsys):
+    """The weights need no tokenizer: a chat run whose tokenizer folder was deleted (or whose
+    relative data.tokenizer points elsewhere from here) exports, with a warning that
+    generation_config.json lacks the end-of-turn id; the token ids the original gave are kept."""
+    from maxtext_rocm.convert import origin as origin_lib
+
+    cfg = config_lib.load_preset("tiny_llama")  # as a run's config.json gives it: no validation of its files now
+    cfg.data.update(format="chat", tokenizer="/no/such/tokenizer.json")
+    found = origin_lib.Origin(hf_config={"bos_token_id": 1, "eos_token_id": 2}, hf_dir=None, generation_config=None)
+    assert origin_lib.generation_config(found, cfg) == {"bos_token_id": 1, "eos_token_id": 2}
+    assert "lists no end-of-turn token among eos_token_id" in capsys.readouterr().err

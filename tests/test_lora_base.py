@@ -187,15 +187,25 @@ def test_allow_base_change_lets_a_new_base_through_with_a_warning():
     record = {"base": was.to_record()}
     cfg = ml_collections.ConfigDict({"allow_base_change": False})
     with pytest.raises(lora_base.BaseChanged, match="train.seed=4 makes another"):
-        lora_base.check_base(record, now, cfg, "RUN")
+        lora_base.check_base(record, now, cfg, "RUN", resuming=True)
     cfg.allow_base_change = True
-    assert "going on with it as lora.allow_base_change=True asks" in lora_base.check_base(record, now, cfg, "RUN")
+    assert "going on with it as lora.allow_base_change=True asks" in lora_base.check_base(record, now, cfg, "RUN",
+                                                                                         resuming=True)
+    # A reader takes no overrides and trusts the checkpoint's record, not a config.json that once allowed a change.
+    with pytest.raises(lora_base.BaseChanged, match=r"or train the run on with the new base on purpose "
+                                                    r"\(--config.lora.allow_base_change=true and a higher train.steps\)"):
+        lora_base.check_base(record, now, cfg, "RUN", resuming=False)
     # A seed-made base made by another program: the seed alone is compared (the init differs in the last bit).
     assert lora_base.check_base(record, lora_base.BaseIdentity("", 3, "z", "reader on cpu 1 device"),
-                                ml_collections.ConfigDict(), "RUN") is None
+                                ml_collections.ConfigDict(), "RUN", resuming=False) is None
     with pytest.raises(lora_base.BaseChanged, match="its checksums differ"):  # on the same mesh: the checksum too
         lora_base.check_base(record, lora_base.BaseIdentity("", 3, "z", "train on cpu fsdp=8"),
-                             ml_collections.ConfigDict(), "RUN")
+                             ml_collections.ConfigDict(), "RUN", resuming=True)
+    # The adapters are keyed by name: the targets in another order are the same adapters.
+    settings = {"rank": 4, "alpha": 8.0, "targets": ["q", "v"]}
+    lora_base.check_hyperparameters(settings, ml_collections.ConfigDict({**settings, "targets": ("v", "q")}), "RUN")
+    with pytest.raises(lora_base.BaseChanged, match=r"lora.targets=\('q', 'k'\) differs"):
+        lora_base.check_hyperparameters(settings, ml_collections.ConfigDict({**settings, "targets": ("q", "k")}), "RUN")
 
 
 @pytest.mark.parametrize("below", [("out",), ("missing", "out")])

@@ -100,7 +100,7 @@ def load_run(path, cfg) -> LoraRun:
             held = lora.to_compute_dtype(jax.tree_util.tree_map(lambda x: jax.device_put(x, cpu), base),
                                          _compute_dtype(cfg))
             identity = seed_identity(cfg.train.seed, held, "reader")
-    warning = lora_base.check_base(record, identity, cfg.lora, read.directory)
+    warning = lora_base.check_base(record, identity, cfg.lora, read.directory, resuming=False)
     return LoraRun(base, jax.tree_util.tree_map(np.asarray, read.params), read.directory, identity, warning)
 
 

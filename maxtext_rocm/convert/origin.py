@@ -12,6 +12,7 @@ with the original's token ids, context length and generation config by one path.
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -107,9 +108,11 @@ def chat_stop_ids(cfg) -> tuple[int, ...]:
     try:
         tokenizer = load_tokenizer(data.tokenizer)
         template = load_chat_template(data, tokenizer)
-    except UserError:
-        if data.format == "chat":  # it trained with this template: say why it cannot be read now
-            raise
+    except UserError as error:
+        # The weights export without it (the tokenizer is not needed for them): say what is missing.
+        if data.format == "chat":
+            print(f"warning: the run's chat template cannot be read now ({error}), so generation_config.json "
+                  "lists no end-of-turn token among eos_token_id; add it there by hand", file=sys.stderr)
         return ()
     return end_of_turn(template, tokenizer).stop_ids
 

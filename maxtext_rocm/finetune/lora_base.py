@@ -107,7 +107,7 @@ def check_hyperparameters(record: dict | None, lora_cfg, where) -> None:
     for key in HYPERPARAMETERS:
         was = record[key]
         now = list(lora_cfg[key]) if key == "targets" else type(was)(lora_cfg[key])
-        if now != was:
+        if (sorted(now) != sorted(was)) if key == "targets" else (now != was):  # adapters are keyed by name
             shown = tuple(was) if key == "targets" else was
             raise BaseChanged(
                 f"lora.{key}={tuple(now) if key == 'targets' else now!r} differs from the lora.{key}={shown!r} that "
@@ -140,12 +140,15 @@ def _what_changed(was: BaseIdentity, now: BaseIdentity) -> str | None:
     return None
 
 
-def check_base(record: dict | None, identity: BaseIdentity, lora_cfg, where) -> str | None:
+def check_base(record: dict | None, identity: BaseIdentity, lora_cfg, where, resuming: bool) -> str | None:
     """Compares the base found now (`identity`) with the one `record` (a checkpoint's "lora"
     record) says the adapters in `where` were trained on. The same base: None. Another one:
-    BaseChanged in one sentence naming what changed and how to proceed, or, under
-    lora.allow_base_change=True, that sentence as a warning to print. A record saved before
-    records existed: a warning that the base is used unverified."""
+    BaseChanged in one sentence naming what changed and how to proceed, or, when `resuming` under
+    lora.allow_base_change=True, that sentence as a warning to print. A reader (verify, export,
+    generate, to-hf) never lets another base through: the checkpoint's record is what the adapters
+    were trained on, whatever a run's config.json says it allowed once; a resume with the new base
+    trains on and records it. A record saved before records existed: a warning that the base is
+    used unverified."""
     was = BaseIdentity.from_record((record or {}).get("base"))
     if was is None:
         return (f"the checkpoint in {where} records no identity of its LoRA base (saved before records existed); "
@@ -153,10 +156,12 @@ def check_base(record: dict | None, identity: BaseIdentity, lora_cfg, where) -> 
     change = _what_changed(was, identity)
     if change is None:
         return None
-    if allows_base_change(lora_cfg):
+    if resuming and allows_base_change(lora_cfg):
         return f"LoRA base changed ({change}); going on with it as lora.{ALLOW_KEY}=True asks"
-    raise BaseChanged(f"the LoRA adapters in {where} do not go with this base: {change}, or set "
-                      f"lora.{ALLOW_KEY}=True to use the new base on purpose")
+    remedy = (f"set lora.{ALLOW_KEY}=True to use the new base on purpose" if resuming else
+              f"train the run on with the new base on purpose (--config.lora.{ALLOW_KEY}=true and a higher "
+              "train.steps), whose next checkpoint records it")
+    raise BaseChanged(f"the LoRA adapters in {where} do not go with this base: {change}, or {remedy}")
 
 
 def is_lora_run(cfg) -> bool:

@@ -31,7 +31,8 @@ class RunSummary:
 
 def export_command(output_dir: str, lora: bool) -> str:
     """The command that turns the run's newest checkpoint into a Hugging Face folder."""
-    command = f"python -m maxtext_rocm.convert to-hf {shlex.quote(output_dir)} {shlex.quote(output_dir + '-hf')}"
+    run = output_dir.rstrip("/") or output_dir  # "runs/x/" exports to runs/x-hf, not into runs/x/-hf
+    command = f"python -m maxtext_rocm.convert to-hf {shlex.quote(run)} {shlex.quote(run + '-hf')}"
     return command + ("   (the merged model; add --adapter for the PEFT adapter alone)" if lora else "")
 
 

@@ -337,7 +337,8 @@ def restored_lora_state(cfg, init_lowered, key, checkpointer, resume, abstract, 
     where = Path(resume.manager.directory) / str(step)
     from maxtext_rocm.checkpoint.reading import checkpoint_meta
 
-    warning = lora_base.check_base(lora_base.recorded(checkpoint_meta(where)), base.identity, cfg.lora, where)
+    warning = lora_base.check_base(lora_base.recorded(checkpoint_meta(where)), base.identity, cfg.lora, where,
+                                   resuming=True)
     if warning:
         log(f"warning: {warning}")
     checkpointer.built_from = lora_base.run_record(cfg.lora, base.identity)
