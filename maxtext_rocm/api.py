@@ -82,13 +82,9 @@ def load_params(path, cfg=None):
     from maxtext_rocm.finetune import lora_base
 
     if lora_base.is_lora_run(cfg):  # its checkpoints hold adapters; the model is base + adapters
-        import sys
-
         from maxtext_rocm.checkpoint import lora_run
 
         run = lora_run.load_run(path, cfg)
-        if run.warning:
-            print(f"warning: {run.warning}", file=sys.stderr)
         merged = lora_run.merged_params(run, cfg)
         return jax.tree_util.tree_map(lambda x, a: jax.device_put(x.astype(a.dtype), a.sharding), merged, abstract)
     from maxtext_rocm.checkpoint import restore_params  # orbax, imported when needed

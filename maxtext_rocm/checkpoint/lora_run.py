@@ -16,7 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from maxtext_rocm.checkpoint.checksums import json_digest, summarise
-from maxtext_rocm.checkpoint.reading import checkpoint_meta, host_abstract_params, read_params, restore_params_checked
+from maxtext_rocm.checkpoint.reading import (checkpoint_meta, host_abstract_params, read_params, restore_params_checked,
+                                             say_warning)
 from maxtext_rocm.finetune import lora, lora_base
 from maxtext_rocm.finetune.lora_base import BaseChanged, BaseIdentity
 
@@ -79,10 +80,12 @@ class LoraRun(NamedTuple):
     warning: str | None
 
 
-def load_run(path, cfg) -> LoraRun:
+def load_run(path, cfg, warn: bool = True) -> LoraRun:
     """The base and adapters of the LoRA run at `path` (a run directory: its newest intact step;
     or a checkpoints/<step>), verified against their checksums and against the run's record
-    (BaseChanged if the base or the adapters' settings are not the run's). `cfg`: its config."""
+    (BaseChanged if the base or the adapters' settings are not the run's). `cfg`: its config.
+    A warning (a checkpoint older than the records, whose base is used unverified) is printed by
+    process 0 unless `warn` is False (the caller says it itself)."""
     read = read_params(path, initialised(cfg, lora.ADAPTERS, abstract_only=True))
     record = lora_base.recorded(checkpoint_meta(read.directory))
     lora_base.check_hyperparameters(record, cfg.lora, read.directory)
@@ -101,6 +104,8 @@ def load_run(path, cfg) -> LoraRun:
                                          _compute_dtype(cfg))
             identity = seed_identity(cfg.train.seed, held, "reader")
     warning = lora_base.check_base(record, identity, cfg.lora, read.directory, resuming=False)
+    if warning and warn:
+        say_warning(warning)
     return LoraRun(base, jax.tree_util.tree_map(np.asarray, read.params), read.directory, identity, warning)
 
 
@@ -114,7 +119,7 @@ def merged_params(run: LoraRun, cfg):
 def verify_run(path, cfg) -> str:
     """`checkpoint verify` of a LoRA run: its adapters against their checksums, its base against
     its own and against the identity the run recorded; a sentence saying what was verified."""
-    run = load_run(path, cfg)
+    run = load_run(path, cfg, warn=False)  # its sentence carries the warning
     n = len(jax.tree_util.tree_leaves(run.adapters))
     said = (f"the LoRA adapters in {run.checkpoint} are intact ({n} arrays match their checksums, none holds "
             f"inf/NaN) and {run.identity.describe()} is ")

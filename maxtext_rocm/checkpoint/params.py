@@ -18,7 +18,7 @@ import orbax.checkpoint as ocp
 from maxtext_rocm.checkpoint import checksums
 from maxtext_rocm.checkpoint.errors import cause
 from maxtext_rocm.checkpoint.reading import (  # noqa: F401  (re-exported)
-    CHECKSUMS_FILE, _warn, META, STATE, ReadParams, checkpoint_meta, host_abstract_params, read_params, restore_params,
+    CHECKSUMS_FILE, META, STATE, ReadParams, checkpoint_meta, host_abstract_params, read_params, restore_params,
     restore_params_checked, restore_params_to_host)
 from maxtext_rocm.errors import CheckpointError
 
@@ -57,8 +57,6 @@ def _lora_export(source: Path, cfg, record: dict):
     from maxtext_rocm.checkpoint import lora_run
 
     run = lora_run.load_run(source, cfg)
-    if run.warning:
-        _warn(run.warning)
     record = json.loads(json.dumps(record))  # a copy
     lora_settings = dict(record["config"]["lora"])
     record["config"]["lora"]["rank"] = 0

@@ -108,7 +108,7 @@ def _sources(path: Path) -> tuple[list[_Source], bool]:
     return [_Source(folder / str(s) / STATE, True, f"checkpoint {folder / str(s)}") for s in steps], False
 
 
-def _warn(message: str) -> None:
+def say_warning(message: str) -> None:
     if jax.process_index() == 0:  # process 0 speaks for every process
         print(f"warning: {message}", file=sys.stderr, flush=True)
 
@@ -148,7 +148,7 @@ def _read_verified(source: _Source, abstract_params):
     if nonfinite:
         raise _Damaged(f"holds inf/NaN values (first in {nonfinite[0]})")
     if stored is None:
-        _warn(f"{source.label} was written without checksums; its parameters are read unverified")
+        say_warning(f"{source.label} was written without checksums; its parameters are read unverified")
     return params, computed
 
 
@@ -180,7 +180,7 @@ def read_params(path, abstract_params) -> ReadParams:
             skipped.append((source, str(damage)))
             continue
         for bad, why in skipped:
-            _warn(f"{bad.label} {why}; reading {source.label} instead, the newest intact one (the other is "
+            say_warning(f"{bad.label} {why}; reading {source.label} instead, the newest intact one (the other is "
                   f"left where it is; python -m maxtext_rocm.checkpoint verify {bad.tree_dir.parent} checks it)")
         return ReadParams(params, computed, source.tree_dir.parent)
     raise CheckpointError(f"no checkpoint under {Path(path).absolute()} is intact ("

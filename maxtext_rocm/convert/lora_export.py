@@ -28,15 +28,10 @@ HF_MODULES = {path[:2]: name.removesuffix(".weight") for name, (path, _) in {**A
 def _loaded_run(checkpoint_dir: Path, cfg):
     """The run's base and adapters through the one loader every reader uses (checkpoint/lora_run.py):
     verified, and refused in one sentence where the base or the adapters' settings are not the ones
-    the run trained with (lora.allow_base_change lets another base through, with a warning)."""
-    import sys
-
+    the run trained with."""
     from maxtext_rocm.checkpoint import lora_run
 
-    run = lora_run.load_run(checkpoint_dir, cfg)
-    if run.warning:
-        print(f"warning: {run.warning}", file=sys.stderr)
-    return run
+    return lora_run.load_run(checkpoint_dir, cfg)
 
 
 def merged_params(checkpoint_dir: Path, cfg):
