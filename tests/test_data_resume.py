@@ -248,3 +248,36 @@ def test_each_files_sha256_is_hashlibs_of_its_bytes_from_every_reading(tmp_path,
     monkeypatch.setattr(lineindex, "_build", lambda *a: pytest.fail("the sidecar should have served"))
     Documents([jsonl])
     assert filehash._DIGESTS == {filehash.version(jsonl): want[jsonl]}
+
+
+def test_a_streamed_files_digest_is_kept_for_later_launches(tmp_path, monkeypatch):
+    """Parquet (read by row groups, never whole) is hashed once per version of the file: a later
+    launch reads the digest sidecar, not the file; an edit (another size or mtime) hashes again, and
+    a sidecar in the data directory is no data file."""
+    import hashlib
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from maxtext_rocm.data import filehash
+    from maxtext_rocm.data.documents import expand_paths
+
+    table = tmp_path / "p.parquet"
+    pq.write_table(pa.table({"text": make_docs(50)}), table)
+    monkeypatch.setattr(filehash, "_DIGESTS", {})
+    assert filehash.file_sha256(table) == hashlib.sha256(table.read_bytes()).hexdigest()
+    sidecar = tmp_path / ".p.parquet.sha256"
+    assert sidecar.is_file()
+    assert [p.name for p in expand_paths(str(tmp_path / "*"))] == ["p.parquet"]
+
+    monkeypatch.setattr(filehash, "_DIGESTS", {})  # a new launch
+    opened = []
+    real_open = open
+    monkeypatch.setattr("builtins.open", lambda p, *a, **k: opened.append(str(p)) or real_open(p, *a, **k))
+    assert filehash.file_sha256(table) == hashlib.sha256(table.read_bytes()).hexdigest()
+    assert str(table) not in opened  # the sidecar served
+
+    pq.write_table(pa.table({"text": make_docs(60)}), table)  # edited: another version
+    monkeypatch.setattr(filehash, "_DIGESTS", {})
+    assert filehash.file_sha256(table) == hashlib.sha256(table.read_bytes()).hexdigest()
+    assert str(table) in opened

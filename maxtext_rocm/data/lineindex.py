@@ -50,7 +50,8 @@ class LineIndex(NamedTuple):
 
 def is_sidecar(path) -> bool:
     name = Path(path).name
-    return name.startswith(SIDECAR_PREFIX) and name.endswith((SIDECAR_SUFFIX, SIDECAR_SUFFIX + ".lock"))
+    return name.startswith(SIDECAR_PREFIX) and name.endswith((SIDECAR_SUFFIX, SIDECAR_SUFFIX + ".lock",
+                                                             filehash.DIGEST_SUFFIX))
 
 
 def sidecar_paths(path: Path) -> list[Path]:
