@@ -6,7 +6,6 @@ model), `checkpoint verify`, and a run's config.json. Reading, verified, is chec
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from maxtext_rocm.checkpoint import checksums
+from maxtext_rocm.checkpoint.destination import unwritable
 from maxtext_rocm.checkpoint.errors import cause
 from maxtext_rocm.checkpoint.reading import (  # noqa: F401  (re-exported)
     CHECKSUMS_FILE, META, STATE, ReadParams, checkpoint_meta, host_abstract_params, read_params, restore_params,
@@ -40,15 +40,11 @@ def _check_destination(out_dir: Path) -> None:
     parent directories are made, as they always were, when the export is written)."""
     if out_dir.exists() or out_dir.is_symlink():
         raise CheckpointError(f"{out_dir} already exists; choose a new directory for the export")
-    ancestor = out_dir.parent
-    while not ancestor.exists() and ancestor != ancestor.parent:
-        ancestor = ancestor.parent
-    if not ancestor.is_dir():
-        raise CheckpointError(f"cannot write the export to {out_dir}: {ancestor} is a file, not a directory; "
-                              "choose an OUT_DIR in a directory")
-    if not os.access(ancestor, os.W_OK | os.X_OK):
-        raise CheckpointError(f"cannot write the export to {out_dir}: {ancestor} is not writable; choose an OUT_DIR "
-                              "in a directory you can write to")
+    fault = unwritable(out_dir, make_parents=True)
+    if fault is not None:
+        where = "in a directory" if fault.problem.startswith("is a file") else "in a directory you can write to"
+        raise CheckpointError(f"cannot write the export to {out_dir}: {fault.path} {fault.problem}; choose an "
+                              f"OUT_DIR {where}")
 
 
 def _lora_export(source: Path, cfg, record: dict):

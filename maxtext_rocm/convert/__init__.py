@@ -251,7 +251,7 @@ def checkpoint_to_hf(checkpoint_dir, out_dir, *, dtype: str | None = None,
     record, _ = find_record(checkpoint_dir)
     cfg = ml_collections.ConfigDict(record["config"])
     origin = find_origin(record)
-    is_lora = "lora" in cfg and cfg.lora.rank > 0
+    is_lora = lora_base.is_lora_run(cfg)
     if adapter and not is_lora:
         raise ConvertError(f"--adapter exports a LoRA run's adapters, and {checkpoint_dir} is not from a LoRA run "
                            "(its lora.rank is 0); leave --adapter out to export its model")

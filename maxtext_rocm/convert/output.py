@@ -13,6 +13,7 @@ import shutil
 from pathlib import Path
 from typing import Iterator
 
+from maxtext_rocm.checkpoint.destination import unwritable
 from maxtext_rocm.convert.hf_config import ConvertError
 
 
@@ -21,17 +22,11 @@ def check_output_dir(out_dir: Path) -> None:
     out_dir = Path(out_dir)
     if out_dir.exists():
         raise ConvertError(f"{out_dir} already exists; choose a new directory for the output")
-    parent = out_dir.parent
-    if not parent.is_dir():
-        nearest = next((p for p in (parent, *parent.parents) if p.exists()), None)
-        if nearest is not None and not nearest.is_dir():
-            raise ConvertError(f"{nearest} is a file, not a directory, so {out_dir} cannot be created there; "
-                               "choose another output directory")
-        raise ConvertError(f"{parent} does not exist, so {out_dir} cannot be created; create it or choose "
-                           "another output directory")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise ConvertError(f"{parent} is not writable, so {out_dir} cannot be created there; choose another "
-                           "output directory")
+    fault = unwritable(out_dir, make_parents=False)
+    if fault is not None:
+        there, fix = ((" there", "choose another output directory") if fault.problem != "does not exist" else
+                      ("", "create it or choose another output directory"))
+        raise ConvertError(f"{fault.path} {fault.problem}, so {out_dir} cannot be created{there}; {fix}")
 
 
 @contextlib.contextmanager

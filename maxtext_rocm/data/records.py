@@ -21,7 +21,6 @@ from maxtext_rocm.data.checks import FORMAT_FIELDS, DataError, _version, format_
 from maxtext_rocm.data.documents import JSONL, file_format
 
 FORMATS = ("text", "chat", "prompt_completion", "preference")
-FIELDS = FORMAT_FIELDS
 # File versions whose every line passed, per format -> whether some prompt is a list of messages.
 _CHECKED: dict[tuple, bool] = {}
 
@@ -44,8 +43,8 @@ def check_messages(messages, where: str, field: str = "messages", need_assistant
 def check_record(record, fmt: str, where: str) -> None:
     """One sentence naming `where` (file and line) for a record `fmt` cannot use."""
     if not isinstance(record, dict):
-        raise DataError(f"{where} is not a JSON object; data.format={fmt!r} needs {{{', '.join(FIELDS[fmt])}}}")
-    missing = [k for k in FIELDS[fmt] if k not in record]
+        raise DataError(f"{where} is not a JSON object; data.format={fmt!r} needs {{{', '.join(FORMAT_FIELDS[fmt])}}}")
+    missing = [k for k in FORMAT_FIELDS[fmt] if k not in record]
     if missing:
         raise DataError(f"{where} has no {missing[0]!r}, which data.format={fmt!r} needs; its fields are: "
                         f"{', '.join(record) or 'none'}{format_hint(record, fmt)}")
@@ -56,7 +55,7 @@ def check_record(record, fmt: str, where: str) -> None:
         check_messages(prompt, where, "prompt", need_assistant=False)
     elif not isinstance(prompt, str):
         raise DataError(f"{where}: 'prompt' is {type(prompt).__name__}; give a string or a list of messages")
-    for key in FIELDS[fmt][1:]:
+    for key in FORMAT_FIELDS[fmt][1:]:
         if not isinstance(record[key], str):
             raise DataError(f"{where}: {key!r} is {type(record[key]).__name__}, not a string")
 

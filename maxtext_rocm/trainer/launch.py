@@ -259,11 +259,17 @@ def restored_state(checkpointer, resume, abstract, log, storage_order=None):
     return state, int(data_state["step"]), data_state
 
 
+def initialised_state(init_lowered, key, abstract):
+    """The state the init program makes from `key` (its compiler options sized by the parameter
+    values it makes: the trained ones and a LoRA run's frozen base)."""
+    n_values = sum(x.size for x in jax.tree_util.tree_leaves((abstract.params, frozen_base(abstract))))
+    return compilation.run_init(init_lowered, key, n_values)
+
+
 def fresh_state(checkpoint_cfg, init_lowered, key, abstract, log, storage_order=None):
     """(state, 0, None): the lowered init program compiled and run (every array made in its
     sharding), optionally with parameters from another run (checkpoint.load_params_from)."""
-    n_values = sum(x.size for x in jax.tree_util.tree_leaves((abstract.params, frozen_base(abstract))))
-    state = compilation.run_init(init_lowered, key, n_values)
+    state = initialised_state(init_lowered, key, abstract)
     if checkpoint_cfg.load_params_from:
         from maxtext_rocm.checkpoint import restore_params
 
@@ -315,8 +321,7 @@ def lora_base_of(cfg, initialised_frozen, abstract_frozen) -> LoraBase:
 def fresh_lora_state(cfg, init_lowered, key, checkpointer, abstract, log):
     """(state, 0, None) of a new LoRA run: fresh adapters and optimizer on its base, whose identity
     every checkpoint of the run records (`checkpointer.built_from`)."""
-    n_values = sum(x.size for x in jax.tree_util.tree_leaves((abstract.params, abstract.frozen)))
-    state = compilation.run_init(init_lowered, key, n_values)
+    state = initialised_state(init_lowered, key, abstract)
     base = lora_base_of(cfg, state.frozen, abstract.frozen)
     if checkpointer:
         checkpointer.built_from = lora_base.run_record(cfg.lora, base.identity)
@@ -331,8 +336,7 @@ def restored_lora_state(cfg, init_lowered, key, checkpointer, resume, abstract, 
     as at the start, or, without it, train.seed's initialisation made again; refused (BaseChanged)
     where that base is not the one the checkpoint records, unless lora.allow_base_change."""
     restored, data_state, step = checkpointer.restore(resume, abstract.replace(frozen={}))
-    n_values = sum(x.size for x in jax.tree_util.tree_leaves((abstract.params, abstract.frozen)))
-    initialised = compilation.run_init(init_lowered, key, n_values).frozen
+    initialised = initialised_state(init_lowered, key, abstract).frozen
     base = lora_base_of(cfg, initialised, abstract.frozen)
     where = Path(resume.manager.directory) / str(step)
     from maxtext_rocm.checkpoint.reading import checkpoint_meta
