@@ -89,8 +89,8 @@ def test_a_lora_summary_names_both_exports():
         checkpoint="runs/my run/checkpoints/5", checkpoints_enabled=True, lora=True, stopped_by_signal=15)
     text = run_summary.format_summary(summary)
     assert text.startswith("run r stopped by signal 15 at step 5 of 10, 1 min 15 s wall time: dpo loss 0.5000 (step 5)")
-    assert ("export: python -m maxtext_rocm.convert to-hf 'runs/my run' 'runs/my run-hf'   (the merged model; "
-            "add --adapter for the PEFT adapter alone)") in text
+    assert ("export: python -m maxtext_rocm.convert to-hf 'runs/my run' 'runs/my run-hf'   # the merged model; "
+            "add --adapter for the PEFT adapter alone") in text
     assert run_summary.export_command("runs/x/", lora=False) == "python -m maxtext_rocm.convert to-hf runs/x runs/x-hf"
 
 

@@ -33,7 +33,8 @@ def export_command(output_dir: str, lora: bool) -> str:
     """The command that turns the run's newest checkpoint into a Hugging Face folder."""
     run = output_dir.rstrip("/") or output_dir  # "runs/x/" exports to runs/x-hf, not into runs/x/-hf
     command = f"python -m maxtext_rocm.convert to-hf {shlex.quote(run)} {shlex.quote(run + '-hf')}"
-    return command + ("   (the merged model; add --adapter for the PEFT adapter alone)" if lora else "")
+    # A shell comment, so that the whole line pastes and runs as it is.
+    return command + ("   # the merged model; add --adapter for the PEFT adapter alone" if lora else "")
 
 
 def format_summary(s: RunSummary) -> str:
