@@ -251,8 +251,11 @@ def test_config_checks_the_new_keys(tok_dir, tmp_path):
 
     with pytest.raises(ConfigError, match="data.format='chat' reads your own JSON Lines"):
         config_lib.validate(small_config(**{"data.format": "chat"}))
+    from maxtext_rocm.trainer.preflight import check_inputs
+
+    config_lib.validate(small_config(**{"data.chat_template": "llama2"}))  # a path: preflight looks for it
     with pytest.raises(ConfigError, match="data.chat_template='llama2' is neither a file nor a built-in"):
-        config_lib.validate(small_config(**{"data.chat_template": "llama2"}))
+        check_inputs(small_config(**{"data.chat_template": "llama2"}))
     with pytest.raises(ConfigError, match="data.format='chats' is not valid"):
         config_lib.validate(small_config(**{"data.format": "chats"}))
 

@@ -99,13 +99,17 @@ def test_byte_is_the_default():
 
 
 def test_vocab_size_is_checked_against_the_model(hf_json, tmp_path):
+    from maxtext_rocm.trainer.preflight import check_inputs
+
     base = ["--config.data.source=synthetic", f"--config.data.tokenizer={hf_json}"]
     cfg = config_lib.load("tiny_llama", base + ["--config.model.vocab_size=300"])
     check_vocab(load_tokenizer(cfg.data.tokenizer), cfg.model.vocab_size)
+    # The tokenizer is read by the run's preflight (config.load reads no file).
     with pytest.raises(ConfigError, match="has 300 ids but model.vocab_size=299; use model.vocab_size >= 300"):
-        config_lib.load("tiny_llama", base + ["--config.model.vocab_size=299"])
+        check_inputs(config_lib.load("tiny_llama", base + ["--config.model.vocab_size=299"]))
     with pytest.raises(ConfigError, match="is not a file"):
-        config_lib.load("tiny_llama", ["--config.data.source=synthetic", f"--config.data.tokenizer={tmp_path}/nope.json"])
+        check_inputs(config_lib.load("tiny_llama", ["--config.data.source=synthetic",
+                                                    f"--config.data.tokenizer={tmp_path}/nope.json"]))
     with pytest.raises(ConfigError, match="byte-tokenized"):
         config_lib.load("tiny_llama", [f"--config.data.tokenizer={hf_json}"])
     bad = tmp_path / "bad.json"

@@ -1,64 +1,41 @@
-"""The values a config key may take, at the bottom of the import graph (config.py, its checks and
-sharding.py read them; this module imports nothing). `maxtext_rocm.config` re-exports them."""
+"""The values config keys may take, as named constants for the code that reads them: each is read
+from the key's declaration (config/keys_model.py, config/keys_run.py), where it is written once.
+`maxtext_rocm.config` re-exports them."""
 
-# `stage` outermost: a pipeline moves only activations between stages, so it takes the slowest
-# links (DCN) and leaves the fast ones to the axes with a collective in every layer.
-MESH_AXES = ("stage", "data", "fsdp", "expert", "sequence", "tensor")
-REMAT_POLICIES = ("none", "full", "minimal", "save_dots")
-ATTENTION_IMPLEMENTATIONS = ("xla", "cudnn", "blockwise", "pallas", "auto")
-PRECISION_POLICIES = ("fp32", "bf16", "fp8")
-FP8_FORMATS = ("auto", "ocp", "fnuz")
-FP8_SCALINGS = ("delayed", "current")
-SCHEDULES = ("cosine", "constant")
-DATA_SOURCES = ("synthetic", "embedded", "files")
-DATA_FORMATS = ("text", "chat", "prompt_completion", "preference")  # what a record of data.paths holds
-CHAT_TEMPLATES = ("llama3",)  # built into data/chat_template.py; data.chat_template may also be a file
-MODEL_FAMILIES = ("llama", "mixtral")
-MOE_IMPLEMENTATIONS = ("auto", "dropless", "capacity", "dense")
-PROJECTION_FUSIONS = ("auto", "on", "off")
-CONTEXT_PARALLEL_MODES = ("auto", "all_gather", "ring")  # attention under mesh sequence > 1 (parallel/context.py)
-PRECISION_VARIANTS = ("", "bf16", "fp32", "fp8")
-NONFINITE_ACTIONS = ("skip", "stop")
-OBJECTIVES = ("lm", "dpo")  # train.objective: next-token cross-entropy, or preference pairs (finetune/dpo.py)
-# circular: pipeline.repeats virtual stages per device; gpipe_recompute: gpipe's order, a hand-written backward
-# keeping one microbatch's layer residuals per stage (parallel/pipeline_recompute.py)
-# 1f1b: each microbatch's backward as soon as its loss exists, the loss run inside the pipeline
-# (parallel/pipeline_1f1b.py); interleaved with pipeline.repeats > 1 (pipeline_1f1b_order.py)
-PIPELINE_SCHEDULES = ("gpipe", "circular", "gpipe_recompute", "1f1b")
-VIRTUAL_STAGE_SCHEDULES = ("circular", "1f1b")  # those that run pipeline.repeats chunks per device
-# When a stage's ZeRO-3 weights are gathered (pipeline.weight_gather) and their gradient
-# reduce-scattered (pipeline.gradient_reduce): in each iteration of the pipeline loop, or once.
-PIPELINE_WEIGHT_GATHERS = ("per_iteration", "once")
-LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")  # the dense layers LoRA can adapt
+from maxtext_rocm.config import keys_model, keys_run
 
-# The range of every number that is not a count (counts are checked one by one in
-# config/checks.py): (low, low included, high, high included), None for no bound. Every float in a
-# config must also be finite; config_checks._validate_numbers checks both, before anything else, and
-# tests/test_config.py holds every float key of config.defaults() to an entry here.
+_KEYS = dict(keys_run.SCHEMA.walk())
+
+
+def _choices(dotted: str) -> tuple:
+    return _KEYS[dotted].choices
+
+
+MESH_AXES = keys_model.MESH_AXES
+REMAT_POLICIES = _choices("model.remat")
+ATTENTION_IMPLEMENTATIONS = _choices("model.attention")
+PRECISION_POLICIES = _choices("precision.policy")
+FP8_FORMATS = _choices("precision.fp8_format")
+FP8_SCALINGS = _choices("precision.fp8_scaling")
+SCHEDULES = _choices("optimizer.schedule")
+DATA_SOURCES = _choices("data.source")
+DATA_FORMATS = _choices("data.format")
+CHAT_TEMPLATES = keys_run.CHAT_TEMPLATES
+MODEL_FAMILIES = _choices("model.family")
+MOE_IMPLEMENTATIONS = _choices("model.moe_impl")
+PROJECTION_FUSIONS = _choices("model.fuse_projections")
+CONTEXT_PARALLEL_MODES = _choices("model.context_parallel")
+PRECISION_VARIANTS = ("", "bf16", "fp32", "fp8")  # CONFIG.py:VARIANT sets precision.policy
+NONFINITE_ACTIONS = _choices("train.on_nonfinite")
+OBJECTIVES = _choices("train.objective")
+PIPELINE_SCHEDULES = keys_model.PIPELINE_SCHEDULES
+VIRTUAL_STAGE_SCHEDULES = keys_model.VIRTUAL_STAGE_SCHEDULES
+PIPELINE_WEIGHT_GATHERS = keys_model.PIPELINE_WEIGHT_GATHERS
+LORA_TARGETS = keys_run.LORA_TARGETS
+
+# The range of every bounded number, (low, low included, high, high included) with None for no
+# bound, as declared; tests/test_bad_numbers.py holds every float key to an entry here.
 NUMBER_RANGES = {
-    "model.rope_theta": (0, False, None, False),
-    "model.norm_eps": (0, False, None, False),
-    "model.embed_init_std": (0, False, None, False),
-    "model.moe_capacity_factor": (0, False, None, False),
-    "model.moe_aux_loss_weight": (0, True, None, False),
-    "model.moe_router_z_loss_weight": (0, True, None, False),
-    "optimizer.lr": (0, True, None, False),
-    "optimizer.min_lr_ratio": (0, True, 1, True),
-    "optimizer.weight_decay": (0, True, None, False),
-    "optimizer.clip_norm": (0, True, None, False),
-    "optimizer.b1": (0, True, 1, False),
-    "optimizer.b2": (0, True, 1, False),
-    "optimizer.eps": (0, True, None, False),
-    "train.per_device_batch_size": (0, False, None, False),
-    "train.z_loss_weight": (0, True, None, False),
-    "train.hang_timeout_s": (0, True, None, False),
-    "train.startup_timeout_s": (0, True, None, False),
-    "log.peak_tflops": (0, True, None, False),
-    "dpo.beta": (0, False, None, False),
-    "dpo.label_smoothing": (0, True, 0.5, False),  # at 0.5 the loss no longer prefers either response
-    "lora.alpha": (0, False, None, False),
-    "lora.dropout": (0, True, 1, False),
-    # Seeds: numpy's generators refuse negative ones, jax.random.key anything past int64.
-    "train.seed": (0, True, 2**63, False),
-    "data.seed": (0, True, 2**63, False),
-}
+    dotted: (spec.at_least if spec.at_least is not None else spec.above, spec.at_least is not None,
+             spec.at_most if spec.at_most is not None else spec.below, spec.at_most is not None)
+    for dotted, spec in _KEYS.items() if spec.bounded}

@@ -31,8 +31,8 @@ from maxtext_rocm.config.choices import (  # noqa: F401
 from maxtext_rocm.errors import CheckpointError, ConfigError, UserError  # noqa: F401
 # Validation lives in config/checks.py; its entry points are part of this module's interface.
 from maxtext_rocm.config.checks import axis_sizes, global_batch_size, mesh_shape, validate  # noqa: F401
-from maxtext_rocm.config import key_hints
-from maxtext_rocm.config.defaults import defaults
+from maxtext_rocm.config import key_hints, schema
+from maxtext_rocm.config.schema import defaults  # noqa: F401  (part of this module's interface)
 
 
 def apply_variant(cfg: ml_collections.ConfigDict, variant: str) -> ml_collections.ConfigDict:
@@ -164,93 +164,51 @@ def _lookup(cfg: ml_collections.ConfigDict, key: str):
 
 
 def set_key(cfg: ml_collections.ConfigDict, key: str, value: Any) -> None:
-    """Sets a dotted key, keeping the type of the default (ints may widen to floats)."""
+    """Sets a dotted key, coerced to its declared type (config/schema.py; ints widen to floats)."""
     parent, leaf = _lookup(cfg, key)
     current = parent[leaf]
     if isinstance(current, ml_collections.ConfigDict) and not isinstance(value, Mapping):
         raise ConfigError(f"config key {key!r} is a group; set one of its keys ({', '.join(current.keys())})")
-    if current is not None and not isinstance(current, ml_collections.ConfigDict):
-        value = _coerce(key, current, value)
+    value = schema.coerce(key, value)
     if isinstance(value, Mapping):
         value = ml_collections.ConfigDict(dict(value))
     with parent.unlocked():
-        if key in FRACTIONAL_KEYS and isinstance(value, float) and isinstance(current, int):
-            del parent[leaf]  # the field was typed int by its default; a fraction retypes it
+        if current is not None and type(value) is not type(current) and not isinstance(current, ml_collections.ConfigDict):
+            # ml_collections types a field by its first value; the declared type is wider where a
+            # count takes a fraction (train.per_device_batch_size) or None (model.sliding_window)
+            del parent[leaf]
         parent[leaf] = value
 
 
-# Integer keys that also take a fraction (MaxText's convention): a per-device batch of 0.125 on 8
-# devices is one sequence split by mesh `sequence` (config_checks.global_batch_size checks it).
-FRACTIONAL_KEYS = ("train.per_device_batch_size",)
-
-
-def _fractional(key: str, value: Any) -> Any:
-    """A fraction for a FRACTIONAL_KEYS key; whole numbers stay ints, as the default is."""
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    return value
-
-
-def _coerce(key: str, current: Any, value: Any) -> Any:
-    kind = type(current)
-    if key in FRACTIONAL_KEYS and isinstance(value, (int, float)) and not isinstance(value, bool):
-        return _fractional(key, value)
-    if isinstance(value, kind) and not (kind is int and isinstance(value, bool)):
-        return value
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if kind is tuple and isinstance(value, list):
-        return tuple(value)
-    if kind is tuple and isinstance(value, str):
-        return _split_list(key, current, value)
-    raise ConfigError(
-        f"config key {key!r} takes a {kind.__name__} (default {current!r}), not {value!r}"
-    )
-
-
-def _split_list(key: str, current: tuple, text: str) -> tuple:
-    """`a,b` for a tuple-valued key: its items, each of the type of the default's items (ints for
-    `log.profile_steps`, names for `lora.targets`); an empty string is the empty tuple."""
-    items = [item.strip() for item in text.split(",")] if text.strip() else []
-    if "" in items:
-        raise ConfigError(f"config key {key!r} has an empty item in {text!r}; write its items as a,b "
-                          f"(default {','.join(map(str, current))})")
-    if current and all(isinstance(x, int) and not isinstance(x, bool) for x in current):
-        try:
-            return tuple(int(item) for item in items)
-        except ValueError:
-            raise ConfigError(f"config key {key!r} takes whole numbers such as "
-                              f"{','.join(map(str, current))}, not {text!r}") from None
-    return tuple(items)
-
-
 def _parse_cli_value(key: str, current: Any, text: str) -> Any:
-    """Reads a command-line value by the type of the key's default, as ml_collections does."""
-    if isinstance(current, bool):
+    """Reads a command-line value by the key's declared type (the current value's, for a key inside
+    a dict value such as model.rope_scaling.factor)."""
+    spec = schema.key(key)
+    kind = spec.kind if spec is not None else type(current)
+    if spec is not None and spec.nullable and text.lower() == "none":
+        return None
+    if kind is bool:
         lowered = text.lower()
         if lowered in ("true", "1", "yes"):
             return True
         if lowered in ("false", "0", "no"):
             return False
         raise ConfigError(f"config key {key!r} takes true or false, not {text!r}")
-    if key in FRACTIONAL_KEYS:
+    if spec is not None and spec.fractional:
         try:
-            return _fractional(key, float(text))
+            return float(text)  # schema.coerce keeps a whole number an int
         except ValueError:
             raise ConfigError(f"config key {key!r} takes a number (a fraction of a sequence per device is "
                               f"allowed), not {text!r}") from None
-    if isinstance(current, (int, float)):
+    if kind in (int, float):
         try:
-            number = float(text) if isinstance(current, float) else int(text)
+            return float(text) if kind is float else int(text)
         except ValueError:
-            raise ConfigError(
-                f"config key {key!r} takes a{'n int' if isinstance(current, int) else ' float'}, not {text!r}"
-            ) from None
-        return number
-    if isinstance(current, str):
+            raise ConfigError(f"config key {key!r} takes a{'n int' if kind is int else ' float'}, not {text!r}") from None
+    if kind is str:
         return text
-    if isinstance(current, tuple) and not text.lstrip().startswith(("(", "[")):
-        return text  # `a,b` (or one item): set_key splits it by the default's items (_split_list)
+    if kind is tuple and not text.lstrip().startswith(("(", "[")):
+        return text  # `a,b` (or one item): schema.coerce splits it into the key's items
     # None-valued keys (e.g. model.rope_scaling) and tuples take Python literals.
     if text.lower() == "none":
         return None

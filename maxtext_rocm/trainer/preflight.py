@@ -1,5 +1,6 @@
 """The checks before a run starts that need more than the config: the config's own (config.validate),
-then what the model's kernels serve and what must divide over the mesh (the sharding rules).
+what the config names on disk (output_dir, checkpoints, chat template, data files, tokenizer), what
+the model's kernels serve and what must divide over the mesh (the sharding rules).
 
 `check_run` is what the trainer and the planner call; it sits in trainer/ because it reads
 models/ and parallel/, which config/ must not import (config is below them in the import order).
@@ -8,17 +9,23 @@ models/ and parallel/, which config/ must not import (config is below them in th
 from __future__ import annotations
 
 import math
+import os
+from pathlib import Path
 
-from maxtext_rocm.config.checks import (_require, axis_sizes, dpo_batch_problem, global_batch_size,
+from maxtext_rocm.config.checks import (_require, axis_sizes, built_in_template, dpo_batch_problem, global_batch_size,
                                         interleaved, pipeline_microbatches, validate)
+from maxtext_rocm.errors import ConfigError
 from maxtext_rocm.config.mesh_sizes import mesh_shape
 
 
-def check_run(cfg, device_count: int | None = None, process_count: int = 1) -> None:
+def check_run(cfg, device_count: int | None = None, process_count: int = 1, inputs: bool = True) -> None:
     """Raises ConfigError (one sentence) for anything that would stop the run later: the config
-    (config.validate), the attention kernel's head sizes, and with `device_count` the batch,
-    sequence and parameters against the mesh."""
+    (config.validate), with `inputs` what it names on disk (check_inputs; the planner, which plans
+    for a cluster's files, leaves them out), the attention kernel's head sizes, and with
+    `device_count` the batch, sequence and parameters against the mesh."""
     validate(cfg, device_count, process_count)
+    if inputs:
+        check_inputs(cfg)
     m = cfg.model
     if m.attention == "pallas":  # its platform is checked where the device is known (resolve_implementation)
         from maxtext_rocm.models.pallas_attention import unsupported_head_dim
@@ -28,6 +35,50 @@ def check_run(cfg, device_count: int | None = None, process_count: int = 1) -> N
                  f"{m.head_dim}; use model.attention='blockwise' or 'xla' for this head size")
     if device_count is not None:
         _validate_against_mesh(cfg, mesh_shape(cfg.mesh, device_count, process_count), device_count, process_count)
+
+
+def check_inputs(cfg) -> None:
+    """What the config names on disk: output_dir can be written, the checkpoint paths are folders,
+    the chat template file exists, and the data files and tokenizer read (data/files.py: they
+    exist, are not empty, have the text field, and the tokenizer's ids fit the model)."""
+    if cfg.output_dir:
+        _check_output_dir(cfg.output_dir)
+    c = cfg.checkpoint
+    _require(c.resume in ("auto", "never") or c.resume.isdigit() or Path(c.resume).is_dir(),
+             f"checkpoint.resume={c.resume!r} is not valid; use 'auto', 'never', a step number "
+             "or the path of an existing checkpoint directory")
+    _require(not c.load_params_from or Path(c.load_params_from).is_dir(),
+             f"checkpoint.load_params_from={c.load_params_from!r} is not a directory")
+    template = cfg.data.chat_template
+    _require(built_in_template(template) or Path(template).expanduser().is_file(),
+             f"data.chat_template={template!r} is neither a file nor a built-in template; use a Jinja file, "
+             "'llama3', or '' for the tokenizer's own")
+    if cfg.data.source == "files":
+        from maxtext_rocm.data.files import check_inputs as check_data_files
+
+        check_data_files(cfg.data, cfg.model.vocab_size, cfg.train.seq_len)  # files exist, read, fit the model
+    elif cfg.data.tokenizer not in ("", "byte"):
+        from maxtext_rocm.data.tokenizer import check_vocab, load_tokenizer
+
+        check_vocab(load_tokenizer(cfg.data.tokenizer), cfg.model.vocab_size, cfg.data.tokenizer)
+
+
+def _check_output_dir(output_dir: str) -> None:
+    """output_dir is, or can become, a writable directory: checked before anything, so the first thing that
+    writes into it (the compilation cache, a checkpoint) is not the one to fail, misleadingly."""
+    path = Path(output_dir).expanduser()
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"output_dir={output_dir!r} is a file, not a directory; set output_dir to a "
+                          "writable directory (a new or existing folder)")
+    existing = next((p for p in (path, *path.absolute().parents) if p.exists()), None)
+    if existing is not None and not existing.is_dir():
+        raise ConfigError(f"output_dir={output_dir!r} lies under {str(existing)!r}, which is a file; "
+                          "set output_dir to a writable directory")
+    if existing is not None and not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"output_dir={output_dir!r} cannot be written ({str(existing)!r} is not writable); "
+                          "set output_dir to a writable directory")
+
+
 
 
 def _validate_against_mesh(cfg, shape, device_count: int, process_count: int = 1) -> None:
