@@ -13,6 +13,7 @@ import sys
 import jax
 
 from maxtext_rocm import config as config_lib
+from maxtext_rocm.config import help as config_help
 from maxtext_rocm.reporting import run_summary
 from maxtext_rocm.runtime import distributed, preemption, startup_signals
 from maxtext_rocm.runtime.peers import USER_ERROR_EXIT_STATUS
@@ -23,7 +24,7 @@ from maxtext_rocm.trainer.trainer import Trainer
 # Trainer and TrainingDiverged: where callers have imported them from.
 __all__ = ["Trainer", "TrainingDiverged", "main"]
 
-USAGE = "usage: python -m maxtext_rocm.train CONFIG.py[:VARIANT] [--config.GROUP.KEY=VALUE ...]"
+USAGE = config_help.USAGE
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,9 +38,16 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str]) -> int:
-    if not argv or argv[0] in ("-h", "--help") or argv[0].startswith("--"):
-        print(USAGE, file=sys.stderr)
-        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    if argv and argv[0] in ("-h", "--help"):  # the keys, read from the schema (config/help.py)
+        try:
+            print(config_help.help_text(argv[1:]))
+        except config_lib.UserError as error:
+            print(f"error: {error}", file=sys.stderr)
+            return USER_ERROR_EXIT_STATUS
+        return 0
+    if not argv or argv[0].startswith("--"):
+        print(USAGE + "\n(--help lists the config's groups; --help GROUP their keys)", file=sys.stderr)
+        return 2
     # Until the training loop takes SIGTERM/SIGINT over (PreemptionGuard: finish the step, save),
     # a signal exits at once with one line: there is nothing to save yet (maxtext_rocm/__init__.py
     # armed this already, before the imports, when the process is `python -m maxtext_rocm.train`).

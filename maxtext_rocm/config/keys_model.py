@@ -58,7 +58,7 @@ MODEL = Group("The transformer: its family, sizes and how its layers compute.", 
 
 
 def _mesh_axes(fill: str | None, where: str) -> Group:
-    return Group(f"Axis sizes over {where}; -1 fills what the other axes leave.", {
+    return Group(f"Axis sizes {where}; -1 fills what the other axes leave.", {
         axis: Key(-1 if axis == fill else 1, f"devices along `{axis}` {where}", at_least=-1,
                   valid="a positive size or -1 to fill")
         for axis in MESH_AXES})

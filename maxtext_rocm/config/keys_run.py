@@ -40,8 +40,11 @@ DATA = Group("Where batches come from and how documents become rows.", {
     "train_on_prompt": Key(False, "chat/prompt_completion: train every token, not only the assistant's"),
     "add_bos": Key(True, "a beginning-of-sequence token before each document, where the tokenizer has one"),
     "add_eos": Key(True, "an end-of-sequence token after each document, where the tokenizer has one"),
+    # Its values are checked by data/packing.py:packing_mode, whose sentence also says what the
+    # booleans of earlier versions became.
     "packing": Key("concat", "concat (rows filled to the last token), best_fit (documents whole, the rest "
-                             "padding) or none (one document per row, truncated)"),
+                             "padding) or none (one document per row, truncated)",
+                   valid="concat, best_fit or none"),
     "packing_window": Key(512, "best_fit: documents packed together (more: less padding, more memory)",
                           at_least=1),
     "epochs": Key(0, "passes over data.paths before the run stops with an error; 0: no limit", at_least=0,
@@ -134,7 +137,7 @@ DISTRIBUTED = Group("Multi-process start-up; unset keys are found from the envir
 
 SCHEMA = Group("A run's config.", {
     "name": Key("run", "the run's name"),
-    "output_dir": Key("", "where the run writes; '' is runs/<name>"),
+    "output_dir": Key("", "where the run writes; '' is runs/NAME"),
     "model": MODEL, "mesh": MESH, "pipeline": PIPELINE, "precision": PRECISION, "optimizer": OPTIMIZER,
     "data": DATA, "train": TRAIN, "dpo": DPO, "checkpoint": CHECKPOINT, "lora": LORA, "log": LOG,
     "distributed": DISTRIBUTED,

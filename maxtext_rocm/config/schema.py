@@ -111,7 +111,8 @@ class Group:
         return cfg
 
 
-def _schema() -> Group:
+def root() -> Group:
+    """The whole config's declaration."""
     from maxtext_rocm.config.keys_run import SCHEMA  # the declarations import this module
 
     return SCHEMA
@@ -119,7 +120,7 @@ def _schema() -> Group:
 
 def keys() -> dict[str, Key]:
     """Every declared key by dotted name."""
-    return dict(_schema().walk())
+    return dict(root().walk())
 
 
 def key(dotted: str) -> Key | None:
@@ -127,14 +128,14 @@ def key(dotted: str) -> Key | None:
 
 
 def group(dotted: str) -> Group | None:
-    return dict(_schema().groups()).get(dotted)
+    return dict(root().groups()).get(dotted)
 
 
 def defaults() -> ml_collections.ConfigDict:
     """Every key the trainer reads, with its default, locked: a preset or a notebook that sets a key
     no part of the trainer reads (a typo such as `cfg.model.dmodel = ...`) fails at once instead of
     training with the default silently. `set_key` and `.unlocked()` add one on purpose."""
-    cfg = _schema().defaults()
+    cfg = root().defaults()
     cfg.lock()
     return cfg
 
