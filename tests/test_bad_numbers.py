@@ -1,5 +1,5 @@
 """Numbers a run cannot use (issue 34, items 7 and 9): every float is finite and every number
-that is not a count lies in its range (config_choices.NUMBER_RANGES), refused before anything is
+that is not a count lies in its declared range (config/schema.py; config.choices.NUMBER_RANGES), refused before anything is
 written, in one sentence naming the key and the valid range, exit status 2."""
 
 import math

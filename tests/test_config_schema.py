@@ -1,4 +1,4 @@
-"""The config schema (config/schema.py): every key declared once, and the defaults, coercion, checks,
+"""The config schema (config/schema.py, config/declared.py): every key declared once, and the defaults, coercion, checks,
 `train --help` and docs/configs.md's tables all read from that one declaration."""
 
 import dataclasses
@@ -10,7 +10,7 @@ import pytest
 from maxtext_rocm import config as config_lib
 from maxtext_rocm import train
 from maxtext_rocm.config import help as config_help
-from maxtext_rocm.config import keys_run, schema
+from maxtext_rocm.config import declared, schema
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -29,7 +29,7 @@ def test_docs_configs_tables_match_the_schema_key_by_key():
     page = (ROOT / "docs" / "configs.md").read_text()
     written = _table_rows(page.split(config_help.TABLES_BEGIN, 1)[1].split(config_help.TABLES_END, 1)[0])
     declared = _table_rows(config_help.markdown_tables())
-    assert set(declared) == set(schema.keys())
+    assert set(declared) == set(declared.keys())
     missing, extra = sorted(set(declared) - set(written)), sorted(set(written) - set(declared))
     differ = sorted(k for k in set(declared) & set(written) if declared[k] != written[k])
     assert not (missing or extra or differ), (
@@ -41,26 +41,26 @@ def test_docs_configs_tables_match_the_schema_key_by_key():
 def test_every_key_is_declared_with_a_line_of_documentation():
     with pytest.raises(ValueError, match="documentation"):
         schema.Key(1, " ")
-    for dotted, spec in schema.keys().items():
+    for dotted, spec in declared.keys().items():
         assert spec.doc.strip() and "\n" not in spec.doc, dotted
-    for dotted, group in keys_run.SCHEMA.groups():
+    for dotted, group in declared.SCHEMA.groups():
         assert group.doc.strip(), dotted
     # defaults() holds exactly the declared keys, each at its declared default
     defaults = dict(schema.leaves(config_lib.defaults()))
-    assert set(defaults) == set(schema.keys())
-    for dotted, spec in schema.keys().items():
+    assert set(defaults) == set(declared.keys())
+    for dotted, spec in declared.keys().items():
         assert defaults[dotted] == spec.default, dotted
 
 
 @pytest.mark.parametrize("preset", sorted(p.stem for p in (ROOT / "configs").glob("*.py")))
 def test_every_preset_sets_only_declared_keys_with_their_types(preset):
     cfg = config_lib.load_preset(preset)
-    declared = schema.keys()
+    every = declared.keys()
     for dotted, value in schema.leaves(cfg):
         if dotted.startswith("model.rope_scaling."):
             continue  # the fields of a dict value
-        assert dotted in declared, dotted
-        schema.check_value(dotted, declared[dotted], value)
+        assert dotted in every, dotted
+        schema.check_value(dotted, every[dotted], value)
 
 
 @pytest.mark.parametrize("override, key, expected", [
@@ -99,11 +99,11 @@ def test_each_key_is_checked_against_its_declaration(override, said):
 def test_adding_a_key_is_one_declaration(monkeypatch):
     """A key added to its group's declaration has a default, an override type, a check, a --help
     line and a docs row, with nothing else edited."""
-    train_group = keys_run.SCHEMA.keys["train"]
+    train_group = declared.SCHEMA.keys["train"]
     grown = dataclasses.replace(train_group, keys={
         **train_group.keys, "label_noise": schema.Key(0.0, "a made-up key for this test", at_least=0, below=1)})
-    monkeypatch.setattr(keys_run, "SCHEMA", dataclasses.replace(keys_run.SCHEMA,
-                                                                keys={**keys_run.SCHEMA.keys, "train": grown}))
+    monkeypatch.setattr(declared, "SCHEMA", dataclasses.replace(declared.SCHEMA,
+                                                                keys={**declared.SCHEMA.keys, "train": grown}))
     cfg = config_lib.load("tiny_llama", ["--config.train.label_noise=0.25"])
     assert cfg.train.label_noise == 0.25 and config_lib.defaults().train.label_noise == 0.0
     with pytest.raises(config_lib.ConfigError, match=r"train.label_noise=1.0 is not valid; use a finite number >= 0 and < 1"):
@@ -116,11 +116,11 @@ def test_adding_a_key_is_one_declaration(monkeypatch):
 def test_help_lists_the_groups_their_keys_and_one_key(capsys):
     assert train.main(["--help"]) == 0
     out = capsys.readouterr().out
-    for name, item in keys_run.SCHEMA.keys.items():
+    for name, item in declared.SCHEMA.keys.items():
         assert re.search(rf"^  {re.escape(name)}\b" if isinstance(item, schema.Group) else name, out, re.M), name
     assert train.main(["--help", "pipeline"]) == 0
     out = capsys.readouterr().out
-    for dotted, spec in keys_run.SCHEMA.keys["pipeline"].walk("pipeline."):
+    for dotted, spec in declared.SCHEMA.keys["pipeline"].walk("pipeline."):
         assert f"--config.{dotted}=" in out and spec.doc in out
     assert train.main(["--help", "train.seq_len"]) == 0
     assert capsys.readouterr().out.startswith("  --config.train.seq_len=2048  (int: > 0)")

@@ -118,8 +118,12 @@ def test_layer_check_sees_an_upward_import():
 
 def test_errors_and_config_choices_are_at_the_bottom():
     graph = import_graph(top_level_only=False)
-    for bottom in ("maxtext_rocm.errors", "maxtext_rocm.config.choices"):
-        assert graph[bottom] == set(), (bottom, graph[bottom])
+    assert graph["maxtext_rocm.errors"] == set()
+    # The keys' declarations (and the constants read from them) sit just above the errors.
+    declarations = {"maxtext_rocm.config.schema", "maxtext_rocm.config.keys_model", "maxtext_rocm.config.keys_run",
+                    "maxtext_rocm.config.declared"}
+    for bottom in (*declarations, "maxtext_rocm.config.choices"):
+        assert graph[bottom] <= declarations | {"maxtext_rocm.errors"}, (bottom, graph[bottom])
     assert "maxtext_rocm.config" not in graph["maxtext_rocm.config.checks"]  # checks import downward
     assert "maxtext_rocm.config" not in graph["maxtext_rocm.parallel.sharding"]
 

@@ -1,6 +1,6 @@
 """The checks of keys taken together: every combination of keys the trainer relies on, and the
 mesh shape it implies, one readable function per group, after each key's own check (its type,
-allowed values and range, read from the schema: config/schema.py). Each failure is a `ConfigError`
+allowed values and range, as declared: config/declared.py). Each failure is a `ConfigError`
 with one sentence naming the key and what would be valid. Nothing here reads a file: what the
 config names on disk (data, tokenizer, template, checkpoints, output_dir) is checked by
 trainer/preflight.py. `maxtext_rocm.config` re-exports `validate`, `mesh_shape`, `axis_sizes` and
@@ -13,7 +13,7 @@ from typing import Mapping
 
 import ml_collections
 
-from maxtext_rocm.config import schema
+from maxtext_rocm.config import declared
 from maxtext_rocm.config.choices import CHAT_TEMPLATES, MESH_AXES, VIRTUAL_STAGE_SCHEDULES
 from maxtext_rocm.config.mesh_sizes import axis_sizes, mesh_shape  # noqa: F401  (part of this module's interface)
 from maxtext_rocm.config.pipeline_counts import (  # noqa: F401  (read from here by parallel/ and the planner)
@@ -35,7 +35,7 @@ def validate(cfg: ml_collections.ConfigDict, device_count: int | None = None,
     divide over the mesh), and what the config names on disk, is checked by trainer/preflight.py,
     above the models in the import order.
     """
-    schema.check_values(cfg)
+    declared.check_values(cfg)
     _check_model(cfg.model, cfg.train.seq_len)
     _check_pipeline(cfg.pipeline)
     _validate_1f1b(cfg)  # first: what 1f1b refuses, it refuses on every jax

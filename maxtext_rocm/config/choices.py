@@ -2,9 +2,9 @@
 from the key's declaration (config/keys_model.py, config/keys_run.py), where it is written once.
 `maxtext_rocm.config` re-exports them."""
 
-from maxtext_rocm.config import keys_model, keys_run
+from maxtext_rocm.config import declared, keys_model, keys_run
 
-_KEYS = dict(keys_run.SCHEMA.walk())
+_KEYS = declared.keys()
 
 
 def _choices(dotted: str) -> tuple:

@@ -1,6 +1,6 @@
 """The schema in words: `python -m maxtext_rocm.train --help [GROUP | GROUP.KEY]` and the key tables
 of docs/configs.md (written by `python -m maxtext_rocm.config.help --write docs/configs.md`,
-checked by tests/test_config_schema.py), both read from config/schema.py's declarations."""
+checked by tests/test_config_schema.py), both read from the declarations (config/declared.py)."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ import difflib
 import sys
 from pathlib import Path
 
-from maxtext_rocm.config import key_hints, schema
+from maxtext_rocm.config import declared, key_hints, schema
 from maxtext_rocm.errors import ConfigError
 
 USAGE = "usage: python -m maxtext_rocm.train CONFIG.py[:VARIANT] [--config.GROUP.KEY=VALUE ...]"
-TABLES_BEGIN = "<!-- key tables: written from config/schema.py by python -m maxtext_rocm.config.help --write -->"
+TABLES_BEGIN = "<!-- key tables: written from config/declared.py by python -m maxtext_rocm.config.help --write -->"
 TABLES_END = "<!-- end of key tables -->"
 
 
@@ -24,7 +24,7 @@ def values_text(spec: schema.Key) -> str:
     if spec.valid:
         return spec.valid
     text = spec.range_text()
-    return "" if not text else (f"> 0" if text == "positive" else text)
+    return "" if not text else ("> 0" if text == "positive" else text)
 
 
 def _default_text(spec: schema.Key) -> str:
@@ -35,7 +35,7 @@ def _default_text(spec: schema.Key) -> str:
 
 
 def _top_level_keys() -> list[str]:
-    return [name for name, item in schema.root().keys.items() if isinstance(item, schema.Key)]
+    return [name for name, item in declared.root().keys.items() if isinstance(item, schema.Key)]
 
 
 def overview() -> str:
@@ -45,7 +45,7 @@ def overview() -> str:
              "Each --config.GROUP.KEY=VALUE overrides one key (true/false for booleans, a,b for lists).", "",
              "groups (--help GROUP lists its keys, --help GROUP.KEY one key):",
              f"  {'(top)':<13}{', '.join(_top_level_keys())}"]
-    for name, item in schema.root().keys.items():
+    for name, item in declared.root().keys.items():
         if isinstance(item, schema.Group):
             count = sum(1 for _ in item.walk())
             lines.append(f"  {name:<13}{item.doc} ({count} keys)")
@@ -61,8 +61,8 @@ def _key_lines(dotted: str, spec: schema.Key) -> list[str]:
 def describe(topic: str) -> str:
     """`--help GROUP` or `--help GROUP.KEY`; a ConfigError naming the close name for anything else."""
     if topic in ("top", "(top)"):
-        return "\n".join(line for name in _top_level_keys() for line in _key_lines(name, schema.key(name)))
-    spec, group = schema.key(topic), schema.group(topic)
+        return "\n".join(line for name in _top_level_keys() for line in _key_lines(name, declared.key(name)))
+    spec, group = declared.key(topic), declared.group(topic)
     if spec is not None:
         return "\n".join(_key_lines(topic, spec))
     if group is not None:
@@ -71,11 +71,11 @@ def describe(topic: str) -> str:
         for dotted, key_spec in group.walk(f"{topic}."):
             lines += _key_lines(dotted, key_spec)
         return "\n".join(lines)
-    names = [*schema.keys(), *dict(schema.root().groups())]
+    names = [*declared.keys(), *dict(declared.root().groups())]
     same_leaf = [name for name in names if name.split(".")[-1] == topic]  # `--help steps`: train.steps
     meant = (key_hints.SYNONYMS.get(topic) or (same_leaf[0] if len(same_leaf) == 1 else None)
              or next(iter(difflib.get_close_matches(topic, names, n=1)), None))
-    groups = ", ".join(name for name, item in schema.root().keys.items() if isinstance(item, schema.Group))
+    groups = ", ".join(name for name, item in declared.root().keys.items() if isinstance(item, schema.Group))
     raise ConfigError(f"--help {topic!r} names no config group or key"
                       + (f"; did you mean {meant!r}?" if meant else "")
                       + f" (groups: {groups}; or a key such as train.steps)")
@@ -89,8 +89,8 @@ def help_text(args: list[str]) -> str:
 def markdown_tables() -> str:
     """docs/configs.md's key tables: one per group, a row per key."""
     out = [TABLES_BEGIN, ""]
-    sections = [("(top)", None, [(name, schema.key(name)) for name in _top_level_keys()])]
-    sections += [(name, item, list(item.walk(f"{name}."))) for name, item in schema.root().keys.items()
+    sections = [("(top)", None, [(name, declared.key(name)) for name in _top_level_keys()])]
+    sections += [(name, item, list(item.walk(f"{name}."))) for name, item in declared.root().keys.items()
                  if isinstance(item, schema.Group)]
     for name, group, rows in sections:
         title = f"### `{name}`" if group else "### Top level"

@@ -1,5 +1,5 @@
 """The declared keys of what is trained and how it is laid out: `model`, `mesh`, `pipeline`,
-`precision` (config/schema.py reads them; the run's other groups: config/keys_run.py)."""
+`precision` (config/declared.py assembles them; the run's other groups: config/keys_run.py)."""
 
 from __future__ import annotations
 

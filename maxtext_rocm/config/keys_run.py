@@ -1,10 +1,9 @@
 """The declared keys of a run: what it reads, how it steps, saves, fine-tunes, logs and starts up
-(`optimizer`, `data`, `train`, `dpo`, `checkpoint`, `lora`, `log`, `distributed`, and the top-level
-`name` and `output_dir`), and SCHEMA, the whole config (the model's groups: config/keys_model.py)."""
+(`optimizer`, `data`, `train`, `dpo`, `checkpoint`, `lora`, `log`, `distributed`; the model's
+groups: config/keys_model.py; the whole config: config/declared.py)."""
 
 from __future__ import annotations
 
-from maxtext_rocm.config.keys_model import MESH, MODEL, PIPELINE, PRECISION
 from maxtext_rocm.config.schema import Group, Key
 
 POSITIVE = dict(above=0)
@@ -134,11 +133,3 @@ DISTRIBUTED = Group("Multi-process start-up; unset keys are found from the envir
                         "heartbeat_timeout_s": Key(100, "seconds a process may be silent before the others stop",
                                                    **POSITIVE),
                     }, page="multi-node.md")
-
-SCHEMA = Group("A run's config.", {
-    "name": Key("run", "the run's name"),
-    "output_dir": Key("", "where the run writes; '' is runs/NAME"),
-    "model": MODEL, "mesh": MESH, "pipeline": PIPELINE, "precision": PRECISION, "optimizer": OPTIMIZER,
-    "data": DATA, "train": TRAIN, "dpo": DPO, "checkpoint": CHECKPOINT, "lora": LORA, "log": LOG,
-    "distributed": DISTRIBUTED,
-})

@@ -1,9 +1,9 @@
-"""Loading a run's config: presets, variants, overrides from the command line or a notebook (the
-defaults: defaults.py; validation: checks.py).
+"""Loading a run's config: presets, variants, overrides from the command line or a notebook (each
+key's declaration, default and type: schema.py; validation: checks.py).
 
 A run is described by one `ml_collections.ConfigDict` with one group per part of the trainer
-(`model`, `mesh`, `precision`, `optimizer`, `data`, `checkpoint`-to-come, `train`, `log`). Each part
-reads only its own group. Presets live in `configs/NAME.py` and define `get_config(variant="")`,
+(`model`, `mesh`, `pipeline`, `precision`, `optimizer`, `data`, `train`, `dpo`, `checkpoint`, `lora`,
+`log`, `distributed`). Each part reads only its own group. Presets live in `configs/NAME.py` and define `get_config(variant="")`,
 starting from `defaults()`.
 
 Every user mistake surfaces as a `ConfigError` whose message is one sentence naming the key and
@@ -31,8 +31,8 @@ from maxtext_rocm.config.choices import (  # noqa: F401
 from maxtext_rocm.errors import CheckpointError, ConfigError, UserError  # noqa: F401
 # Validation lives in config/checks.py; its entry points are part of this module's interface.
 from maxtext_rocm.config.checks import axis_sizes, global_batch_size, mesh_shape, validate  # noqa: F401
-from maxtext_rocm.config import key_hints, schema
-from maxtext_rocm.config.schema import defaults  # noqa: F401  (part of this module's interface)
+from maxtext_rocm.config import declared, key_hints, schema
+from maxtext_rocm.config.declared import defaults  # noqa: F401  (part of this module's interface)
 
 
 def apply_variant(cfg: ml_collections.ConfigDict, variant: str) -> ml_collections.ConfigDict:
@@ -164,12 +164,12 @@ def _lookup(cfg: ml_collections.ConfigDict, key: str):
 
 
 def set_key(cfg: ml_collections.ConfigDict, key: str, value: Any) -> None:
-    """Sets a dotted key, coerced to its declared type (config/schema.py; ints widen to floats)."""
+    """Sets a dotted key, coerced to its declared type (config/declared.py; ints widen to floats)."""
     parent, leaf = _lookup(cfg, key)
     current = parent[leaf]
     if isinstance(current, ml_collections.ConfigDict) and not isinstance(value, Mapping):
         raise ConfigError(f"config key {key!r} is a group; set one of its keys ({', '.join(current.keys())})")
-    value = schema.coerce(key, value)
+    value = schema.coerce(key, declared.key(key), value)
     if isinstance(value, Mapping):
         value = ml_collections.ConfigDict(dict(value))
     with parent.unlocked():
@@ -183,7 +183,7 @@ def set_key(cfg: ml_collections.ConfigDict, key: str, value: Any) -> None:
 def _parse_cli_value(key: str, current: Any, text: str) -> Any:
     """Reads a command-line value by the key's declared type (the current value's, for a key inside
     a dict value such as model.rope_scaling.factor)."""
-    spec = schema.key(key)
+    spec = declared.key(key)
     kind = spec.kind if spec is not None else type(current)
     if spec is not None and spec.nullable and text.lower() == "none":
         return None

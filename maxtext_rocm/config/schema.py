@@ -1,11 +1,7 @@
-"""The config's schema: every key declared once, with its type, default, allowed values or range and
-one line of documentation (the declarations: config/keys_model.py and config/keys_run.py).
-
-Everything else is read from it: `defaults()` (the ConfigDict users override with
-`--config.GROUP.KEY=VALUE`), the type an override is coerced to (config/loading.py), the checks of
-each key on its own (`check_values`, before the cross-key checks of config/checks.py), `train --help`
-and docs/configs.md's key tables (config/help.py). Adding a key is one `Key(...)` in its group plus
-the code that reads it.
+"""How a config key is declared: `Key` (its type, default, allowed values or range, one line of
+documentation) and `Group`, with what follows from a declaration alone: a value coerced to the key's
+type, and the key's own check. The declarations are config/keys_model.py and config/keys_run.py;
+config/declared.py assembles them into the whole config and reads everything else from it.
 """
 
 from __future__ import annotations
@@ -111,43 +107,14 @@ class Group:
         return cfg
 
 
-def root() -> Group:
-    """The whole config's declaration."""
-    from maxtext_rocm.config.keys_run import SCHEMA  # the declarations import this module
-
-    return SCHEMA
-
-
-def keys() -> dict[str, Key]:
-    """Every declared key by dotted name."""
-    return dict(root().walk())
-
-
-def key(dotted: str) -> Key | None:
-    return keys().get(dotted)
-
-
-def group(dotted: str) -> Group | None:
-    return dict(root().groups()).get(dotted)
-
-
-def defaults() -> ml_collections.ConfigDict:
-    """Every key the trainer reads, with its default, locked: a preset or a notebook that sets a key
-    no part of the trainer reads (a typo such as `cfg.model.dmodel = ...`) fails at once instead of
-    training with the default silently. `set_key` and `.unlocked()` add one on purpose."""
-    cfg = root().defaults()
-    cfg.lock()
-    return cfg
-
-
 # ----------------------------------------------------------------------------------------------
 # Coercion: a value given for a key, made the key's type
 
 
-def coerce(dotted: str, value: Any) -> Any:
+def coerce(dotted: str, spec: Key | None, value: Any) -> Any:
     """`value` as key `dotted`'s declared type (ints widen to floats, lists become tuples, `a,b`
-    splits into a tuple's items), or a ConfigError naming the key and its type."""
-    spec = key(dotted)
+    splits into a tuple's items), or a ConfigError naming the key and its type; a value inside a
+    dict-valued key (no `spec`) as it is."""
     if spec is None or (value is None and spec.nullable):
         return value
     if spec.fractional and isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -231,18 +198,3 @@ def _out_of_range(dotted: str, spec: Key, value) -> str:
     if spec.kind is int and not spec.fractional:
         return f"{dotted} must be {spec.range_text()}, got {value!r}"
     return f"{dotted}={value!r} is not valid; use a finite number {spec.range_text()}".rstrip()
-
-
-def check_values(cfg) -> None:
-    """Every declared key of `cfg` checked on its own, in declaration order, before any cross-key
-    check (which could compare inf or NaN without complaint, or fail on a string with a
-    traceback); and every float in the config, nested ones included, finite."""
-    declared = keys()
-    for dotted, spec in declared.items():
-        node = cfg
-        for part in dotted.split("."):
-            node = node[part]
-        check_value(dotted, spec, node)
-    for dotted, value in leaves(cfg):
-        if dotted not in declared and isinstance(value, float) and not math.isfinite(value):
-            raise ConfigError(f"{dotted}={value!r} is not valid; use a finite number")

@@ -25,7 +25,7 @@ LLAMA3 = ("{% set loop_messages = messages %}{% for message in loop_messages %}{
           "'<|eot_id|>' %}{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}"
           "{{ content }}{% endfor %}{% if add_generation_prompt %}"
           "{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}")
-BUILT_IN = {"llama3": LLAMA3}  # named in config/choices.py's CHAT_TEMPLATES
+BUILT_IN = {"llama3": LLAMA3}  # named in config/keys_run.py's CHAT_TEMPLATES
 # The keys transformers passes as template variables (its SPECIAL_TOKENS_ATTRIBUTES).
 SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 ROLES = ("system", "user", "assistant", "tool", "ipython")
