@@ -65,7 +65,7 @@ class Walk:
         if argv[:2] not in (["python", "-m"], ["python3", "-m"]):
             raise AssertionError(f"{self.page}: {line!r} is not a `python -m` command; teach doc_walk.py to run it")
         argv = [sys.executable, *argv[1:]]
-        if argv[2] == "maxtext_rocm.train":
+        if argv[2] == "maxtext_rocm.train" and not {"-h", "--help"} & set(argv):  # a run, not its help
             argv = [*argv, *TINY_TRAINING]
         start = time.perf_counter()
         out = subprocess.run(argv, cwd=self.cwd, env=walk_env(), capture_output=True, text=True, timeout=timeout)

@@ -18,7 +18,7 @@ where the README's walk left its reader: with runs/tiny_llama in the directory. 
 checks what the page promises of its results.
 
 Measured 2026-12-06 on the 2-core machine (load 3-4, -n 0): README 11 s, finetuning 28 s, lora
-55 s, dpo 39 s, huggingface 12 s, notebooks 7 s; 160 s for the file. lora and dpo are past the
+55 s, dpo 39 s, huggingface 12 s, notebooks 7 s, configs 3 s; 160 s for the file. lora and dpo are past the
 ~30 s that marks a test slow, but issue #43 keeps the walks in CI's default run: a page that fails
 its reader must fail CI. Most of a walk is process start-up and compiling a tiny program.
 """
@@ -50,6 +50,8 @@ COMPILES = {
 NOT_WALKED = {
     "python -m maxtext_rocm.train configs/llama3_8b.py --config.mesh.ici.fsdp=8 --config.train.steps=50":
         "trains Llama 3 8B on one 8-GPU node",
+    "python -m maxtext_rocm.train configs/llama3_8b.py:fp32 --config.train.steps=100 --config.optimizer.lr=1e-4":
+        "trains Llama 3 8B in fp32",
     **COMPILES,
 }
 
@@ -71,7 +73,7 @@ def walk(page: str, cwd: Path, section: str | None = None) -> Walk:
 
 
 def test_not_walked_commands_are_on_their_pages():
-    shown = {line for page in ("README.md", "docs/lora.md") for line in page_commands(page)}
+    shown = {line for page in ("README.md", "docs/lora.md", "docs/configs.md") for line in page_commands(page)}
     assert set(NOT_WALKED) <= shown, set(NOT_WALKED) - shown
 
 
@@ -185,6 +187,19 @@ def test_huggingface(tmp_path, hf_model):
     assert config.get("dtype", config.get("torch_dtype")) == "bfloat16"  # the page's `[--dtype bfloat16]`
     generation = json.loads((out / "generation_config.json").read_text())
     assert (generation["bos_token_id"], generation["eos_token_id"]) == (BOS_ID, EOS_IDS)
+
+
+def test_configs(tmp_path):
+    """docs/configs.md's --help commands print what the page says they do: the groups, a group's
+    keys (each with its line of documentation), one key."""
+    from maxtext_rocm.config import declared
+
+    walked = walk("docs/configs.md", fresh_directory(tmp_path / "clone"))
+    groups, pipeline, one_key = (step.stdout for step in walked.steps)
+    assert all(f"  {name} " in groups for name, item in declared.SCHEMA.keys.items() if name not in ("name", "output_dir"))
+    assert all(f"--config.{key}=" in pipeline and spec.doc in pipeline
+               for key, spec in declared.SCHEMA.keys["pipeline"].walk("pipeline."))
+    assert one_key.startswith("  --config.train.seq_len=2048") and len(one_key.splitlines()) == 2
 
 
 def test_notebooks(tmp_path, readme_walk):
