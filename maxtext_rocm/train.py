@@ -46,7 +46,7 @@ def _main(argv: list[str]) -> int:
             return USER_ERROR_EXIT_STATUS
         return 0
     if not argv or argv[0].startswith("--"):
-        print(USAGE + "\n(--help lists the config's groups; --help GROUP their keys)", file=sys.stderr)
+        print(f"{USAGE}  (--help lists the config's keys)", file=sys.stderr)
         return 2
     # Until the training loop takes SIGTERM/SIGINT over (PreemptionGuard: finish the step, save),
     # a signal exits at once with one line: there is nothing to save yet (maxtext_rocm/__init__.py

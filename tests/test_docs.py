@@ -164,6 +164,8 @@ def run_main_with_recorder(monkeypatch, module: str, args: list[str], tmp_path: 
                 raise SystemExit(0)
 
         monkeypatch.setattr(train, "Trainer", Recorder)
+        real_help = train.config_help.help_text
+        monkeypatch.setattr(train.config_help, "help_text", lambda topics: done.append(topics) or real_help(topics))
         monkeypatch.setattr(distributed, "initialize", lambda *_: None)
         main = train.main
     elif module == "compile":
