@@ -19,8 +19,9 @@ if _startup_signals.started_as_train_cli():
 
 from maxtext_rocm.config import ConfigError, UserError  # noqa: E402
 from maxtext_rocm.config import load as load_config  # noqa: E402
-from maxtext_rocm.models import build_model, count_active_params, count_params, forward  # noqa: E402
-from maxtext_rocm.api import init_params, load_params, loss, run_config  # noqa: E402
+from maxtext_rocm.models import build_model  # noqa: E402
+from maxtext_rocm.api import (count_active_params, count_params, forward, init_params, load_params, loss,  # noqa: E402
+                              run_config)
 from maxtext_rocm.generate import chat, generate  # noqa: E402
 
 # `python -m maxtext_rocm.generate` runs a module this package has already imported (for the

@@ -4,8 +4,13 @@
     cfg = mr.load_config("tiny_llama", {"precision.policy": "fp32"})
     params = mr.init_params(cfg, seed=0)            # sharded over the current devices
     mr.loss(cfg, params, batch)                     # the trainer's token-mean cross-entropy
+    mr.forward(cfg, params, tokens)                 # logits
+    mr.count_params(cfg)                            # from shapes alone
     params = mr.load_params("runs/tiny_llama")      # a run dir, a checkpoint, or an export
     cfg = mr.run_config("runs/tiny_llama")          # the config that run was made with
+
+Each takes a config as loaded (or as a run recorded it) and resolves its "auto"s for this
+process's devices (trainer/resolve.py) before it builds a model.
 """
 
 from __future__ import annotations
@@ -20,8 +25,10 @@ from flax import linen as nn
 from maxtext_rocm.trainer import compilation
 from maxtext_rocm import config as config_lib
 from maxtext_rocm.parallel import sharding
+from maxtext_rocm import models
 from maxtext_rocm.models import build_model
 from maxtext_rocm.numerics.precision import policy_from_config
+from maxtext_rocm.trainer.resolve import resolve_here
 from maxtext_rocm.trainer.step import summed_loss
 
 
@@ -42,6 +49,7 @@ def _param_mesh(cfg) -> jax.sharding.Mesh:
 
 def _abstract_params(cfg):
     """(boxed abstract params, their shardings on the current devices)."""
+    cfg = resolve_here(cfg)
     model = build_model(cfg.model, policy_from_config(cfg.precision))
     boxed = jax.eval_shape(lambda k: model.init(k, jnp.zeros((1, 8), jnp.int32))["params"], jax.random.key(0))
     shardings = sharding.logical_to_sharding(nn.get_partition_spec(boxed), _param_mesh(cfg))
@@ -75,7 +83,7 @@ def load_params(path, cfg=None):
 
     A LoRA run's parameters are its merged model, W + (alpha / r) A B in each adapted kernel, on
     the base the run trained on (verified against the run's record: finetune/lora_base.py)."""
-    cfg = run_config(path) if cfg is None else cfg
+    cfg = resolve_here(run_config(path) if cfg is None else cfg)
     _, boxed, shardings = _abstract_params(cfg)
     abstract = jax.tree_util.tree_map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                                       nn.meta.unbox(boxed), shardings)
@@ -111,5 +119,27 @@ def loss(cfg, params, batch) -> jax.Array:
         params = params["params"]
     batch = {k: jnp.asarray(v) for k, v in batch.items()}
     batch.setdefault("weights", jnp.ones(batch["targets"].shape, jnp.float32))
+    cfg = resolve_here(cfg, seq_len=batch["targets"].shape[1])
     policy = policy_from_config(cfg.precision)
     return _jitted_loss(ml_collections.FrozenConfigDict(cfg.model), policy)(params, batch)
+
+
+def forward(cfg, params, tokens) -> jax.Array:
+    """Logits [batch, seq, vocab] of `tokens` [batch, seq] (models.forward), with `cfg` resolved
+    for this device and the tokens' length."""
+    return models.forward(resolve_here(cfg, seq_len=jnp.shape(tokens)[1]), params, tokens)
+
+
+def abstract_params(cfg):
+    """Parameter shapes (boxed with their logical axes) without allocating anything."""
+    return models.abstract_params(resolve_here(cfg))
+
+
+def count_params(cfg) -> int:
+    """The number of parameters of `cfg`'s model, computed from shapes only."""
+    return models.count_params(resolve_here(cfg))
+
+
+def count_active_params(cfg) -> int:
+    """The parameters one token passes through (models.count_active_params), from shapes only."""
+    return models.count_active_params(resolve_here(cfg))

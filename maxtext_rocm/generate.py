@@ -34,8 +34,8 @@ from flax import linen as nn
 from maxtext_rocm.config import UserError
 from maxtext_rocm.models import build_model
 from maxtext_rocm.models.attention import CACHE
-from maxtext_rocm.models.moe import resolve_implementation
 from maxtext_rocm.numerics.precision import policy_from_config
+from maxtext_rocm.trainer.resolve import resolve_here
 
 USAGE = ("python -m maxtext_rocm.generate CHECKPOINT_DIR (--prompt TEXT | --chat TEXT [--system TEXT]) "
          "[--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P] [--seed S]")
@@ -64,7 +64,7 @@ def _decoding_model_cfg(model_cfg) -> ml_collections.FrozenConfigDict:
     """The model config for decoding: a mixture of experts that never drops a token ("capacity"
     would drop where a decode step's few tokens crowd one expert)."""
     m = ml_collections.ConfigDict(model_cfg)
-    if m.n_experts > 1 and resolve_implementation(m.moe_impl) == "capacity":
+    if m.n_experts > 1 and m.moe_impl == "capacity":
         m.moe_impl = "dense" if jax.default_backend() == "cpu" else "dropless"
     return ml_collections.FrozenConfigDict(m)
 
@@ -145,6 +145,7 @@ def generate(cfg, params, prompt_tokens, max_new_tokens: int = 64, temperature: 
         params = params["params"]
     stop_ids = tuple(int(i) for i in np.atleast_1d(np.asarray([] if eos_id is None else eos_id, np.int64)))
     tokens, positions = _left_pad(prompts)
+    cfg = resolve_here(cfg, seq_len=tokens.shape[1])
     run = _decoder(_decoding_model_cfg(cfg.model), policy_from_config(cfg.precision), len(prompts),
                    tokens.shape[1], int(max_new_tokens), float(temperature), int(min(top_k, vocab)),
                    float(top_p), stop_ids)

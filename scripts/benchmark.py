@@ -250,7 +250,6 @@ def main() -> int:
     from maxtext_rocm.trainer import compilation
     from maxtext_rocm.reporting import metrics as metrics_lib
     from maxtext_rocm.models import count_active_params
-    from maxtext_rocm.models.moe import resolve_implementation
 
     total = 1 + args.warmup + args.steps
     try:
@@ -289,8 +288,8 @@ def main() -> int:
     result = {
         "config": args.config, "overrides": overrides, "devices": trainer.n_devices,
         "device_kind": jax.devices()[0].device_kind, "policy": cfg.precision.policy,
-        "params": mr.count_params(cfg), "active_params": count_active_params(cfg),
-        "moe_impl": resolve_implementation(cfg.model.moe_impl) if cfg.model.n_experts > 1 else None,
+        "params": mr.count_params(cfg), "active_params": count_active_params(trainer.cfg),
+        "moe_impl": trainer.cfg.model.moe_impl if cfg.model.n_experts > 1 else None,
         "global_batch": trainer.global_batch, "seq_len": cfg.train.seq_len, "remat": cfg.model.remat,
         "step_time_s": step_s, "tokens_per_s": tokens_per_step / step_s,
         "tokens_per_s_per_device": tokens_per_s_per_device, "tflops_per_s_per_device": tflops,

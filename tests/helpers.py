@@ -17,6 +17,7 @@ from maxtext_rocm.data import batch_spec
 from maxtext_rocm.parallel import context
 from maxtext_rocm.trainer.step import gradients
 from maxtext_rocm.trainer.preflight import check_run
+from maxtext_rocm.trainer.resolve import Target, resolve
 
 
 def script_module(name: str):
@@ -32,11 +33,12 @@ def script_module(name: str):
 def initial_run(cfg, devices) -> types.SimpleNamespace:
     """A run at initialisation, made as the Trainer makes it (launch.py's model, state layout and
     data sources) without compiling the train step, which the numerical tests never run:
-    .mesh, .model, .state, .batch(step) (a sharded device batch), .sharding_rules() (for tracing)
+    .cfg (resolved: trainer/resolve.py), .mesh, .model, .state, .batch(step) (a sharded device batch), .sharding_rules() (for tracing)
     and .storage_order (a pipeline's storage <-> model order converter, or None: launch.stored_state)."""
     check_run(cfg, len(devices), 1)
     mesh = sharding.make_mesh(cfg.mesh, devices)
-    model = launch.model_for_mesh(cfg, launch.resolve_auto(cfg, mesh, devices[0]), mesh)
+    cfg = resolve(cfg, mesh, Target.of_device(devices[0]))
+    model = launch.model_for_mesh(cfg, launch.run_policy(cfg, devices[0]), mesh)
     layout = launch.stored_state(cfg, model, mesh)
     state = jax.jit(lambda k: nn.meta.unbox(layout.init(k)), out_shardings=layout.sharding)(layout.key)
     global_batch = config_lib.global_batch_size(cfg, len(devices))
@@ -47,7 +49,7 @@ def initial_run(cfg, devices) -> types.SimpleNamespace:
     def batch(step):
         return launch.place_batch(data.batch(step), batch_layout, batch_sharding, dtypes, global_batch)
 
-    return types.SimpleNamespace(mesh=mesh, model=model, state=state, batch=batch, layout=batch_layout,
+    return types.SimpleNamespace(cfg=cfg, mesh=mesh, model=model, state=state, batch=batch, layout=batch_layout,
                                  storage_order=layout.storage_order,
                                  sharding_rules=lambda: sharding.rules_context(mesh))
 

@@ -283,11 +283,13 @@ def test_memory_lower_bounds_stay_below_what_the_run_holds(preset, objective, de
     from maxtext_rocm.parallel import sharding
     from maxtext_rocm.models import build_model
     from maxtext_rocm.numerics.precision import policy_from_config
+    from maxtext_rocm.trainer.resolve import Target, resolve
 
     cfg = config_lib.load(preset)
     cfg.train.objective = objective  # dpo: the state holds the frozen reference too (finetune/dpo.py)
     bounds = memory_fit.lower_bounds(cfg, len(devices))
     mesh = sharding.make_mesh(cfg.mesh, devices)
+    cfg = resolve(cfg, mesh, Target.of_device(devices[0]))
     model = build_model(cfg.model, policy_from_config(cfg.precision, devices[0]))
     abstract = launch.stored_state(cfg, model, mesh).abstract
     state_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(abstract))

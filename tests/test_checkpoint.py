@@ -65,7 +65,7 @@ def final_params(out):
     cfg = small_config()
     from flax import linen as nn
 
-    from maxtext_rocm.models import abstract_params
+    from maxtext_rocm.api import abstract_params
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
                                       nn.meta.unbox(abstract_params(cfg)))

@@ -111,7 +111,9 @@ def test_packed_logits_equal_each_document_alone(tmp_path):
     from maxtext_rocm.models import build_model
     from maxtext_rocm.numerics.precision import policy_from_config
 
-    cfg = small_config(**{"model.vocab_size": 512})
+    from maxtext_rocm.trainer.resolve import resolve_here
+
+    cfg = resolve_here(small_config(**{"model.vocab_size": 512}))
     model = build_model(cfg.model, policy_from_config(cfg.precision, jax.devices()[0]))
     params = jax.jit(model.init)(jax.random.key(0), np.zeros((1, 8), np.int32))["params"]
     write_jsonl(tmp_path / "p.jsonl", make_docs(12, lo=2, hi=8))

@@ -389,7 +389,7 @@ def test_checkpoints_move_between_two_processes_and_one(tmp_path, devices):
     from flax import linen as nn
 
     from maxtext_rocm.checkpoint import restore_params
-    from maxtext_rocm.models import abstract_params
+    from maxtext_rocm.api import abstract_params
     from maxtext_rocm.train import Trainer
 
     # A constant schedule after one warmup step: the learning rate of a step does not depend on

@@ -15,6 +15,7 @@ from maxtext_rocm.api import load_params
 from maxtext_rocm.config import ConfigError
 from maxtext_rocm.train import Trainer
 from maxtext_rocm.trainer import launch
+from maxtext_rocm.trainer.resolve import Target, resolve
 from maxtext_rocm.trainer.step import gradients, summed_loss
 
 from conftest import small_config
@@ -33,7 +34,9 @@ def base_model(cfg, run):
     """The same model without LoRA (lora.rank=0), on the run's mesh."""
     plain = copy.deepcopy(cfg)
     plain.lora.rank = 0
-    return launch.model_for_mesh(plain, launch.resolve_auto(plain, run.mesh, run.mesh.devices.flat[0]), run.mesh)
+    device = run.mesh.devices.flat[0]
+    plain = resolve(plain, run.mesh, Target.of_device(device))
+    return launch.model_for_mesh(plain, launch.run_policy(plain, device), run.mesh)
 
 
 def with_random_b(adapters, seed=0):

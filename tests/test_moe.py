@@ -15,9 +15,11 @@ from jax.sharding import PartitionSpec as P
 
 from maxtext_rocm import config as config_lib
 from maxtext_rocm.reporting import metrics
-from maxtext_rocm.models import blocked_experts, build_model, count_active_params, count_params, moe
+from maxtext_rocm.api import count_active_params, count_params
+from maxtext_rocm.models import blocked_experts, build_model, moe
 from maxtext_rocm.models.attention import attention_mask
 from maxtext_rocm.numerics.precision import policy_from_config
+from maxtext_rocm.trainer.resolve import resolve_here
 from maxtext_rocm.trainer.step import summed_loss
 from maxtext_rocm.train import Trainer
 from maxtext_rocm.trainer.preflight import check_run
@@ -35,7 +37,7 @@ def mixtral_config(**overrides):
 
 
 def moe_layer(impl, capacity_factor=1.25):
-    cfg = mixtral_config(**{"model.moe_impl": impl, "model.moe_capacity_factor": capacity_factor})
+    cfg = resolve_here(mixtral_config(**{"model.moe_impl": impl, "model.moe_capacity_factor": capacity_factor}))
     return moe.MoE(ml_collections.FrozenConfigDict(cfg.model), policy_from_config(cfg.precision))
 
 
@@ -190,6 +192,7 @@ def test_router_losses_reach_the_objective():
     cfg = mixtral_config(**{"model.moe_aux_loss_weight": 0.5, "model.moe_router_z_loss_weight": 0.25})
     batch = {"inputs": jax.random.randint(jax.random.key(0), (2, 32), 0, 128)}
     batch.update(targets=jnp.roll(batch["inputs"], -1, axis=1), weights=jnp.ones((2, 32)))
+    cfg = resolve_here(cfg)
     model = build_model(cfg.model, policy_from_config(cfg.precision))
     params = nn.meta.unbox(jax.jit(model.init)(jax.random.key(1), batch["inputs"])["params"])
     objective, sums = jax.jit(lambda p, b: summed_loss(p, model, b, 0.0))(params, batch)

@@ -237,7 +237,9 @@ def test_a_packed_row_loses_what_its_documents_lose_alone():
     from maxtext_rocm.numerics.precision import policy_from_config
     from maxtext_rocm.trainer.step import token_losses
 
-    cfg = small_config(**{"model.vocab_size": 512})
+    from maxtext_rocm.trainer.resolve import resolve_here
+
+    cfg = resolve_here(small_config(**{"model.vocab_size": 512}))
     model = build_model(cfg.model, policy_from_config(cfg.precision, jax.devices()[0]))
     params = jax.jit(model.init)(jax.random.key(0), np.zeros((1, 8), np.int32))["params"]
     stream = DocumentStream(documents(12, seed=3, hi=40), seed=0, process_index=0, process_count=1)

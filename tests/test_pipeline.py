@@ -483,10 +483,10 @@ def test_auto_microbatches_for_interleaved_1f1b_are_whole_groups_of_stages_where
 
 
 def test_auto_microbatches_are_resolved_for_the_mesh_and_recorded(devices, tmp_path):
-    from maxtext_rocm.trainer import launch
     from maxtext_rocm.parallel import sharding
+    from maxtext_rocm.trainer.resolve import Target, resolve
 
     cfg = on_mesh(llama, {"stage": 2, "fsdp": 4}, tmp_path, **{"train.per_device_batch_size": 4})
-    launch.resolve_auto(cfg, sharding.make_mesh(cfg.mesh, devices), devices[0])
+    cfg = resolve(cfg, sharding.make_mesh(cfg.mesh, devices), Target.of_device(devices[0]))
     assert cfg.pipeline.microbatches == 8  # 32 sequences over 4 batch shards: 8 each, at most 4 x 2 stages
     assert pipeline.describe(cfg.pipeline, 2).startswith("pipeline gpipe: 2 stages, 8 microbatches, bubble 11.1%")

@@ -13,6 +13,7 @@ import pytest
 
 from maxtext_rocm import config as config_lib
 from maxtext_rocm.models import build_model
+from maxtext_rocm.trainer.resolve import resolve_here
 from maxtext_rocm.numerics.precision import f32_accumulating_dot_general, named_dot_general, policy_from_config
 
 from helpers import assert_close
@@ -105,7 +106,8 @@ def test_the_policy_chooses_it_for_bf16_on_the_cpu_only():
     cpu = jax.devices()[0]
     for name, want in (("bf16", f32_accumulating_dot_general), ("fp8", f32_accumulating_dot_general),
                        ("fp32", named_dot_general)):
-        cfg = ml_collections.ConfigDict(dict(config_lib.defaults().precision, policy=name))
+        # fp8_format as the resolve step leaves it (trainer/resolve.py)
+        cfg = ml_collections.ConfigDict(dict(config_lib.defaults().precision, policy=name, fp8_format="ocp"))
         assert policy_from_config(cfg, cpu).dot_general is want, name
         # The AOT fit check compiles a GPU's step on the CPU: XLA's own dot there (named for remat).
         assert policy_from_config(cfg, cpu, platform="gpu").dot_general is named_dot_general, name
@@ -117,6 +119,7 @@ def _dot_count(remat: str, policy: str) -> int:
     cfg.model.update(vocab_size=64, d_model=32, n_layers=1, n_heads=2, n_kv_heads=2, head_dim=16, mlp_dim=64,
                      remat=remat, scan_layers=True, loss_chunk_len=0)
     cfg.precision.policy = policy
+    cfg = resolve_here(cfg)
     model = build_model(cfg.model, policy_from_config(cfg.precision, jax.devices()[0]))
     tokens = jnp.zeros((1, 8), jnp.int32)
     params = jax.eval_shape(model.init, jax.random.key(0), tokens)["params"]  # shapes suffice

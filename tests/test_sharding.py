@@ -7,6 +7,7 @@ from jax.sharding import PartitionSpec as P
 
 from conftest import small_config
 from helpers import assert_close, assert_trees_close, loss_and_grads
+from maxtext_rocm.trainer.resolve import Target, resolve
 
 SINGLE = {f"mesh.ici.{a}": 1 for a in ("data", "fsdp", "expert", "sequence", "tensor")}
 
@@ -72,5 +73,5 @@ def test_fused_projections_change_nothing_but_the_dots(tmp_path):
     assert_close(grads_on, grads_off)
     for tensor, want in ((1, "off"), (2, "on")):
         cfg = small_config(**dict(SINGLE, **{"mesh.ici.fsdp": 8 // tensor, "mesh.ici.tensor": tensor}))
-        sharding.resolve_projection_fusion(cfg.model, sharding.make_mesh(cfg.mesh, jax.devices()))
+        cfg = resolve(cfg, sharding.make_mesh(cfg.mesh, jax.devices()), Target.of_device(jax.devices()[0]))
         assert cfg.model.fuse_projections == want

@@ -213,7 +213,7 @@ def host_abstract_params(cfg):
     """The shapes of `cfg`'s model parameters (no LoRA adapters), placed in host memory."""
     from flax import linen as nn
 
-    from maxtext_rocm.models import abstract_params
+    from maxtext_rocm.api import abstract_params
 
     host = jax.sharding.SingleDeviceSharding(jax.local_devices(backend="cpu")[0])
     return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=host),

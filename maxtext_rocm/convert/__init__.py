@@ -88,7 +88,7 @@ def _empty_params(cfg) -> dict:
     import jax
     from flax import linen as nn
 
-    from maxtext_rocm.models import abstract_params
+    from maxtext_rocm.api import abstract_params
 
     shapes = nn.meta.unbox(abstract_params(cfg))
     return jax.tree_util.tree_map(lambda x: np.empty(x.shape, x.dtype), shapes)

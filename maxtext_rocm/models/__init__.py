@@ -1,4 +1,7 @@
-"""Model families. `build_model(cfg.model, policy)` returns the Flax module for a config."""
+"""Model families. `build_model(cfg.model, policy)` returns the Flax module for a config.
+
+Every function here takes a resolved config (trainer/resolve.py; maxtext_rocm.api resolves a
+loaded one): the model decides no "auto" itself."""
 
 from __future__ import annotations
 
@@ -27,7 +30,11 @@ def build_model(model_cfg, policy: Policy, decode: bool = False, expert_exchange
     `layer_stack`: how the scanned layers run across devices, from maxtext_rocm/parallel/pipeline.py
     (None: in order on every device).
     `context_attention`: attention over a sequence-split batch, from maxtext_rocm/parallel/context.py
-    (None: without a `sequence` axis)."""
+    (None: without a `sequence` axis).
+    `model_cfg` is resolved (trainer/resolve.py): the model decides no "auto" itself."""
+    if model_cfg.fuse_projections == "auto":
+        raise ValueError("model.fuse_projections='auto' reached the model: the config was not resolved "
+                         "(maxtext_rocm.trainer.resolve.resolve() was skipped)")
     frozen = ml_collections.FrozenConfigDict(model_cfg)
     return Decoder(frozen, policy, block=BLOCKS[frozen.family], decode=decode, expert_exchange=expert_exchange,
                    layer_stack=layer_stack, context_attention=context_attention)
@@ -46,8 +53,8 @@ def forward(cfg, params, tokens) -> jax.Array:
     """Logits [batch, seq, vocab] of `tokens` [batch, seq] for `cfg`'s model under its precision
     policy (cfg.precision.policy; "fp32" for reference numbers). No mesh is needed: on one device
     the logical sharding constraints do nothing. `params` as `from_hf` or `restore_params` give them.
-    A mixture of experts runs `model.moe_impl` as training would ("auto" is the exact "dropless";
-    only an explicit "capacity" drops tokens)."""
+    A mixture of experts runs `model.moe_impl` as training would (its default is the exact
+    "dropless"; only an explicit "capacity" drops tokens)."""
     params = nn.meta.unbox(params)
     if set(params) == {"params"}:  # a {"params": ...} variables dict
         params = params["params"]

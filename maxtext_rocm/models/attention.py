@@ -8,7 +8,8 @@
                GPUs, Pallas' interpreter on the CPU (slow; there for tests). Never picked by "auto"
                until a GPU measurement says it beats the choice above.
 - "auto":      "cudnn" on CUDA GPUs (bf16/fp16), "blockwise" on ROCm and for long sequences on
-               the CPU, else "xla" (resolve_implementation).
+               the CPU, else "xla" (implementation_for), decided by the resolve step
+               (trainer/resolve.py) before the model is built: the model never sees "auto".
 """
 
 from __future__ import annotations
@@ -51,37 +52,50 @@ CPU_BLOCKWISE_MIN_SEQ = 1024
 
 
 def resolve_implementation(name: str, device=None, dtype=None, seq_len: int | None = None) -> str:
-    """`model.attention`, with "auto" replaced by the device's memory-bounded attention: cuDNN's
-    fused kernel on CUDA GPUs in bf16/fp16 (checked on an H200 against "xla"; it has no fp32
-    form), the blockwise one on ROCm and for fp32 on CUDA. On the CPU: "blockwise" from
-    CPU_BLOCKWISE_MIN_SEQ tokens per sequence, the reference "xla" below (where they tie).
-    `dtype`: the compute dtype (default bf16). "pallas" on a platform its kernels do not serve is
-    a ConfigError."""
+    """`model.attention` for `device` (default: this process's first): implementation_for on its
+    platform."""
+    return implementation_for(name, platform_of(device or jax.devices()[0]), dtype, seq_len)
+
+
+def implementation_for(name: str, platform: str, dtype=None, seq_len: int | None = None) -> str:
+    """`model.attention` on `platform` ("cpu", "cuda", "rocm"; platform_of), with "auto" replaced
+    by the platform's memory-bounded attention: cuDNN's fused kernel on CUDA GPUs in bf16/fp16
+    (checked on an H200 against "xla"; it has no fp32 form), the blockwise one on ROCm and for
+    fp32 on CUDA. On the CPU: "blockwise" from CPU_BLOCKWISE_MIN_SEQ tokens per sequence, the
+    reference "xla" below (where they tie). `dtype`: the compute dtype (default bf16). "pallas"
+    on a platform its kernels do not serve is a ConfigError. Called by the resolve step
+    (trainer/resolve.py); the model receives its answer."""
     if name == "pallas":
-        check_pallas_platform(device or jax.devices()[0])
+        check_pallas_platform(platform)
     if name != "auto":
         return name
-    device = device or jax.devices()[0]
-    if device.platform == "cpu":
+    if platform == "cpu":
         return "blockwise" if seq_len and seq_len >= CPU_BLOCKWISE_MIN_SEQ else "xla"
     half = jnp.dtype(dtype or jnp.bfloat16) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-    return "cudnn" if is_cuda_gpu(device) and half else "blockwise"
+    return "cudnn" if platform == "cuda" and half else "blockwise"
 
 
 # Where the Pallas kernels run: through Triton on GPUs (CUDA, and ROCm where jax routes Pallas to
 # Triton), interpreted on the CPU. A TPU would need Mosaic kernels, which this project lacks.
-PALLAS_PLATFORMS = ("gpu", "cpu")
+PALLAS_PLATFORMS = ("cuda", "rocm", "cpu")
 
 
-def check_pallas_platform(device) -> None:
-    if device.platform not in PALLAS_PLATFORMS:
+def check_pallas_platform(platform: str) -> None:
+    if platform not in PALLAS_PLATFORMS:
         raise ConfigError(f"model.attention='pallas' runs on GPUs (Triton) and, interpreted, on the CPU, "
-                          f"not on {device.platform}; use model.attention='blockwise' or 'auto'")
+                          f"not on {platform}; use model.attention='blockwise' or 'auto'")
+
+
+def platform_of(device) -> str:
+    """"cuda" or "rocm" for a GPU (JAX names both "gpu"; ROCm's platform version says "rocm"),
+    else the device's own platform ("cpu", "tpu")."""
+    if device.platform != "gpu":
+        return device.platform
+    return "rocm" if "rocm" in device.client.platform_version.lower() else "cuda"
 
 
 def is_cuda_gpu(device) -> bool:
-    """JAX names both GPU platforms "gpu"; ROCm's platform version says "rocm"."""
-    return device.platform == "gpu" and "rocm" not in device.client.platform_version.lower()
+    return platform_of(device) == "cuda"
 
 
 def dot_product_attention(q: Array, k: Array, v: Array, *, segment_ids: Array | None = None,
@@ -92,7 +106,9 @@ def dot_product_attention(q: Array, k: Array, v: Array, *, segment_ids: Array | 
     Each group of heads/kv_heads query heads shares one key/value head. `dot_general`: the
     precision policy's, for the "xla" implementation's two matmuls.
     """
-    implementation = resolve_implementation(implementation, dtype=q.dtype, seq_len=q.shape[1])
+    if implementation == "auto":
+        raise ValueError("model.attention='auto' reached the model: the config was not resolved "
+                         "(maxtext_rocm.trainer.resolve.resolve() was skipped)")
     if implementation == "blockwise":
         return blockwise_attention(q, k, v, segment_ids=segment_ids, sliding_window=sliding_window)
     if implementation == "pallas":

@@ -230,7 +230,17 @@ _FNUZ_KINDS = ("gfx942", "mi300", "mi325", "mi308")
 
 def resolve_format(requested: str, device) -> str:
     """"auto" -> "fnuz" on gfx942-class AMD GPUs, else "ocp" (gfx950, NVIDIA, the CPU)."""
+    return format_for(requested, is_fnuz_device(device))
+
+
+def is_fnuz_device(device) -> bool:
+    """Whether `device`'s matrix cores know only the FNUZ formats (gfx942-class AMD GPUs)."""
+    kind = f"{getattr(device, 'device_kind', '')} {getattr(device, 'compute_capability', '')}".lower()
+    return any(key in kind for key in _FNUZ_KINDS)
+
+
+def format_for(requested: str, fnuz: bool) -> str:
+    """precision.fp8_format with "auto" decided: "fnuz" where the target knows only FNUZ, else "ocp"."""
     if requested != "auto":
         return requested
-    kind = f"{getattr(device, 'device_kind', '')} {getattr(device, 'compute_capability', '')}".lower()
-    return "fnuz" if any(key in kind for key in _FNUZ_KINDS) else "ocp"
+    return "fnuz" if fnuz else "ocp"

@@ -58,7 +58,8 @@ AXIS = "sequence"
 
 
 def resolve_mode(mode: str) -> str:
-    """`model.context_parallel` with "auto" resolved (see the module docstring for why)."""
+    """`model.context_parallel` with "auto" resolved (see the module docstring for why), by the
+    resolve step (trainer/resolve.py); context_attention receives its answer."""
     return "all_gather" if mode == "auto" else mode
 
 
@@ -148,8 +149,11 @@ def context_attention(model_cfg, mesh: Mesh) -> Callable | None:
     None without a `sequence` axis (one device, or sequence=1): attention stays as it was."""
     if AXIS not in mesh.shape or mesh.shape[AXIS] == 1:
         return None
+    if model_cfg.context_parallel == "auto":
+        raise ValueError("model.context_parallel='auto' reached context_attention: the config was not resolved "
+                         "(maxtext_rocm.trainer.resolve.resolve() was skipped)")
     return functools.partial(_sharded_attention, mesh=mesh, layout=mesh_layout(model_cfg, mesh),
-                             mode=resolve_mode(model_cfg.context_parallel), window=model_cfg.sliding_window or 0)
+                             mode=model_cfg.context_parallel, window=model_cfg.sliding_window or 0)
 
 
 def _sharded_attention(q, k, v, segment_ids, *, mesh: Mesh, layout: Layout, mode: str, window: int):

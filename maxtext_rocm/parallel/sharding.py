@@ -152,13 +152,6 @@ def batch_rows_of_process(mesh: Mesh, global_batch: int, seq_len: int) -> tuple[
     return groups.index(mine), len(groups)
 
 
-def resolve_projection_fusion(model_cfg, mesh: Mesh) -> None:
-    """model.fuse_projections "auto" made "on" where it saves collectives (mesh tensor > 1: one
-    reduction of x's gradient per fused group) and "off" elsewhere, where separate dots are faster."""
-    if model_cfg.fuse_projections == "auto":
-        model_cfg.fuse_projections = "on" if mesh.shape.get("tensor", 1) > 1 else "off"
-
-
 def rules_context(mesh: Mesh) -> contextlib.ExitStack:
     """The mesh and the logical-axis rules that the models' sharding constraints resolve against,
     as one context (tracing the step reads both)."""

@@ -7,16 +7,15 @@ command calls before anything here runs) only needs to come before the first bac
 
 from __future__ import annotations
 
-import copy
 import math
 import time
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 
 from maxtext_rocm import config as config_lib
 from maxtext_rocm.checkpoint import checksums
-from maxtext_rocm.models.moe import resolve_implementation
 from maxtext_rocm.parallel import context, pipeline, sharding
 from maxtext_rocm.parallel.pipeline_layout import loss_on_the_last_stage
 from maxtext_rocm.planner import comm as comm_lib
@@ -24,12 +23,12 @@ from maxtext_rocm.planner import comm_minimum
 from maxtext_rocm.planner import estimates
 from maxtext_rocm.planner.hlo_text import optimized_text
 from maxtext_rocm.planner.fit_report import GIB, AnalyticMemory, Compiled, FitReport, Flops, Setup, XlaMemory
-from maxtext_rocm.planner.gpu_nodes import (FNUZ_TARGETS, TARGETS, cluster_mesh, dumped_optimized_hlo,
-                                            flash_attention_for)
+from maxtext_rocm.planner.gpu_nodes import TARGETS, cluster_mesh, dumped_optimized_hlo
 from maxtext_rocm.reporting import metrics
-from maxtext_rocm.trainer.launch import (jit_train_step, model_for_mesh, optimizer_hyperparameters, resolve_auto,
+from maxtext_rocm.trainer.launch import (jit_train_step, model_for_mesh, optimizer_hyperparameters, run_policy,
                                          stored_state)
 from maxtext_rocm.trainer.preflight import check_run
+from maxtext_rocm.trainer.resolve import Target, resolve
 
 
 def _sharded_bytes(tree) -> int:
@@ -52,16 +51,13 @@ def analyse(cfg, kind: str, n_devices: int, usable: float = 0.92, compile_it: bo
             comm: bool = False, nodes: int = 1) -> FitReport:
     """Lowers and compiles the train step for `n_devices` (fake CPU devices) on `nodes` hosts;
     returns its report. `compile_it=False`: the estimates only (no compile, no XLA figures)."""
-    if cfg.precision.policy == "fp8" and cfg.precision.fp8_format == "auto":
-        cfg.precision.fp8_format = "fnuz" if kind in FNUZ_TARGETS else "ocp"
-    if cfg.model.attention == "auto":  # the target's, as the Trainer would resolve it there
-        cfg.model.attention = flash_attention_for(kind)
     devices = jax.devices()[:n_devices]
     check_run(cfg, n_devices, nodes)
     mesh = sharding.make_mesh(cfg.mesh, devices) if nodes == 1 else cluster_mesh(cfg.mesh, devices, nodes)
     sizes = config_lib.axis_sizes(config_lib.mesh_shape(cfg.mesh, n_devices, nodes))
-    policy = resolve_auto(cfg, mesh, devices[0], platform="gpu")  # every target is a GPU
-    cpu_model_cfg = copy.deepcopy(cfg.model)
+    cfg = resolve(cfg, mesh, Target.of_gpu_kind(kind))  # as the Trainer would resolve it on the target
+    policy = run_policy(cfg, devices[0], platform="gpu")  # every target is a GPU
+    cpu_model_cfg = ml_collections.ConfigDict(cfg.model.to_dict())
     if cpu_model_cfg.attention == "cudnn":  # same parameters; the CPU cannot trace cuDNN's attention
         cpu_model_cfg.attention = "xla"
     elif cpu_model_cfg.attention == "pallas":  # on the CPU Pallas is an interpreter: the same
@@ -115,7 +111,7 @@ def analyse(cfg, kind: str, n_devices: int, usable: float = 0.92, compile_it: bo
     report = FitReport(
         setup=setup, memory=memory, flops=flops,
         fits=max(memory.analytic_total_bytes, memory.checkpoint_save_peak_bytes or 0) <= setup.usable_bytes,
-        moe_impl=resolve_implementation(cfg.model.moe_impl) if cfg.model.n_experts > 1 else None,
+        moe_impl=cfg.model.moe_impl if cfg.model.n_experts > 1 else None,
         # schedule, microbatches, bubble; every figure above is one stage's device
         pipeline=pipeline.describe(cfg.pipeline, sizes["stage"], cfg.model.n_layers) if stages else None,
         stages=stages)

@@ -107,7 +107,6 @@ and metrics.
 from __future__ import annotations
 
 from maxtext_rocm.config.checks import chunks_per_device
-from maxtext_rocm.parallel.context import resolve_mode
 
 GRAD_BYTES = 4  # parameters and gradients are fp32 under every policy (precision.Policy.param_dtype)
 
@@ -158,7 +157,7 @@ def minimum(model_cfg, train_cfg, policy: str, sizes: dict[str, int], param_byte
     n_t = (5 if m.remat == "full" else 4) + 2 * again
     n_e = (4 if m.remat == "none" else 5) + 2 * again
     moe = m.n_experts > 1
-    r_ring = 1 if resolve_mode(getattr(m, "context_parallel", "auto")) == "ring" else 0
+    r_ring = 1 if getattr(m, "context_parallel", "auto") == "ring" else 0  # "auto" is "all_gather"
     # axis labels in the mesh's order (data, fsdp, expert, sequence, tensor), as comm.py writes them
     zero = ",".join(a for a, n in (("fsdp", Fs), ("expert", E), ("sequence", S)) if n > 1)
     zero_e = ",".join(a for a, n in (("fsdp", Fs), ("sequence", S)) if n > 1)

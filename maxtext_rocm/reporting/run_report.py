@@ -78,11 +78,10 @@ def fp8_description(policy, fp8_scaling: str) -> str:
 def describe(trainer) -> str:
     """The run's description: model, precision, devices and mesh, batch, FLOPs, output."""
     from maxtext_rocm.models import count_active_params, count_params
-    from maxtext_rocm.models.moe import resolve_implementation
 
     cfg = trainer.cfg
     moe = (f" ({count_active_params(cfg) / 1e6:,.1f}M active; {cfg.model.n_experts} experts, "
-           f"top {cfg.model.experts_per_token}, moe_impl {resolve_implementation(cfg.model.moe_impl)})"
+           f"top {cfg.model.experts_per_token}, moe_impl {cfg.model.moe_impl})"
            if cfg.model.n_experts > 1 else "")
     peak = (f"{trainer.peak_tflops} TFLOP/s/device" if trainer.peak_tflops
             else "unknown for this device (set log.peak_tflops)")

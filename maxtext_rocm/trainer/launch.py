@@ -32,26 +32,13 @@ from maxtext_rocm.config import ConfigError
 from maxtext_rocm.trainer.step import create_state, frozen_base, train_step
 
 
-def resolve_auto(cfg, mesh, device, platform: str | None = None):
-    """Writes into `cfg` what it leaves to "auto" for this mesh and device: the fp8 format, the
-    projection fusion, the pipeline's microbatches and (unless the caller did already) the
-    attention implementation, so config.json records what runs. Returns the precision policy, with
-    cfg.lora's adapters in its dot (finetune/lora.py) when lora.rank > 0.
-    `platform`: the platform the program is for when it is not the device's (the planner's GPU
-    targets, compiled on a CPU)."""
-    from maxtext_rocm.models.attention import resolve_implementation
+def run_policy(cfg, device, platform: str | None = None):
+    """The precision policy of resolved `cfg` (trainer/resolve.py) on `device`, with cfg.lora's
+    adapters in its dot (finetune/lora.py) when lora.rank > 0. `platform`: the platform the
+    program is for when it is not the device's (the planner's GPU targets, compiled on a CPU)."""
     from maxtext_rocm.numerics.precision import policy_from_config
-    from maxtext_rocm.parallel import pipeline
 
-    policy = policy_from_config(cfg.precision, device, platform=platform)
-    if policy.fp8_format:
-        cfg.precision.fp8_format = policy.fp8_format
-    sharding.resolve_projection_fusion(cfg.model, mesh)
-    pipeline.resolve_microbatches(cfg, mesh)
-    if platform is None:
-        cfg.model.attention = resolve_implementation(cfg.model.attention, device, policy.compute_dtype,
-                                                     cfg.train.seq_len)
-    return lora.policy_with_lora(policy, cfg.lora)
+    return lora.policy_with_lora(policy_from_config(cfg.precision, device, platform=platform), cfg.lora)
 
 
 def model_for_mesh(cfg, policy, mesh, platform: str | None = None, model_cfg=None):

@@ -25,8 +25,9 @@ from maxtext_rocm.runtime import run_lock
 from maxtext_rocm.runtime.preemption import PreemptionGuard
 from maxtext_rocm.trainer import compilation, divergence
 from maxtext_rocm.trainer.launch import (data_sources, jit_eval_step, launch, model_for_mesh, optimizer_hyperparameters,
-                                         place_batch, resolve_auto)
+                                         place_batch, run_policy)
 from maxtext_rocm.trainer.preflight import check_run
+from maxtext_rocm.trainer.resolve import Target, resolve
 from maxtext_rocm.trainer.step import frozen_base, without_base
 from maxtext_rocm.trainer.timing import StartupClock, StepClock
 
@@ -227,7 +228,9 @@ class Trainer:
             self.log = lambda *_: None  # process 0 speaks for every process
         self.compilation_cache = compilation.use_persistent_cache(cfg.train.compilation_cache, cfg.output_dir)
         self._startup = StartupClock(started, self.compilation_cache)
-        self.policy = resolve_auto(cfg, self.mesh, devices[0])  # "auto" values written into cfg, for config.json
+        # From here on the config is read-only and says what runs (config.json records it).
+        self.cfg = cfg = resolve(cfg, self.mesh, Target.of_device(devices[0]))
+        self.policy = run_policy(cfg, devices[0])
         self.model = model_for_mesh(cfg, self.policy, self.mesh)
         self.hyperparameters = optimizer_hyperparameters(cfg, self.mesh)
         self.global_batch = config_lib.global_batch_size(cfg, self.n_devices)
