@@ -10,7 +10,7 @@
     cfg = mr.run_config("runs/tiny_llama")          # the config that run was made with
 
 Each takes a config as loaded (or as a run recorded it) and resolves its "auto"s for this
-process's devices (trainer/resolve.py) before it builds a model.
+process's devices (maxtext_rocm/resolve.py) before it builds a model.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from maxtext_rocm.parallel import sharding
 from maxtext_rocm import models
 from maxtext_rocm.models import build_model
 from maxtext_rocm.numerics.precision import policy_from_config
-from maxtext_rocm.trainer.resolve import resolve_here
+from maxtext_rocm.resolve import resolve_here
 from maxtext_rocm.trainer.step import summed_loss
 
 

@@ -35,7 +35,7 @@ from maxtext_rocm.config import UserError
 from maxtext_rocm.models import build_model
 from maxtext_rocm.models.attention import CACHE
 from maxtext_rocm.numerics.precision import policy_from_config
-from maxtext_rocm.trainer.resolve import resolve_here
+from maxtext_rocm.resolve import resolve_here
 
 USAGE = ("python -m maxtext_rocm.generate CHECKPOINT_DIR (--prompt TEXT | --chat TEXT [--system TEXT]) "
          "[--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P] [--seed S]")

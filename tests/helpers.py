@@ -17,7 +17,7 @@ from maxtext_rocm.data import batch_spec
 from maxtext_rocm.parallel import context
 from maxtext_rocm.trainer.step import gradients
 from maxtext_rocm.trainer.preflight import check_run
-from maxtext_rocm.trainer.resolve import Target, resolve
+from maxtext_rocm.resolve import Target, resolve
 
 
 def script_module(name: str):
@@ -33,7 +33,7 @@ def script_module(name: str):
 def initial_run(cfg, devices) -> types.SimpleNamespace:
     """A run at initialisation, made as the Trainer makes it (launch.py's model, state layout and
     data sources) without compiling the train step, which the numerical tests never run:
-    .cfg (resolved: trainer/resolve.py), .mesh, .model, .state, .batch(step) (a sharded device batch), .sharding_rules() (for tracing)
+    .cfg (resolved: maxtext_rocm/resolve.py), .mesh, .model, .state, .batch(step) (a sharded device batch), .sharding_rules() (for tracing)
     and .storage_order (a pipeline's storage <-> model order converter, or None: launch.stored_state)."""
     check_run(cfg, len(devices), 1)
     mesh = sharding.make_mesh(cfg.mesh, devices)

@@ -283,7 +283,7 @@ def test_memory_lower_bounds_stay_below_what_the_run_holds(preset, objective, de
     from maxtext_rocm.parallel import sharding
     from maxtext_rocm.models import build_model
     from maxtext_rocm.numerics.precision import policy_from_config
-    from maxtext_rocm.trainer.resolve import Target, resolve
+    from maxtext_rocm.resolve import Target, resolve
 
     cfg = config_lib.load(preset)
     cfg.train.objective = objective  # dpo: the state holds the frozen reference too (finetune/dpo.py)

@@ -111,7 +111,7 @@ def test_packed_logits_equal_each_document_alone(tmp_path):
     from maxtext_rocm.models import build_model
     from maxtext_rocm.numerics.precision import policy_from_config
 
-    from maxtext_rocm.trainer.resolve import resolve_here
+    from maxtext_rocm.resolve import resolve_here
 
     cfg = resolve_here(small_config(**{"model.vocab_size": 512}))
     model = build_model(cfg.model, policy_from_config(cfg.precision, jax.devices()[0]))

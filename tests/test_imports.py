@@ -77,7 +77,8 @@ def test_the_package_has_no_import_circle(top_level_only):
 
 # The package's layers, bottom to top: a module imports only from its own subpackage (or root
 # module) and from layers below it, never from its own layer's other members or from above.
-# Root modules are the public entry points; `maxtext_rocm` is the package's __init__.
+# Root modules are the public entry points (and resolve.py, which every reader of a resolved
+# config imports); `maxtext_rocm` is the package's __init__.
 LAYERS = [
     ["errors"],
     ["data"],  # input pipelines read their config group as a plain object; they import no config code
@@ -85,6 +86,7 @@ LAYERS = [
     ["numerics"],
     ["models"],  # pure: logical axes only, no mesh
     ["parallel"],  # the mesh-aware algorithms, built around model pieces
+    ["resolve"],  # the one resolve step (maxtext_rocm/resolve.py): every "auto" decided for a mesh and target
     ["finetune"],  # LoRA (a dot strategy beside a frozen base) and DPO (on the mesh-aware loss)
     ["checkpoint", "reporting", "runtime"],
     ["trainer"],

@@ -15,7 +15,7 @@ from maxtext_rocm.api import load_params
 from maxtext_rocm.config import ConfigError
 from maxtext_rocm.train import Trainer
 from maxtext_rocm.trainer import launch
-from maxtext_rocm.trainer.resolve import Target, resolve
+from maxtext_rocm.resolve import Target, resolve
 from maxtext_rocm.trainer.step import gradients, summed_loss
 
 from conftest import small_config

@@ -324,7 +324,7 @@ def test_analytic_flops_agree_with_xla_on_an_unrolled_forward():
     from maxtext_rocm.models import build_model
     from maxtext_rocm.numerics.precision import policy_from_config
 
-    from maxtext_rocm.trainer.resolve import resolve_here
+    from maxtext_rocm.resolve import resolve_here
 
     cfg = resolve_here(config.load("tiny_llama", overrides={"model.scan_layers": False}))
     m, batch, seq = cfg.model, 2, 64

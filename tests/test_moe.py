@@ -19,7 +19,7 @@ from maxtext_rocm.api import count_active_params, count_params
 from maxtext_rocm.models import blocked_experts, build_model, moe
 from maxtext_rocm.models.attention import attention_mask
 from maxtext_rocm.numerics.precision import policy_from_config
-from maxtext_rocm.trainer.resolve import resolve_here
+from maxtext_rocm.resolve import resolve_here
 from maxtext_rocm.trainer.step import summed_loss
 from maxtext_rocm.train import Trainer
 from maxtext_rocm.trainer.preflight import check_run

@@ -237,7 +237,7 @@ def test_a_packed_row_loses_what_its_documents_lose_alone():
     from maxtext_rocm.numerics.precision import policy_from_config
     from maxtext_rocm.trainer.step import token_losses
 
-    from maxtext_rocm.trainer.resolve import resolve_here
+    from maxtext_rocm.resolve import resolve_here
 
     cfg = resolve_here(small_config(**{"model.vocab_size": 512}))
     model = build_model(cfg.model, policy_from_config(cfg.precision, jax.devices()[0]))

@@ -484,7 +484,7 @@ def test_auto_microbatches_for_interleaved_1f1b_are_whole_groups_of_stages_where
 
 def test_auto_microbatches_are_resolved_for_the_mesh_and_recorded(devices, tmp_path):
     from maxtext_rocm.parallel import sharding
-    from maxtext_rocm.trainer.resolve import Target, resolve
+    from maxtext_rocm.resolve import Target, resolve
 
     cfg = on_mesh(llama, {"stage": 2, "fsdp": 4}, tmp_path, **{"train.per_device_batch_size": 4})
     cfg = resolve(cfg, sharding.make_mesh(cfg.mesh, devices), Target.of_device(devices[0]))

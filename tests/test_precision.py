@@ -13,7 +13,7 @@ import pytest
 
 from maxtext_rocm import config as config_lib
 from maxtext_rocm.models import build_model
-from maxtext_rocm.trainer.resolve import resolve_here
+from maxtext_rocm.resolve import resolve_here
 from maxtext_rocm.numerics.precision import f32_accumulating_dot_general, named_dot_general, policy_from_config
 
 from helpers import assert_close
@@ -106,7 +106,7 @@ def test_the_policy_chooses_it_for_bf16_on_the_cpu_only():
     cpu = jax.devices()[0]
     for name, want in (("bf16", f32_accumulating_dot_general), ("fp8", f32_accumulating_dot_general),
                        ("fp32", named_dot_general)):
-        # fp8_format as the resolve step leaves it (trainer/resolve.py)
+        # fp8_format as the resolve step leaves it (maxtext_rocm/resolve.py)
         cfg = ml_collections.ConfigDict(dict(config_lib.defaults().precision, policy=name, fp8_format="ocp"))
         assert policy_from_config(cfg, cpu).dot_general is want, name
         # The AOT fit check compiles a GPU's step on the CPU: XLA's own dot there (named for remat).

@@ -1,4 +1,4 @@
-"""The resolve step (maxtext_rocm/trainer/resolve.py): one table of its decisions, written from the
+"""The resolve step (maxtext_rocm/resolve.py): one table of its decisions, written from the
 documented rules (docs/configs.md, docs/precision.md, docs/parallelism.md, the module docstrings),
 and no "auto" left in any preset's resolved config."""
 
@@ -13,18 +13,19 @@ from conftest import small_config
 from maxtext_rocm import config as config_lib
 from maxtext_rocm.config.choices import PRECISION_VARIANTS
 from maxtext_rocm.parallel import sharding
-from maxtext_rocm.trainer.resolve import Target, resolve
+from maxtext_rocm.planner.gpu_nodes import resolve_target
+from maxtext_rocm.resolve import Target, resolve
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU = Target("cpu")
-MI300X, MI355X, H100 = Target.of_gpu_kind("mi300x"), Target.of_gpu_kind("mi355x"), Target.of_gpu_kind("h100")
+MI300X, MI355X, H100 = resolve_target("mi300x"), resolve_target("mi355x"), resolve_target("h100")
 FSDP8 = {"mesh.ici.fsdp": 8}
 
 # (target, overrides, expected resolved values). Meshes are over the 8 fake CPU devices.
 DECISIONS = [
     # precision.fp8_format (docs/precision.md): FNUZ on gfx942 (MI300X/MI325X), OCP elsewhere, CPU included
     (MI300X, {"precision.policy": "fp8"}, {"precision.fp8_format": "fnuz"}),
-    (Target.of_gpu_kind("mi325x"), {"precision.policy": "fp8"}, {"precision.fp8_format": "fnuz"}),
+    (resolve_target("mi325x"), {"precision.policy": "fp8"}, {"precision.fp8_format": "fnuz"}),
     (MI355X, {"precision.policy": "fp8"}, {"precision.fp8_format": "ocp"}),
     (H100, {"precision.policy": "fp8"}, {"precision.fp8_format": "ocp"}),
     (CPU, {"precision.policy": "fp8"}, {"precision.fp8_format": "ocp"}),
@@ -90,10 +91,10 @@ def test_resolve_decides(target, overrides, expected):
 
 def test_targets_of_devices_and_gpu_kinds():
     assert Target.of_device(jax.devices()[0]) == Target("cpu", fp8_fnuz=False)
-    assert [Target.of_gpu_kind(k) for k in ("mi300x", "mi355x", "h100")] == [
+    assert [resolve_target(k) for k in ("mi300x", "mi355x", "h100")] == [
         Target("rocm", True), Target("rocm", False), Target("cuda", False)]
     with pytest.raises(ValueError, match="unknown GPU kind 'a100'"):
-        Target.of_gpu_kind("a100")
+        resolve_target("a100")
 
 
 def test_resolved_config_is_read_only_and_the_input_unchanged():

@@ -7,7 +7,7 @@ from jax.sharding import PartitionSpec as P
 
 from conftest import small_config
 from helpers import assert_close, assert_trees_close, loss_and_grads
-from maxtext_rocm.trainer.resolve import Target, resolve
+from maxtext_rocm.resolve import Target, resolve
 
 SINGLE = {f"mesh.ici.{a}": 1 for a in ("data", "fsdp", "expert", "sequence", "tensor")}
 

@@ -42,7 +42,7 @@ def _host_tree(abstract):
 def _lora_model(cfg):
     from maxtext_rocm.models import build_model
     from maxtext_rocm.numerics.precision import policy_from_config
-    from maxtext_rocm.trainer.resolve import resolve_here
+    from maxtext_rocm.resolve import resolve_here
 
     cpu = jax.local_devices(backend="cpu")[0]
     cfg = resolve_here(cfg)

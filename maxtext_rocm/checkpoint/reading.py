@@ -213,11 +213,12 @@ def host_abstract_params(cfg):
     """The shapes of `cfg`'s model parameters (no LoRA adapters), placed in host memory."""
     from flax import linen as nn
 
-    from maxtext_rocm.api import abstract_params
+    from maxtext_rocm.models import abstract_params
+    from maxtext_rocm.resolve import resolve_here
 
     host = jax.sharding.SingleDeviceSharding(jax.local_devices(backend="cpu")[0])
     return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=host),
-                                  nn.meta.unbox(abstract_params(cfg)))
+                                  nn.meta.unbox(abstract_params(resolve_here(cfg))))
 
 
 def restore_params_to_host(path, cfg):

@@ -88,9 +88,10 @@ def _empty_params(cfg) -> dict:
     import jax
     from flax import linen as nn
 
-    from maxtext_rocm.api import abstract_params
+    from maxtext_rocm.models import abstract_params
+    from maxtext_rocm.resolve import resolve_here
 
-    shapes = nn.meta.unbox(abstract_params(cfg))
+    shapes = nn.meta.unbox(abstract_params(resolve_here(cfg)))
     return jax.tree_util.tree_map(lambda x: np.empty(x.shape, x.dtype), shapes)
 
 

@@ -1,6 +1,6 @@
 """Model families. `build_model(cfg.model, policy)` returns the Flax module for a config.
 
-Every function here takes a resolved config (trainer/resolve.py; maxtext_rocm.api resolves a
+Every function here takes a resolved config (maxtext_rocm/resolve.py; maxtext_rocm.api resolves a
 loaded one): the model decides no "auto" itself."""
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ def build_model(model_cfg, policy: Policy, decode: bool = False, expert_exchange
     (None: in order on every device).
     `context_attention`: attention over a sequence-split batch, from maxtext_rocm/parallel/context.py
     (None: without a `sequence` axis).
-    `model_cfg` is resolved (trainer/resolve.py): the model decides no "auto" itself."""
+    `model_cfg` is resolved (maxtext_rocm/resolve.py): the model decides no "auto" itself."""
     if model_cfg.fuse_projections == "auto":
         raise ValueError("model.fuse_projections='auto' reached the model: the config was not resolved "
-                         "(maxtext_rocm.trainer.resolve.resolve() was skipped)")
+                         "(maxtext_rocm.resolve.resolve() was skipped)")
     frozen = ml_collections.FrozenConfigDict(model_cfg)
     return Decoder(frozen, policy, block=BLOCKS[frozen.family], decode=decode, expert_exchange=expert_exchange,
                    layer_stack=layer_stack, context_attention=context_attention)

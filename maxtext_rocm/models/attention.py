@@ -9,7 +9,7 @@
                until a GPU measurement says it beats the choice above.
 - "auto":      "cudnn" on CUDA GPUs (bf16/fp16), "blockwise" on ROCm and for long sequences on
                the CPU, else "xla" (implementation_for), decided by the resolve step
-               (trainer/resolve.py) before the model is built: the model never sees "auto".
+               (maxtext_rocm/resolve.py) before the model is built: the model never sees "auto".
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def implementation_for(name: str, platform: str, dtype=None, seq_len: int | None
     fp32 on CUDA. On the CPU: "blockwise" from CPU_BLOCKWISE_MIN_SEQ tokens per sequence, the
     reference "xla" below (where they tie). `dtype`: the compute dtype (default bf16). "pallas"
     on a platform its kernels do not serve is a ConfigError. Called by the resolve step
-    (trainer/resolve.py); the model receives its answer."""
+    (maxtext_rocm/resolve.py); the model receives its answer."""
     if name == "pallas":
         check_pallas_platform(platform)
     if name != "auto":
@@ -108,7 +108,7 @@ def dot_product_attention(q: Array, k: Array, v: Array, *, segment_ids: Array | 
     """
     if implementation == "auto":
         raise ValueError("model.attention='auto' reached the model: the config was not resolved "
-                         "(maxtext_rocm.trainer.resolve.resolve() was skipped)")
+                         "(maxtext_rocm.resolve.resolve() was skipped)")
     if implementation == "blockwise":
         return blockwise_attention(q, k, v, segment_ids=segment_ids, sliding_window=sliding_window)
     if implementation == "pallas":

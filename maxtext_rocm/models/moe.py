@@ -258,7 +258,7 @@ def resolve_implementation(name: str, backend: str | None = None) -> str:
     drops a token. On GPUs ragged_dot is a grouped GEMM; on the CPU the blocked loop runs instead
     (`dropless_block`). "capacity" is faster on the CPU (docs/figures.md, "Mixture of experts on
     the CPU") but drops the choices past an expert's capacity, which changes the model: only when
-    asked for. Called by the resolve step (trainer/resolve.py); the model receives its answer."""
+    asked for. Called by the resolve step (maxtext_rocm/resolve.py); the model receives its answer."""
     del backend  # the same answer everywhere; kept so callers may say which backend they mean
     return "dropless" if name == "auto" else name
 
@@ -304,7 +304,7 @@ class MoE(nn.Module):
         implementation = m.moe_impl
         if implementation == "auto":
             raise ValueError("model.moe_impl='auto' reached the model: the config was not resolved "
-                             "(maxtext_rocm.trainer.resolve.resolve() was skipped)")
+                             "(maxtext_rocm.resolve.resolve() was skipped)")
         if implementation == "dropless":  # ragged_dot has no fp8 form: the grouped GEMM stays bf16
             if self.expert_exchange is not None:
                 return self.expert_exchange(x, weights, experts, gate, up, down)

@@ -48,7 +48,7 @@ def compute_dtype(policy_name: str):
 def policy_from_config(precision_cfg, device=None, platform: str | None = None) -> Policy:
     """The policy named by `cfg.precision.policy` (validated by config.validate) for `device`
     (default: the first device). Under fp8, `precision.fp8_format` must be resolved already
-    (trainer/resolve.py): "auto" here is a programming error. `platform` names the platform the model will run on when that is not the device's (the AOT
+    (maxtext_rocm/resolve.py): "auto" here is a programming error. `platform` names the platform the model will run on when that is not the device's (the AOT
     fit check compiles a GPU's step on the CPU)."""
     device = device or jax.devices()[0]
     name = precision_cfg.policy
@@ -60,7 +60,7 @@ def policy_from_config(precision_cfg, device=None, platform: str | None = None) 
     fmt = precision_cfg.fp8_format
     if fmt == "auto":
         raise ValueError("precision.fp8_format='auto' reached the precision policy: the config was not resolved "
-                         "(maxtext_rocm.trainer.resolve.resolve() was skipped)")
+                         "(maxtext_rocm.resolve.resolve() was skipped)")
     op = functools.partial(fp8.Fp8DotGeneral, fmt=fmt, scaling=precision_cfg.fp8_scaling,
                            amax_history_len=precision_cfg.amax_history_len)
     return Policy(name, dtype, dot_general_cls=op, fp8_format=fmt, fp8_lm_head=precision_cfg.fp8_lm_head,

@@ -59,7 +59,7 @@ AXIS = "sequence"
 
 def resolve_mode(mode: str) -> str:
     """`model.context_parallel` with "auto" resolved (see the module docstring for why), by the
-    resolve step (trainer/resolve.py); context_attention receives its answer."""
+    resolve step (maxtext_rocm/resolve.py); context_attention receives its answer."""
     return "all_gather" if mode == "auto" else mode
 
 
@@ -151,7 +151,7 @@ def context_attention(model_cfg, mesh: Mesh) -> Callable | None:
         return None
     if model_cfg.context_parallel == "auto":
         raise ValueError("model.context_parallel='auto' reached context_attention: the config was not resolved "
-                         "(maxtext_rocm.trainer.resolve.resolve() was skipped)")
+                         "(maxtext_rocm.resolve.resolve() was skipped)")
     return functools.partial(_sharded_attention, mesh=mesh, layout=mesh_layout(model_cfg, mesh),
                              mode=model_cfg.context_parallel, window=model_cfg.sliding_window or 0)
 

@@ -23,12 +23,12 @@ from maxtext_rocm.planner import comm_minimum
 from maxtext_rocm.planner import estimates
 from maxtext_rocm.planner.hlo_text import optimized_text
 from maxtext_rocm.planner.fit_report import GIB, AnalyticMemory, Compiled, FitReport, Flops, Setup, XlaMemory
-from maxtext_rocm.planner.gpu_nodes import TARGETS, cluster_mesh, dumped_optimized_hlo
+from maxtext_rocm.planner.gpu_nodes import TARGETS, cluster_mesh, dumped_optimized_hlo, resolve_target
 from maxtext_rocm.reporting import metrics
 from maxtext_rocm.trainer.launch import (jit_train_step, model_for_mesh, optimizer_hyperparameters, run_policy,
                                          stored_state)
 from maxtext_rocm.trainer.preflight import check_run
-from maxtext_rocm.trainer.resolve import Target, resolve
+from maxtext_rocm.resolve import resolve
 
 
 def _sharded_bytes(tree) -> int:
@@ -52,10 +52,10 @@ def analyse(cfg, kind: str, n_devices: int, usable: float = 0.92, compile_it: bo
     """Lowers and compiles the train step for `n_devices` (fake CPU devices) on `nodes` hosts;
     returns its report. `compile_it=False`: the estimates only (no compile, no XLA figures)."""
     devices = jax.devices()[:n_devices]
-    check_run(cfg, n_devices, nodes)
+    check_run(cfg, n_devices, nodes, inputs=False)  # a plan needs no data on this machine
     mesh = sharding.make_mesh(cfg.mesh, devices) if nodes == 1 else cluster_mesh(cfg.mesh, devices, nodes)
     sizes = config_lib.axis_sizes(config_lib.mesh_shape(cfg.mesh, n_devices, nodes))
-    cfg = resolve(cfg, mesh, Target.of_gpu_kind(kind))  # as the Trainer would resolve it on the target
+    cfg = resolve(cfg, mesh, resolve_target(kind))  # as the Trainer would resolve it on the target
     policy = run_policy(cfg, devices[0], platform="gpu")  # every target is a GPU
     cpu_model_cfg = ml_collections.ConfigDict(cfg.model.to_dict())
     if cpu_model_cfg.attention == "cudnn":  # same parameters; the CPU cannot trace cuDNN's attention

@@ -15,6 +15,7 @@ from jax._src import xla_bridge
 from jax.sharding import AxisType, Mesh
 
 from maxtext_rocm import config as config_lib
+from maxtext_rocm.resolve import Target
 
 # Target -> (memory in GiB, the device_kind substring metrics.PEAK_TFLOPS knows it by).
 TARGETS = {
@@ -90,6 +91,14 @@ def dumped_optimized_hlo() -> str | None:
         return None
     with open(max(files, key=os.path.getmtime)) as f:
         return f.read()
+
+
+def resolve_target(kind: str) -> Target:
+    """What the resolve step (maxtext_rocm/resolve.py) needs to know of a GPU kind: its platform,
+    and whether its fp8 is FNUZ-only (gfx942)."""
+    if kind not in TARGETS:
+        raise ValueError(f"unknown GPU kind {kind!r}; known: {', '.join(TARGETS)}")
+    return Target("cuda" if kind.startswith(NVIDIA_PREFIXES) else "rocm", kind in FNUZ_TARGETS)
 
 
 def flash_attention_for(kind: str) -> str:

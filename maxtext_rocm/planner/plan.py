@@ -335,7 +335,7 @@ def make_plan(cfg, spec: str, kind: str, nodes: int, gpus: int, usable: float, m
     valid = []
     for layout in layouts:
         try:
-            check_run(apply(cfg, layout), n, nodes)
+            check_run(apply(cfg, layout), n, nodes, inputs=False)
         except config_lib.UserError:
             continue
         valid.append(estimate(cfg, layout, kind, n, usable))

@@ -33,7 +33,7 @@ from maxtext_rocm.trainer.step import create_state, frozen_base, train_step
 
 
 def run_policy(cfg, device, platform: str | None = None):
-    """The precision policy of resolved `cfg` (trainer/resolve.py) on `device`, with cfg.lora's
+    """The precision policy of resolved `cfg` (maxtext_rocm/resolve.py) on `device`, with cfg.lora's
     adapters in its dot (finetune/lora.py) when lora.rank > 0. `platform`: the platform the
     program is for when it is not the device's (the planner's GPU targets, compiled on a CPU)."""
     from maxtext_rocm.numerics.precision import policy_from_config

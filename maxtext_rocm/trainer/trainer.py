@@ -27,7 +27,7 @@ from maxtext_rocm.trainer import compilation, divergence
 from maxtext_rocm.trainer.launch import (data_sources, jit_eval_step, launch, model_for_mesh, optimizer_hyperparameters,
                                          place_batch, run_policy)
 from maxtext_rocm.trainer.preflight import check_run
-from maxtext_rocm.trainer.resolve import Target, resolve
+from maxtext_rocm.resolve import Target, resolve
 from maxtext_rocm.trainer.step import frozen_base, without_base
 from maxtext_rocm.trainer.timing import StartupClock, StepClock
 

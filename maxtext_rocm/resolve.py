@@ -1,6 +1,8 @@
 """The one resolve step: a validated config, a mesh and a target in; a read-only config out with
 no "auto" left (and pipeline.microbatches a count), so that everything after it (the model, the
-step, the planner, config.json) reads the values that run.
+step, the planner, config.json) reads the values that run. It sits just above the models and the
+parallel algorithms whose knowledge it calls, below every reader of a resolved config (checkpoint
+readers, the Trainer, the planner, the API).
 
 What each "auto" becomes, and where that knowledge lives (each decision is called from here only):
 
@@ -53,14 +55,7 @@ class Target:
         """The target a real jax device is (the Trainer's first device)."""
         return cls(attention.platform_of(device), fp8.is_fnuz_device(device))
 
-    @classmethod
-    def of_gpu_kind(cls, kind: str) -> Target:
-        """The target a planner GPU kind ("mi300x", "h100", ... in planner/gpu_nodes.TARGETS) is."""
-        from maxtext_rocm.planner.gpu_nodes import FNUZ_TARGETS, NVIDIA_PREFIXES, TARGETS
-
-        if kind not in TARGETS:
-            raise ValueError(f"unknown GPU kind {kind!r}; known: {', '.join(TARGETS)}")
-        return cls("cuda" if kind.startswith(NVIDIA_PREFIXES) else "rocm", kind in FNUZ_TARGETS)
+    # A planner GPU kind's target ("mi300x", "h100"): planner/gpu_nodes.resolve_target.
 
 
 def resolve(cfg, mesh: Mesh, target: Target, seq_len: int | None = None) -> ml_collections.FrozenConfigDict:
