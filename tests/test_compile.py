@@ -84,6 +84,20 @@ def test_analytic_activations_shrink_with_remat(devices):
                            compile_it=False).memory.analytic_activations_bytes
 
 
+def test_a_plan_needs_no_data_on_the_planning_machine(devices, tmp_path):
+    """The cluster's data files are not on the machine that plans for it: the fit check analyses a
+    config whose data.paths exist nowhere here, while a run of it stops at preflight, naming them."""
+    from maxtext_rocm.errors import UserError
+    from maxtext_rocm.planner.report import analyse
+    from maxtext_rocm.trainer.preflight import check_run
+
+    cfg = small_config(**{"data.source": "files", "data.paths": str(tmp_path / "cluster" / "*.jsonl"),
+                          "model.vocab_size": 512, "model.attention": "xla", "train.seq_len": 256})
+    assert analyse(cfg, "h100", 8, compile_it=False).memory.analytic_activations_bytes > 0
+    with pytest.raises(UserError, match="data.paths: .* matches no file"):
+        check_run(cfg, 8)
+
+
 def test_70b_fits_mi300x_only_with_a_flash_attention(devices, tmp_path):
     """The [seq, seq] scores of the "xla" attention keep Llama 3 70B off 8 MI300X; the blockwise
     attention (what "auto", the default, is on AMD GPUs) fits, by the estimate and by XLA's
