@@ -217,8 +217,8 @@ def test_circular_schedule_on_four_stages_matches_one_device(devices, tmp_path):
                                                                      "output_dir": str(tmp_path / "one")}),
                                             devices[:1])
     cfg = on_mesh(llama, {"stage": 4, "fsdp": 2}, tmp_path / "pp", **eight, **CIRCULAR)
-    loss, grads, _ = loss_and_grads(cfg, devices)
-    assert cfg.pipeline.microbatches >= 4
+    loss, grads, run = loss_and_grads(cfg, devices)
+    assert run.cfg.pipeline.microbatches >= 4
     assert_close(loss, ref_loss)
     assert_close(grads, ref_grads)
 

@@ -146,7 +146,7 @@ def test_interleaved_1f1b_matches_one_device(mesh, overrides, devices, tmp_path)
         "train.per_device_batch_size": sequences, "output_dir": str(tmp_path / "one")}), devices[:1])
     cfg = on_mesh(llama, mesh, tmp_path / "pp", **INTERLEAVED, **overrides)
     loss, grads, run = loss_and_grads(cfg, devices)
-    assert cfg.pipeline.microbatches % mesh["stage"] == 0
+    assert run.cfg.pipeline.microbatches % mesh["stage"] == 0
     assert_close(loss, ref_loss)
     assert_close(grads, ref_grads)
     if "model.n_layers" in overrides and overrides["model.n_layers"] % (2 * mesh["stage"]):
@@ -163,7 +163,7 @@ def test_interleaved_1f1b_mixtral_with_expert_parallelism_matches_one_device(dev
     ref_loss, ref_grads, ref_run = loss_and_grads(ref, devices[:1])
     cfg = on_mesh(mixtral, {"stage": 2, "expert": 2, "fsdp": 2}, tmp_path / "pp", **INTERLEAVED)
     loss, grads, run = loss_and_grads(cfg, devices)
-    assert cfg.pipeline.microbatches == 2
+    assert run.cfg.pipeline.microbatches == 2
     assert_close(loss, ref_loss)
     assert_close(grads, ref_grads)
     assert_close(float(run.sums["moe_aux_loss"]), float(ref_run.sums["moe_aux_loss"]))

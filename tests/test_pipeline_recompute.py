@@ -27,8 +27,8 @@ HAND_WRITTEN = [pytest.param(RECOMPUTE, id="gpipe_recompute"), pytest.param(ONE_
 def test_hand_written_backwards_match_one_device(mesh, schedule, one_device, devices, tmp_path):  # noqa: F811
     """M = 2 x S microbatches by default (8 sequences over the batch shards)."""
     cfg = on_mesh(llama, mesh, tmp_path, **schedule)
-    loss, grads, _ = loss_and_grads(cfg, devices)
-    assert cfg.pipeline.microbatches >= mesh["stage"]
+    loss, grads, run = loss_and_grads(cfg, devices)
+    assert run.cfg.pipeline.microbatches >= mesh["stage"]  # as resolved for the mesh
     ref_loss, ref_grads, _ = one_device
     assert_close(loss, ref_loss)
     assert_close(grads, ref_grads)
@@ -62,7 +62,7 @@ def test_hand_written_backwards_mixtral_with_expert_parallelism_matches_one_devi
     ref_loss, ref_grads, ref_run = loss_and_grads(ref, devices[:1])
     cfg = on_mesh(mixtral, {"stage": 2, "expert": 2, "fsdp": 2}, tmp_path / "pp", **schedule, **overrides)
     loss, grads, run = loss_and_grads(cfg, devices)
-    assert cfg.pipeline.microbatches == 2
+    assert run.cfg.pipeline.microbatches == 2
     assert_close(loss, ref_loss)
     assert_close(grads, ref_grads)
     assert_close(float(run.sums["moe_aux_loss"]), float(ref_run.sums["moe_aux_loss"]))
