@@ -93,7 +93,7 @@ def _check_pipeline(pipe) -> None:
 
 def _validate_gradient_reduce(cfg) -> None:
     """pipeline.gradient_reduce="once" runs the pipeline manual over the batch axes
-    (parallel/pipeline_gather.per_batch_shard): what would need a global view of the batch there
+    (parallel/pipeline/gather.per_batch_shard): what would need a global view of the batch there
     is refused."""
     if cfg.pipeline.gradient_reduce != "once":
         return
@@ -118,8 +118,8 @@ def _validate_gradient_reduce(cfg) -> None:
 
 def loss_tail_refusals(cfg) -> list[tuple[bool, str]]:
     """(applies, what) for each setting under which a pipeline cannot run the fused head loss on
-    its last stage (parallel/pipeline_tail.py): 1f1b refuses them, gpipe and gpipe_recompute then
-    run the head on every stage instead (parallel/pipeline_layout.loss_on_the_last_stage)."""
+    its last stage (parallel/pipeline/tail.py): 1f1b refuses them, gpipe and gpipe_recompute then
+    run the head on every stage instead (parallel/pipeline/layout.loss_on_the_last_stage)."""
     m = cfg.model
     return [
         (m.loss_chunk_len <= 0, f"model.loss_chunk_len={m.loss_chunk_len} (it runs the fused, chunked head loss; "
@@ -134,7 +134,7 @@ def loss_tail_refusals(cfg) -> list[tuple[bool, str]]:
 
 def _validate_1f1b(cfg) -> None:
     """pipeline.schedule="1f1b" runs the fused head loss inside the pipeline, per microbatch
-    (parallel/pipeline_1f1b.py): what has no such loss, or reduces over the batch otherwise, is refused."""
+    (parallel/pipeline/one_f_one_b.py): what has no such loss, or reduces over the batch otherwise, is refused."""
     if cfg.pipeline.schedule != "1f1b":
         return
     for refused, what in loss_tail_refusals(cfg):

@@ -18,7 +18,7 @@ def pipeline_microbatches(pipe, stages: int, sequences_per_shard: int) -> int:
     if pipe.microbatches:
         return pipe.microbatches
     counts = [m for m in range(1, AUTO_MICROBATCHES_PER_STAGE * stages + 1) if sequences_per_shard % m == 0]
-    if interleaved(pipe):  # in groups of the stages (parallel/pipeline_1f1b_order.py), where the batch allows
+    if interleaved(pipe):  # in groups of the stages (parallel/pipeline/one_f_one_b_order.py), where the batch allows
         counts = [m for m in counts if m % stages == 0] or counts
     return max(counts)
 
