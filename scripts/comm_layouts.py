@@ -52,6 +52,11 @@ LAYOUTS = {
     "sequence=8, all-gather": DENSE + mesh(sequence=8) + ["--config.model.context_parallel=all_gather"],
     # GPipe, 2 microbatches: the stage boundary's permutes, and the loop's bubble iterations
     "stage=2 x fsdp=4": DENSE + mesh(stage=2, fsdp=4),
+    # Circular, 2 repeats (a chunk of one layer per device each time round), 2 microbatches
+    "stage=2 x fsdp=4, circular R=2": DENSE + mesh(stage=2, fsdp=4) + [
+        "--config.pipeline.schedule=circular", "--config.pipeline.repeats=2"],
+    # GPipe's order with the backward written by hand (parallel/pipeline_recompute.py)
+    "stage=2 x fsdp=4, gpipe_recompute": DENSE + mesh(stage=2, fsdp=4) + ["--config.pipeline.schedule=gpipe_recompute"],
     # The stage's weights gathered and their gradient reduce-scattered once a step
     # (parallel/pipeline_gather.py), 16 microbatches: the bubble's share of the permutes is 1/16
     "stage=2 x fsdp=4, once, M=16": DENSE + mesh(stage=2, fsdp=4) + [
