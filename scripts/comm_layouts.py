@@ -52,17 +52,22 @@ LAYOUTS = {
     "sequence=8, all-gather": DENSE + mesh(sequence=8) + ["--config.model.context_parallel=all_gather"],
     # GPipe, 2 microbatches: the stage boundary's permutes, and the loop's bubble iterations
     "stage=2 x fsdp=4": DENSE + mesh(stage=2, fsdp=4),
+    # Circular, 2 repeats (a chunk of one layer per device each time round), 2 microbatches
+    "stage=2 x fsdp=4, circular R=2": DENSE + mesh(stage=2, fsdp=4) + [
+        "--config.pipeline.schedule=circular", "--config.pipeline.repeats=2"],
+    # GPipe's order with the backward written by hand (parallel/pipeline/gpipe_recompute.py)
+    "stage=2 x fsdp=4, gpipe_recompute": DENSE + mesh(stage=2, fsdp=4) + ["--config.pipeline.schedule=gpipe_recompute"],
     # The stage's weights gathered and their gradient reduce-scattered once a step
-    # (parallel/pipeline_gather.py), 16 microbatches: the bubble's share of the permutes is 1/16
+    # (parallel/pipeline/gather.py), 16 microbatches: the bubble's share of the permutes is 1/16
     "stage=2 x fsdp=4, once, M=16": DENSE + mesh(stage=2, fsdp=4) + [
         "--config.pipeline.weight_gather=once", "--config.pipeline.gradient_reduce=once",
         "--config.pipeline.microbatches=16", "--config.train.per_device_batch_size=8"],
-    # 1f1b (parallel/pipeline_1f1b.py), the weights gathered once, 16 microbatches: the head and
+    # 1f1b (parallel/pipeline/one_f_one_b.py), the weights gathered once, 16 microbatches: the head and
     # loss on the last stage alone, the table stored on the first stage and the head on the last
     "stage=2 x fsdp=4, 1f1b, once, M=16": DENSE + mesh(stage=2, fsdp=4) + [
         "--config.pipeline.schedule=1f1b", "--config.pipeline.weight_gather=once",
         "--config.pipeline.microbatches=16", "--config.train.per_device_batch_size=8"],
-    # Interleaved 1F1B (parallel/pipeline_1f1b_order.py), 2 chunks per device: each microbatch
+    # Interleaved 1F1B (parallel/pipeline/one_f_one_b_order.py), 2 chunks per device: each microbatch
     # crosses the stage boundaries twice as often, forward and back; weights gathered once, and
     # per iteration (a chunk, half the stage's weights, each time)
     "stage=2 x fsdp=4, interleaved 1f1b, once, M=16": DENSE + mesh(stage=2, fsdp=4) + [
@@ -264,7 +269,7 @@ def dump_total(text: str) -> dict:
             callees += [("branch", c.strip().lstrip("%")) for c in branches.group(1).split(",")] if branches else []
             if opcode == "conditional":  # one branch runs: the one that moves the most
                 # in K of the N iterations of the loop around it if it is a schedule phase
-                # (pipeline_1f1b.phase_scope: "phase_runs_K_of_N" in its op_name)
+                # (pipeline.one_f_one_b_loop.phase_scope: "phase_runs_K_of_N" in its op_name)
                 phase = re.search(r"phase_runs_(\d+)_of_(\d+)", attrs)
                 share = int(phase.group(1)) / int(phase.group(2)) if phase and phase.group(0) not in phases else 1.0
                 inner = phases | {phase.group(0)} if phase else phases

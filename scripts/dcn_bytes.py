@@ -102,7 +102,7 @@ def _executions(comps: dict, entry: str) -> tuple[dict[str, int], set[str], set[
             phase = _PHASE.search(rest) if opcode == "conditional" else None
             if phase and phase.group(0) not in phases and times * int(phase.group(1)) % int(phase.group(2)) == 0:
                 # a schedule phase's conditional runs in K of its loop's N iterations
-                # (parallel/pipeline_1f1b.phase_scope): its branches, K/N of the loop's
+                # (parallel/pipeline/one_f_one_b_loop.phase_scope): its branches, K/N of the loop's
                 for callee in _branches(rest):
                     visit(callee, times * int(phase.group(1)) // int(phase.group(2)), in_unknown,
                           phases | {phase.group(0)})
@@ -126,7 +126,7 @@ def _executions(comps: dict, entry: str) -> tuple[dict[str, int], set[str], set[
     return runs, unknown, phased
 
 
-_PHASE = re.compile(r"phase_runs_(\d+)_of_(\d+)")  # a schedule phase's conditional (pipeline_1f1b.phase_scope)
+_PHASE = re.compile(r"phase_runs_(\d+)_of_(\d+)")  # a schedule phase's conditional (one_f_one_b_loop.phase_scope)
 
 
 def _branches(rest: str) -> list[str]:

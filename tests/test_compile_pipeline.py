@@ -55,7 +55,7 @@ def test_compiled_dot_flops_equal_the_analytic_count(devices, stage, microbatche
         assert r.flops.compiled_dot_flops / (expected - tokens * hand["layers"] / 4) > 1.2
         # per device, fp32: 2 of the 4 layers' weights split 4 ways by fsdp, their norm scales whole,
         # and a row each of the embedding table and the head (the first stage's the table, the
-        # last's the head, split by fsdp: pipeline_layout.py); the final norm on both stages
+        # last's the head, split by fsdp: pipeline/layout.py); the final norm on both stages
         layer = 64 * 64 + 2 * 64 * 32 + 64 * 64 + 3 * 64 * 128
         assert r.stages.layer_param_bytes == 4 * (2 * layer / 4 + 2 * 2 * 64 + 2 * 128 * 64 / 4)
         assert r.stages.other_param_bytes == 4 * 64
@@ -71,7 +71,7 @@ def test_compiled_dot_flops_equal_the_analytic_count(devices, stage, microbatche
         assert permutes == 5 / 4 * between["minimum_bytes"]
         # the rest, once a step: the final norm's scale's gradient summed over the stages, plus
         # scalars. The tail runs on the last stage, where the table and head are stored
-        # (pipeline_layout.py); 40,996 B while the last stage's output went to the other stage and
+        # (pipeline/layout.py); 40,996 B while the last stage's output went to the other stage and
         # the table's gradient was summed over the stages' lookups; 90,148 B while the embeddings
         # were looked up once and sent to the stages, their cotangent summed back; 147,492 B with
         # the shift as all-to-alls and the last stage's output sent to every stage each
@@ -80,7 +80,7 @@ def test_compiled_dot_flops_equal_the_analytic_count(devices, stage, microbatche
 
 
 def test_minimal_remat_keeps_the_projections_under_the_pipelines_vmap(capsys):
-    """The stages run as a vmap (parallel/pipeline.py), which gives every dot the stage as a batch
+    """The stages run as a vmap (parallel/pipeline/), which gives every dot the stage as a batch
     axis: "minimal" must still keep a projection's output, as it does without the vmap."""
     dot = precision.policy_from_config(ConfigDict({"policy": "fp32"})).dot_general
 
@@ -185,7 +185,7 @@ def test_fp8_layer_weights_meet_their_minimum_in_the_cpu_dtype(tmp_path):
 def test_a_converted_stack_counts_the_checkpoint_save_in_the_fit():
     """Circular, or a stack the stages do not divide, trains in its own order and saves in model
     order: between steps the state's layer leaves (parameters, Adam's mu and nu) exist twice; so do
-    an untied table's, stored on the first stage (pipeline_layout.py)."""
+    an untied table's, stored on the first stage (pipeline/layout.py)."""
     def save_peak_over_the_state(cfg):
         r = compile_lib.analyse(cfg, "mi355x", 8, compile_it=False)
         peak = r.memory.checkpoint_save_peak_bytes

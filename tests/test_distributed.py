@@ -239,21 +239,21 @@ MIXTRAL = "configs/tiny_mixtral.py:fp32"
     pytest.param(TINY, ["--config.mesh.dcn.data=2", "--config.mesh.ici.fsdp=4"],
                  ["--config.mesh.ici.data=2", "--config.mesh.ici.fsdp=4"], id="dcn_data2_ici_fsdp4",
                  marks=pytest.mark.slow),
-    # A pipeline stage per process (maxtext_rocm/parallel/pipeline.py): activations cross processes.
+    # A pipeline stage per process (maxtext_rocm/parallel/pipeline/): activations cross processes.
     pytest.param(TINY, ["--config.mesh.dcn.stage=2", "--config.mesh.ici.fsdp=4"],
                  ["--config.mesh.ici.stage=2", "--config.mesh.ici.fsdp=4"], id="dcn_stage2_ici_fsdp4",
                  marks=pytest.mark.slow),
-    # The same with the hand-written pipeline backward (parallel/pipeline_recompute.py): its
+    # The same with the hand-written pipeline backward (parallel/pipeline/gpipe_recompute.py): its
     # cotangents cross the processes by its own permutes, not the loop's autodiff.
     pytest.param(TINY, ["--config.mesh.dcn.stage=2", "--config.mesh.ici.fsdp=4", "--config.pipeline.schedule=gpipe_recompute"],
                  ["--config.mesh.ici.stage=2", "--config.mesh.ici.fsdp=4", "--config.pipeline.schedule=gpipe_recompute"],
                  id="dcn_stage2_ici_fsdp4_gpipe_recompute", marks=pytest.mark.slow),
-    # 1f1b (parallel/pipeline_1f1b.py): the loss runs inside the pipeline, each microbatch's
+    # 1f1b (parallel/pipeline/one_f_one_b.py): the loss runs inside the pipeline, each microbatch's
     # backward as its cotangent crosses back between the processes.
     pytest.param(TINY, ["--config.mesh.dcn.stage=2", "--config.mesh.ici.fsdp=4", "--config.pipeline.schedule=1f1b"],
                  ["--config.mesh.ici.stage=2", "--config.mesh.ici.fsdp=4", "--config.pipeline.schedule=1f1b"],
                  id="dcn_stage2_ici_fsdp4_1f1b"),
-    # Interleaved 1f1b (parallel/pipeline_1f1b_order.py): activations and cotangents go round the
+    # Interleaved 1f1b (parallel/pipeline/one_f_one_b_order.py): activations and cotangents go round the
     # ring, so both directions cross the processes, forward and back, twice per microbatch.
     pytest.param(TINY, ["--config.mesh.dcn.stage=2", "--config.mesh.ici.fsdp=4", "--config.pipeline.schedule=1f1b",
                         "--config.pipeline.repeats=2", "--config.model.n_layers=4"],

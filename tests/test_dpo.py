@@ -137,7 +137,7 @@ def test_reference_is_the_start_so_the_first_loss_is_ln2(single):
 @pytest.mark.slow  # a pipelined model compiled (~15 s)
 def test_a_pipeline_with_its_table_on_the_first_stage_gives_one_devices_dpo_gradient(single, tmp_path):
     """stage=2 x fsdp=4 (gpipe; DPO keeps the head on every stage): the policy's and the
-    reference's tables are stored on the first stage (parallel/pipeline_layout.py), and the loss
+    reference's tables are stored on the first stage (parallel/pipeline/layout.py), and the loss
     and gradient in model order are one device's."""
     run1, batch, params, _, _ = single
     want, _, want_metrics = dpo_gradients(run1, params, batch)

@@ -1,4 +1,4 @@
-"""Pipeline parallelism (maxtext_rocm/parallel/pipeline.py) on 8 fake devices: the loss and the
+"""Pipeline parallelism (maxtext_rocm/parallel/pipeline/) on 8 fake devices: the loss and the
 gradients equal one device's under both schedules and with stacks that do not divide into the
 stages, the stages really hold their layers and talk by collective-permute, checkpoints cross
 stage counts and layer orders, and bad pipeline settings stop before anything compiles."""
@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from maxtext_rocm import config as config_lib
-from maxtext_rocm.parallel import context, experts, pipeline, pipeline_layout
+from maxtext_rocm.parallel import context, experts, pipeline
+from maxtext_rocm.parallel.pipeline import layout as pipeline_layout
 from maxtext_rocm.train import Trainer
 from maxtext_rocm.trainer.preflight import check_run
 
@@ -54,7 +55,7 @@ def test_pipeline_matches_one_device(mesh, one_device, devices, tmp_path):
     ref_loss, ref_grads, ref_params = one_device
 
     # The same parameter tree and values as one device in model order; the layer axis split over
-    # the stages, the untied table stored on the first stage (pipeline_layout.py).
+    # the stages, the untied table stored on the first stage (pipeline/layout.py).
     in_model_order = trainer.storage_order.params_to_canonical(trainer.state.params)
     assert_trees_close(jax.tree_util.tree_map(np.asarray, in_model_order), ref_params, atol=0)
     table = trainer.state.params["embed"]["embedding"]
@@ -91,7 +92,7 @@ def test_stages_exchange_activations_by_collective_permute(devices, tmp_path):
 
 def test_without_the_fused_loss_every_stage_runs_the_head_and_matches_one_device(one_device, devices, tmp_path):
     """model.loss_chunk_len=0: the loss is not the fused one the tail runs, so the last stage's
-    outputs go to every stage (pipeline._from_stage) and the head stays replicated over `stage`."""
+    outputs go to every stage (pipeline.transfers.from_stage) and the head stays replicated over `stage`."""
     loss, grads, run = loss_and_grads(on_mesh(llama, {"stage": 2, "fsdp": 4}, tmp_path, **{"model.loss_chunk_len": 0}),
                                       devices)
     assert not run.model.layer_stack.runs_the_loss and run.state.params["lm_head"]["kernel"].ndim == 2
@@ -191,7 +192,7 @@ def one_device_tied(tmp_path_factory):
     pytest.param(CIRCULAR, marks=pytest.mark.slow),
 ])
 def test_tied_embeddings_under_a_pipeline_match_one_device(schedule, one_device_tied, devices, tmp_path):
-    """The stages look the tokens up themselves (pipeline.embedded_per_stage) through the table
+    """The stages look the tokens up themselves (pipeline.embedding.embedded_per_stage) through the table
     that is also the LM head: its gradient sums the lookup's (stage 0's copy) and the head's."""
     loss, grads, _ = loss_and_grads(on_mesh(llama, {"stage": 2, "fsdp": 4}, tmp_path, **TIED, **schedule), devices)
     ref_loss, ref_grads = one_device_tied

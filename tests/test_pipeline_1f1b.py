@@ -1,4 +1,4 @@
-"""pipeline.schedule="1f1b" (maxtext_rocm/parallel/pipeline_1f1b.py) on 8 fake devices, beside
+"""pipeline.schedule="1f1b" (maxtext_rocm/parallel/pipeline/one_f_one_b.py) on 8 fake devices, beside
 what it shares with gpipe_recompute (tests/test_pipeline_recompute.py: one device's loss and
 gradients on stage=4 x fsdp=2, tensor, Mixtral's experts, accumulation, remat, fp8, padded
 stacks): the schedule that runs the loss inside the pipeline composes with weights gathered once,
@@ -19,7 +19,7 @@ ONE_F_ONE_B = {"pipeline.schedule": "1f1b"}
 def test_1f1b_stores_the_table_on_the_first_stage_and_the_head_on_the_last(one_device, devices,  # noqa: F811
                                                                            tmp_path):
     """[S, ...] over `stage`, the owner's row the weight and the others zero, so each stage's
-    gradient is its own and none is summed over `stage` (pipeline_layout.ends_on_their_stages): the
+    gradient is its own and none is summed over `stage` (pipeline.layout.ends_on_their_stages): the
     gradients' other rows stay zero, and in model order the state is one device's."""
     loss, grads, run = loss_and_grads(on_mesh(llama, {"stage": 4, "fsdp": 2}, tmp_path, **ONE_F_ONE_B), devices)
     ref_loss, ref_grads, ref_params = one_device
@@ -139,7 +139,7 @@ INTERLEAVED = {"pipeline.schedule": "1f1b", "pipeline.repeats": 2}
 ])
 def test_interleaved_1f1b_matches_one_device(mesh, overrides, devices, tmp_path):
     """pipeline.repeats=2 under 1f1b: each microbatch passes the devices twice, forward and back
-    (parallel/pipeline_1f1b_order.py)."""
+    (parallel/pipeline/one_f_one_b_order.py)."""
     model = {k: v for k, v in overrides.items() if k.startswith("model.")}
     sequences = 8 * overrides.get("train.per_device_batch_size", 1)
     ref_loss, ref_grads, _ = loss_and_grads(llama(**SINGLE, **model, **{
@@ -171,7 +171,7 @@ def test_interleaved_1f1b_mixtral_with_expert_parallelism_matches_one_device(dev
 
 @pytest.mark.parametrize("repeats", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_a_padded_stack_keeps_no_weights_per_slot(repeats, devices, tmp_path):
-    """Layers that do not divide run a slot at a time (pipeline.run_chunk); the slot's layer must
+    """Layers that do not divide run a slot at a time (pipeline.stages.run_chunk); the slot's layer must
     take the scan's own slice of the weights, which the stage's pullback recognises as its input.
     A reshaped copy was kept as a residual in every microbatch slot: every layer's weights per
     slot (405B on 8 stages: 651 GiB of XLA buffers against an estimate of 200). With the weights

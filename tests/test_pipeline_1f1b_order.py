@@ -1,4 +1,4 @@
-"""The order of pipeline.schedule="1f1b" (maxtext_rocm/parallel/pipeline_1f1b_order.py), plain
+"""The order of pipeline.schedule="1f1b" (maxtext_rocm/parallel/pipeline/one_f_one_b_order.py), plain
 and interleaved, checked by simulating its lockstep loop in numpy: every microbatch passes every
 virtual stage forward and back exactly once, each pass's input is what the previous iteration
 sent one step round the ring, and the residuals' slots never hand a backward another pass's."""
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from maxtext_rocm.parallel.pipeline import bubble_fraction
-from maxtext_rocm.parallel.pipeline_1f1b_order import OneFOneBOrder
+from maxtext_rocm.parallel.pipeline.one_f_one_b_order import OneFOneBOrder
 
 SHAPES = [(2, 1, 2), (4, 1, 3), (4, 1, 8), (2, 2, 2), (2, 2, 4), (4, 2, 4), (4, 2, 8), (4, 2, 12), (8, 2, 16),
           (8, 4, 32), (3, 3, 6)]

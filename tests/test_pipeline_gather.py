@@ -1,5 +1,5 @@
 """pipeline.weight_gather="once" and pipeline.gradient_reduce="once" (maxtext_rocm/parallel/
-pipeline_gather.py) on 8 fake devices: one device's loss and gradients under gpipe and
+pipeline/gather.py) on 8 fake devices: one device's loss and gradients under gpipe and
 gpipe_recompute (circular, data, tensor, accumulation, fp8 delayed scaling and Mixtral's experts in
 the slow run), and the compiled step's fsdp traffic for the stage's weights down from g (M + S - 1)
 gathers and M + S - 1 reduce-scatters a step to one of each, counted by comm.py against the figures
@@ -97,7 +97,7 @@ def _analysed(**overrides):
 LAYER = 64 * 64 + 2 * 64 * 32 + 64 * 64 + 3 * 64 * 128  # q, k, v, o, gate, up, down
 STAGE_GATHER = 3 / 4 * 2 * LAYER * 4  # a stage's 2 layers in fp32; each device receives the 3 shards it lacks
 HEAD_TABLE_GATHER = 3 / 4 * 64 * 128 * 4  # the LM head's [d, vocab], gathered (and reduce-scattered) once
-# What each stage looks its tokens up in and with (pipeline.embedded_per_stage): the embedding
+# What each stage looks its tokens up in and with (pipeline.embedding.embedded_per_stage): the embedding
 # table [vocab, d], gathered over fsdp like the head's, and the batch's 16 x 32 int32 token ids,
 # of which each device holds its fsdp shard.
 EMBED_TABLE_GATHER = HEAD_TABLE_GATHER

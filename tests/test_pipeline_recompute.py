@@ -1,5 +1,5 @@
 """The schedules whose backward is written by hand, pipeline.schedule="gpipe_recompute"
-(maxtext_rocm/parallel/pipeline_recompute.py) and "1f1b" (pipeline_1f1b.py), on 8 fake devices:
+(maxtext_rocm/parallel/pipeline/gpipe_recompute.py) and "1f1b" (pipeline/one_f_one_b.py), on 8 fake devices:
 each gives one device's loss and gradients and composes like GPipe (tensor, experts, accumulation,
 remat, fp8 delayed state, padded stacks); gpipe_recompute keeps one microbatch's layer residuals
 per stage where GPipe's autodiff keeps every iteration's (the compiled programs' memory; 1f1b's:

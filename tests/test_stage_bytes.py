@@ -1,5 +1,5 @@
 """The pipeline's bytes over DCN counted twice: comm.py's report against scripts/dcn_bytes.py's
-separate walk of the same HLO, and both against what the schedule must send (pipeline.py)."""
+separate walk of the same HLO, and both against what the schedule must send (maxtext_rocm/parallel/pipeline/)."""
 
 import os
 import sys
@@ -28,10 +28,10 @@ def test_the_stage_axis_dcn_bytes_agree_with_a_separate_count_and_the_schedule(c
     """tiny Llama, 2 nodes of 4: dcn.stage=2 x ici.fsdp=4, GPipe with M=4 (fp32, so the CPU's
     dtypes are the program's). comm.py's DCN figure equals dcn_bytes.py's, and what crosses `stage`
     is what the schedule says must: the inter-stage permutes, and once a step what is replicated
-    over `stage`. The loss runs on the last stage (pipeline_layout.loss_on_the_last_stage) and an
+    over `stage`. The loss runs on the last stage (pipeline.layout.loss_on_the_last_stage) and an
     untied table and head are stored on their stages, so only the final norm's scale is summed
     there; a tied table's gradient is summed twice (its lookups', its head's); without the fused
-    loss (model.loss_chunk_len=0) the last stage's outputs go to every stage (pipeline._from_stage)."""
+    loss (model.loss_chunk_len=0) the last stage's outputs go to every stage (pipeline.transfers.from_stage)."""
     S, M, fsdp, batch, seq, d = 2, 4, 4, 2, 32, 64
     cfg = small_config(**{"mesh.dcn.stage": S, "mesh.ici.fsdp": fsdp, "mesh.ici.stage": 1, "model.n_layers": 4,
                           "model.remat": "full", "train.per_device_batch_size": batch, "pipeline.microbatches": M,

@@ -27,7 +27,7 @@ def build_model(model_cfg, policy: Policy, decode: bool = False, expert_exchange
     """`decode=True`: the same parameters, with a KV cache for generation (maxtext_rocm/generate.py).
     `expert_exchange`: how a dropless MoE layer runs across devices, from
     maxtext_rocm/parallel/experts.py (None: on one device, or a dense model).
-    `layer_stack`: how the scanned layers run across devices, from maxtext_rocm/parallel/pipeline.py
+    `layer_stack`: how the scanned layers run across devices, from maxtext_rocm/parallel/pipeline/
     (None: in order on every device).
     `context_attention`: attention over a sequence-split batch, from maxtext_rocm/parallel/context.py
     (None: without a `sequence` axis).

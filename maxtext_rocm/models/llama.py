@@ -125,7 +125,7 @@ class Decoder(nn.Module):
     block: type[nn.Module] = LlamaBlock
     decode: bool = False  # KV-cache decoding (generate.py): no remat, a "cache" collection per layer
     expert_exchange: Callable | None = None  # handed to the blocks (models/moe.py); None for dense
-    # Runs the embedding and the scanned stack across devices (maxtext_rocm/parallel/pipeline.py)
+    # Runs the embedding and the scanned stack across devices (maxtext_rocm/parallel/pipeline/)
     # as layer_stack(stack, scanned, embedding, tokens, positions, segment_ids) -> (x, sown), with
     # `embedding` a TokenEmbedding; None: in order, here. Parameters are created by the embedding
     # and the stack themselves either way, so their tree never depends on it.
@@ -157,7 +157,7 @@ class Decoder(nn.Module):
             # Router losses sown by MoE layers, fp8 scaling state and a dot strategy's adapters stack
             # over layers like the parameters; each layer draws its own dropout. `length` None: one
             # layer, unscanned, whose variables are one layer's slice of the stack's (a pipeline
-            # runs a stack with empty slots a layer at a time: parallel/pipeline.py, run_chunk).
+            # runs a stack with empty slots a layer at a time: parallel/pipeline/, run_chunk).
             def scanned(length: int | None, **kwargs) -> nn.Module:
                 if length is None:
                     return block(m, self.policy, self.decode, self.expert_exchange, self.context_attention, **kwargs)

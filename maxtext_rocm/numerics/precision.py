@@ -88,7 +88,7 @@ def _einsum_f32(lhs_subscripts: str, rhs_subscripts: str, out_subscripts: str, l
 
 # Names of Policy.dot_general's results, for the remat policies that keep matmul outputs
 # (models/llama.py): remat sees the CPU's bf16 custom VJP below as one opaque call, not a dot, and
-# under a pipeline (parallel/pipeline.py vmaps the stages) every dot has the stage as a batch axis,
+# under a pipeline (parallel/pipeline/ vmaps the stages) every dot has the stage as a batch axis,
 # so dots_with_no_batch_dims_saveable would keep none. The name is chosen from the model's own
 # dimension numbers, which vmap does not change.
 DOT_WITHOUT_BATCH_AXES = "f32_accumulated_dot"

@@ -35,7 +35,7 @@ Array = jax.Array
 def _ambient_mesh():
     """The mesh the step is traced under (`jax.set_mesh`), or None for one device or where an
     enclosing shard_map is manual over every axis of more than one device (pipeline.schedule="1f1b"
-    runs the loss on each device's rows: parallel/pipeline_1f1b.py)."""
+    runs the loss on each device's rows: parallel/pipeline/one_f_one_b.py)."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh is None or mesh.empty or math.prod(mesh.shape[a] for a in _auto_axes(mesh)) == 1:
         return None

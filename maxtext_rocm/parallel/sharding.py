@@ -9,7 +9,7 @@ file alone decides where each logical axis lives, so changing parallelism is a c
 - sequence:  splits activations along the sequence; parameters are FSDP-sharded over it.
 - tensor:    Megatron-style tensor parallelism over heads, MLP and vocabulary.
 - stage:     pipeline parallelism: the stacked layers split into contiguous stages
-             (maxtext_rocm/parallel/pipeline.py); everything else is replicated over it.
+             (maxtext_rocm/parallel/pipeline/); everything else is replicated over it.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("norm", None),
     # Scanned layers [n_layers, ...]: a sharding, so the parameter tree is the same with and
     # without a pipeline, and checkpoints restore across stage counts (a circular or padded
-    # pipeline stores the axis in its own order while training: parallel/pipeline_layout.py).
+    # pipeline stores the axis in its own order while training: parallel/pipeline/layout.py).
     ("layers", "stage"),
 )
 
@@ -70,7 +70,7 @@ ZERO3_AXES = ("embed", "exp_embed")
 
 def rules_without_zero3() -> tuple:
     """LOGICAL_RULES with the ZeRO-3 axes unsharded: a weight's layout once gathered
-    (parallel/pipeline.py, pipeline.weight_gather="once")."""
+    (parallel/pipeline/, pipeline.weight_gather="once")."""
     return tuple((name, None if name in ZERO3_AXES else target) for name, target in LOGICAL_RULES)
 
 
@@ -186,7 +186,7 @@ def constrained_both_ways(tree, forward, backward):
     """`tree` constrained to the `forward` NamedShardings (None: unchanged) and its cotangent to
     the `backward` ones: a sharding constraint whose transpose lands elsewhere than the forward.
     A plain constraint's transpose puts the cotangent where the value was put, e.g. a gradient in
-    a gathered layout that one more collective must then shard (parallel/pipeline_gather.py)."""
+    a gathered layout that one more collective must then shard (parallel/pipeline/gather.py)."""
     def constrain(values, layouts):
         if layouts is None:
             return values
@@ -207,7 +207,7 @@ def constrained_both_ways(tree, forward, backward):
 
 
 def nested_mesh(mesh: Mesh):
-    """The mesh for a shard_map that may run inside another: inside pipeline_gather.per_batch_shard's
+    """The mesh for a shard_map that may run inside another: inside pipeline.gather.per_batch_shard's
     shard_map (manual over the batch axes) a nested one must name the context's mesh, manual axes
     and all; elsewhere `mesh`."""
     context = jax.sharding.get_abstract_mesh()

@@ -17,7 +17,7 @@ import ml_collections
 from maxtext_rocm import config as config_lib
 from maxtext_rocm.checkpoint import checksums
 from maxtext_rocm.parallel import context, pipeline, sharding
-from maxtext_rocm.parallel.pipeline_layout import loss_on_the_last_stage
+from maxtext_rocm.parallel.pipeline.layout import loss_on_the_last_stage
 from maxtext_rocm.planner import comm as comm_lib
 from maxtext_rocm.planner import comm_minimum
 from maxtext_rocm.planner import estimates
@@ -81,7 +81,7 @@ def analyse(cfg, kind: str, n_devices: int, usable: float = 0.92, compile_it: bo
               if sizes["stage"] > 1 else None)
     if stages and cfg.pipeline.schedule == "circular" and cfg.pipeline.repeats > 1:
         # The chunk a stage runs changes per iteration, so the loop's autodiff saves its weights
-        # (this device's share, 1/R of its slots) once per iteration (parallel/pipeline.py).
+        # (this device's share, 1/R of its slots) once per iteration (parallel/pipeline/).
         iterations, _ = estimates.loop_shape(cfg.pipeline, cfg.model.n_layers, sizes["stage"], microbatches)
         act["circular chunk weights"] = iterations * stages.layer_param_bytes / cfg.pipeline.repeats
     opt_state = _sharded_bytes(abstract.opt_state)

@@ -25,7 +25,7 @@ branches):
 - of a conditional, the branch that moves the most (an upper bound for the step), in every
   execution of the computation around it; but a conditional named as a schedule phase that runs
   in K of its loop's N iterations (`phase_runs_K_of_N` in its op_name: 1f1b's forward, tail and
-  backward, parallel/pipeline_1f1b.phase_scope) counts K/N of them;
+  backward, parallel/pipeline/one_f_one_b_loop.phase_scope) counts K/N of them;
 - XLA:CPU has no reduce-scatter pass: an all-reduce (or tuple element of one) whose every use is a
   dynamic-slice to 1/N of it (through bitcasts, copies and fusion parameters) that takes each
   device's own piece (its start a function of the partition id, one piece per device, N different

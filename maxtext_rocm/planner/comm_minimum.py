@@ -60,7 +60,7 @@ Terms (each is 0 when its axis has size 1):
                                                         that passed, so they go round again (S-1
                                                         hops) beside the dK/dV sums (S-1 hops)
 
-PIPELINE (mesh stage = P > 1, pipeline.microbatches M; maxtext_rocm/parallel/pipeline.py): each
+PIPELINE (mesh stage = P > 1, pipeline.microbatches M; maxtext_rocm/parallel/pipeline/): each
 stage's devices hold L/P layers and see the whole batch shard (the batch is not split over
 `stage`), in M microbatches. The terms above then read per stage, with L -> L/P, A -> A*M for
 the layers (each microbatch gathers the stage's weights and reduce-scatters their gradients, as a
@@ -71,14 +71,14 @@ is added:
                                                         stage boundary forward, its cotangent back
                                                         (a busiest inner stage sends both), R times
                                                         under a circular schedule of R repeats
-pipeline.schedule="gpipe_recompute" (parallel/pipeline_recompute.py) runs each stage's forward once
+pipeline.schedule="gpipe_recompute" (parallel/pipeline/gpipe_recompute.py) runs each stage's forward once
 more in its backward, so everything a forward sends is sent once more per microbatch: g -> g+1
 (the layer and expert weights gathered again; the sequence term's K/V gathers), n_t -> n_t+2 (the
 forward's two all-reduces per layer), n_e -> n_e+2 (dispatch and combine). The minimum of that
 algorithm, as remat's recompute is counted in the terms above; comparing it with GPipe's says
-what the schedule costs in bytes. pipeline.schedule="1f1b" (parallel/pipeline_1f1b.py) gathers a
+what the schedule costs in bytes. pipeline.schedule="1f1b" (parallel/pipeline/one_f_one_b.py) gathers a
 stage's weights again in each microbatch's backward, as remat does: g = 2 under remat "none" too.
-Under pipeline.weight_gather="once" (parallel/pipeline_gather.py) the stage's weights are gathered
+Under pipeline.weight_gather="once" (parallel/pipeline/gather.py) the stage's weights are gathered
 once per pipeline run, in the parameters' dtype (4 bytes on the GPU too), and their gradient
 reduce-scattered once per microbatch (A*M), or once per run under pipeline.gradient_reduce="once":
 the layer and expert weight terms read

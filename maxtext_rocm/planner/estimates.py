@@ -5,7 +5,7 @@ program's own count to (maxtext_rocm/planner/comm.py walks the HLO for both coll
 Activations (symbols in maxtext_rocm/planner/report.py's docstring) without a pipeline:
     L*saved + 2*layer_all + logits (+ the gathered weights, in compile.py)
 
-With a GPipe pipeline of S stages and M microbatches (maxtext_rocm/parallel/pipeline.py), each
+With a GPipe pipeline of S stages and M microbatches (maxtext_rocm/parallel/pipeline/), each
 device holds K = L/S layers and runs the loop's I = M + S - 1 iterations on T/M tokens at a time
 (circular schedules and stacks that do not divide: `loop_shape`); the loop's autodiff saves every
 iteration's residuals, the bubble's included:
@@ -13,7 +13,7 @@ iteration's residuals, the bubble's included:
     + 2*layer_all(T_mb)                 one layer recomputed + its gradients, a microbatch at a time
     + I*T_mb*d*c                        the last stage's outputs the loop stacks
     + logits (T tokens)                 the LM head and loss run after the loop on the whole batch shard
-with T_mb = T/M. pipeline.schedule="gpipe_recompute" (parallel/pipeline_recompute.py) runs GPipe's
+with T_mb = T/M. pipeline.schedule="gpipe_recompute" (parallel/pipeline/gpipe_recompute.py) runs GPipe's
 order without differentiating the loop and recomputes each stage per microbatch in its backward:
     K*saved/M + 2*layer_all/M           one microbatch's residuals of the K layers, one at a time
     + T*d*c                             the stage input it saved per microbatch (M x T_mb)
@@ -21,8 +21,8 @@ order without differentiating the loop and recomputes each stage per microbatch 
                                         recomputing stages against gpipe": 70B, 4 stages, M=16,
                                         remat full: 43.5 GB against XLA:CPU's 46.4)
 and one more forward of the stack in FLOPs (stage_recompute_flops). pipeline.schedule="1f1b"
-(parallel/pipeline_1f1b.py) keeps each microbatch's residuals of a chunk of K layers from its
-forward to its backward in W slots (parallel/pipeline_1f1b_order.py: min(2S - 1, M) with one chunk
+(parallel/pipeline/one_f_one_b.py) keeps each microbatch's residuals of a chunk of K layers from its
+forward to its backward in W slots (parallel/pipeline/one_f_one_b_order.py: min(2S - 1, M) with one chunk
 per device; interleaved, R chunks of L/(S R) layers, about S (1 + 1/R) stages' worth), two more in
 flight (the forward's before it is written, the slot the backward reads), and runs the head per
 microbatch:
@@ -51,8 +51,8 @@ import jax
 from maxtext_rocm import config as config_lib
 from maxtext_rocm.config.checks import chunks_per_device
 from maxtext_rocm.numerics import cross_entropy
-from maxtext_rocm.parallel.pipeline_1f1b_order import OneFOneBOrder
-from maxtext_rocm.parallel.pipeline_layout import loss_on_the_last_stage
+from maxtext_rocm.parallel.pipeline.one_f_one_b_order import OneFOneBOrder
+from maxtext_rocm.parallel.pipeline.layout import loss_on_the_last_stage
 from maxtext_rocm.reporting import metrics
 from maxtext_rocm.trainer.step import fused_head_loss
 
@@ -60,7 +60,7 @@ def loop_shape(pipeline_cfg, n_layers: int, stages: int, microbatches: int) -> t
     """(iterations, layer slots each device runs per iteration) of the pipeline loop: GPipe
     M + S - 1 iterations of ceil(L/S) slots; a circular schedule of R repeats R M + S - 1 of
     ceil(L/(S R)). A stack that does not divide is padded with empty slots, which run the layer on
-    zeros like any other (parallel/pipeline.py), so they count in memory and FLOPs."""
+    zeros like any other (parallel/pipeline/), so they count in memory and FLOPs."""
     R = chunks_per_device(pipeline_cfg)
     return R * microbatches + stages - 1, math.ceil(n_layers / (stages * R))
 
@@ -103,8 +103,8 @@ def analytic_activations(cfg, axis_sizes: dict[str, int], n_devices: int, microb
     M = microbatches
     I, K = loop_shape(cfg.pipeline, L, S_p, M)
     T_mb = T / M  # saved and layer_all are linear in the tokens
-    # The loss on the last stage (pipeline_layout.loss_on_the_last_stage) reads the head gathered
-    # once, in fp32 (pipeline_tail.TailOnLastStage), beside each device's sum of its gradient.
+    # The loss on the last stage (pipeline.layout.loss_on_the_last_stage) reads the head gathered
+    # once, in fp32 (pipeline.tail.TailOnLastStage), beside each device's sum of its gradient.
     tail = {"gathered head": 4 * d * V / t} if loss_on_the_last_stage(cfg) else {}
     if cfg.pipeline.schedule == "gpipe_recompute":
         # The forward keeps each microbatch's stage input (M x T_mb = T tokens) and the stack's
@@ -135,7 +135,7 @@ def layer_param_bytes(cfg, axis_sizes) -> float:
 
 
 def gathered_stage_weights_bytes(cfg, axis_sizes) -> float:
-    """pipeline.weight_gather="once" (parallel/pipeline_gather.py): every layer slot a device runs
+    """pipeline.weight_gather="once" (parallel/pipeline/gather.py): every layer slot a device runs
     (its R chunks of K slots, empty ones included) gathered whole in fp32 before the pipeline loop
     and held for the step, and under a bf16 or fp8 policy its bf16 cast too, which XLA hoists out
     of the loop as loop-invariant (70B's compiled step holds bf16[20,1,8192,28672] beside the fp32
@@ -149,7 +149,7 @@ def gathered_stage_weights_bytes(cfg, axis_sizes) -> float:
 
 
 def unreduced_stage_gradient_bytes(cfg, axis_sizes) -> float:
-    """pipeline.gradient_reduce="once" (parallel/pipeline_gather.per_batch_shard): each device's
+    """pipeline.gradient_reduce="once" (parallel/pipeline/gather.per_batch_shard): each device's
     own sum of its layer slots' gradient, whole and in fp32, until the one reduce-scatter after the
     loop."""
     return gathered_stage_weights_bytes(cfg, axis_sizes) / (1.0 if cfg.precision.policy == "fp32" else 1.5)
@@ -183,7 +183,7 @@ def per_stage(params, stages: int, loss_on_last: bool = False) -> StageSplit:
     """Per-device parameter bytes of a pipeline stage, read from the abstract state's shardings: the
     leaves split over `stage` (each stage holds its own share) and the leaves replicated over it
     (every stage holds them whole, as split by the other axes), named. `loss_on_last`: the head and
-    loss run on the last stage alone (pipeline_layout.loss_on_the_last_stage)."""
+    loss run on the last stage alone (pipeline.layout.loss_on_the_last_stage)."""
     split = replicated = 0
     names, owned = [], []
     for path, leaf in jax.tree_util.tree_leaves_with_path(params):
@@ -194,7 +194,7 @@ def per_stage(params, stages: int, loss_on_last: bool = False) -> StageSplit:
         name = "/".join(str(getattr(k, "key", k)) for k in path)
         if "stage" in axes:
             split += size
-            if not name.startswith("layers"):  # a row per stage (parallel/pipeline_layout.ends_on_their_stages)
+            if not name.startswith("layers"):  # a row per stage (parallel/pipeline/layout.ends_on_their_stages)
                 owned.append(name)
         else:
             replicated += size

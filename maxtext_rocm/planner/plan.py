@@ -58,7 +58,7 @@ MAX_MICROBATCH_CHOICES = 3
 # gpipe keeps M + S - 1 iterations'), gpipe_recompute one more forward of the stack. A schedule
 # the config refuses (1f1b without the fused head loss) is dropped with the layout's other refusals.
 SCHEDULES = ("gpipe", "1f1b", "gpipe_recompute")
-# Interleaved 1F1B (pipeline.repeats under 1f1b, parallel/pipeline_1f1b_order.py): the bubble
+# Interleaved 1F1B (pipeline.repeats under 1f1b, parallel/pipeline/one_f_one_b_order.py): the bubble
 # (S-1)/(R M+S-1) for R times the stage boundaries' activation traffic; weighed at these R where
 # the layers give every virtual stage one and the microbatches come in whole groups of the stages.
 INTERLEAVED_REPEATS = (2,)

@@ -47,18 +47,11 @@ def model_for_mesh(cfg, policy, mesh, platform: str | None = None, model_cfg=Non
     never sees the mesh itself. `model_cfg`: the model group to build from, when it differs from
     `cfg.model` (the planner's CPU stand-ins for GPU kernels); the strategies read `cfg.model`."""
     from maxtext_rocm.models import build_model
-    from maxtext_rocm.parallel import context, experts, pipeline, pipeline_1f1b, pipeline_recompute
+    from maxtext_rocm.parallel import context, experts, pipeline
 
-    # gpipe_recompute is GPipe's schedule with its own backward loop, which imports pipeline.py's
-    # pieces; 1f1b runs the loss inside its own loop.
-    if cfg.pipeline.schedule == "1f1b":
-        layer_stack = pipeline_1f1b.layer_stack(cfg, mesh)
-    else:
-        loop = pipeline_recompute.loop if cfg.pipeline.schedule == "gpipe_recompute" else None
-        layer_stack = pipeline.layer_stack(cfg, mesh, loop=loop)
     return build_model(model_cfg or cfg.model, policy,
                        expert_exchange=experts.expert_exchange(cfg.model, mesh, platform),
-                       layer_stack=layer_stack,
+                       layer_stack=pipeline.layer_stack(cfg, mesh),
                        context_attention=context.context_attention(cfg.model, mesh))
 
 
@@ -66,7 +59,7 @@ def model_for_mesh(cfg, policy, mesh, platform: str | None = None, model_cfg=Non
 class StateLayout:
     """The train state's layout without allocating it, which the Trainer, the AOT fit check and
     the numerical tests share. Under a pipeline that stores the layer stack in its own order
-    (parallel/pipeline_layout.py) `init`, `abstract` and `sharding` are the storage order's: what
+    (parallel/pipeline/layout.py) `init`, `abstract` and `sharding` are the storage order's: what
     the train step sees."""
 
     init: Callable  # key -> the state, boxed with its logical axes (nn.meta.unbox to use it)
@@ -80,7 +73,7 @@ class StateLayout:
 
 def stored_state(cfg, model, mesh) -> StateLayout:
     """The state's layout as the train step stores it (see StateLayout)."""
-    from maxtext_rocm.parallel import pipeline_layout
+    from maxtext_rocm.parallel.pipeline import layout as storage_layout
 
     # The optimizer state's layout depends on whether it clips, not on the numbers (trainer/optimizer.py).
     tx = optim.build_optimizer(optim.hyperparameters(cfg.optimizer, cfg.train.steps), optim.clips(cfg.optimizer))
@@ -98,9 +91,9 @@ def stored_state(cfg, model, mesh) -> StateLayout:
 
     # Stage-sharded layer leaves keep their spec in storage order: S R K slots divide over stage.
     state_sharding = sharding.logical_to_sharding(nn.get_partition_spec(boxed), mesh)
-    storage_order = pipeline_layout.converter(pipeline_layout.stack_layout(cfg.pipeline, cfg.model, mesh),
-                                              pipeline_layout.ends_on_their_stages(cfg, mesh), boxed, state_sharding,
-                                              mesh)
+    storage_order = storage_layout.converter(storage_layout.stack_layout(cfg.pipeline, cfg.model, mesh),
+                                             storage_layout.ends_on_their_stages(cfg, mesh), boxed, state_sharding,
+                                             mesh)
     shapes = nn.meta.unbox(boxed)
     if storage_order is not None:
         canonical_init, shapes = init, storage_order.storage_shapes(shapes)
@@ -148,7 +141,7 @@ class Launched:
     data_state: dict | None
     compiled_step: jax.stages.Compiled | Future
     state_sharding: object
-    # Storage <-> model order of a pipeline's layer stack (parallel/pipeline_layout.py), or None.
+    # Storage <-> model order of a pipeline's layer stack (parallel/pipeline/layout.py), or None.
     storage_order: object = None
 
 

@@ -116,7 +116,7 @@ def _validate_against_mesh(cfg, shape, device_count: int, process_count: int = 1
 def _validate_pipeline_against_mesh(cfg, stages: int, micro_batch: int, batch_shards: int) -> None:
     """A pipeline over `stages` devices: its layers and its microbatches."""
     m, pipe = cfg.model, cfg.pipeline
-    # A stack that does not divide is padded with empty slots (parallel/pipeline_layout.py); one
+    # A stack that does not divide is padded with empty slots (parallel/pipeline/layout.py); one
     # with fewer layers than virtual stages would leave some with nothing to run.
     virtual = stages * pipe.repeats
     _require(m.n_layers >= virtual,

@@ -250,7 +250,7 @@ class Trainer:
         self.last_logged = self.last_eval = None  # (step, row) of the newest logged row and evaluation
         self._schedule_said = False  # run_report.warmup_warning, said by the first run() that trains
         self.state_sharding = launched.state_sharding
-        # A pipeline's own layer order (parallel/pipeline_layout.py) <-> the model's, or None.
+        # A pipeline's own layer order (parallel/pipeline/layout.py) <-> the model's, or None.
         self.storage_order = launched.storage_order
         self.data, self.eval_data = data_sources(cfg, self.global_batch, launched.data_state, self.mesh)
         self._eval_step = (jit_eval_step(self.model, self.mesh, self.state_sharding, self.batch_sharding,

@@ -22,7 +22,7 @@ shard: 1f1b at stage=2 x fsdp=4, M=16 moved 1.14x its minimum, stored so 1.04x (
 The other rows cost what replication did (a row per device), no stage reads them, and their
 gradients and moments stay zero. The model never sees it: it creates and checkpoints [vocab,
 d_model] and [d_model, vocab], and its pipelined path hands the stored variables to the strategy
-without applying them (pipeline.embedded_per_stage, pipeline_1f1b.py, pipeline_tail.py).
+without applying them (embedding.embedded_per_stage, one_f_one_b.py, tail.py).
 
 Words: "the layer stack" is always the scanned layers' arrays, [n_layers, ...] in model order (a
 leading "layers" axis); `StackLayout` is where its rows sit in storage; a `StateConverter` moves a
@@ -43,9 +43,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from maxtext_rocm.config.checks import loss_tail_refusals
 from maxtext_rocm.models.layers import EMBED_TABLE_AXES, HEAD_AXES
+from maxtext_rocm.parallel.pipeline.axes import STAGE_AXIS
 
 LAYERS = "layers"  # the stacked layers' logical axis (models/llama.py, sharding.py)
-STAGE_AXIS = "stage"
 
 
 class StackLayout:
@@ -146,7 +146,7 @@ class EndsOnTheirStages(NamedTuple):
 
 def loss_on_the_last_stage(cfg) -> bool:
     """Whether a pipeline runs the final norm, the head and the fused loss on its last stage (the
-    Decoder's Tail: parallel/pipeline_tail.py), so that the stack's outputs never leave it: always
+    Decoder's Tail: parallel/pipeline/tail.py), so that the stack's outputs never leave it: always
     under 1f1b (per microbatch, inside its loop; the config refuses what it cannot run), and under
     gpipe and gpipe_recompute after the loop where the step's objective is the fused head loss
     (model.loss_chunk_len > 0, the LM objective, no fp8 head of its own) and the loop is not run

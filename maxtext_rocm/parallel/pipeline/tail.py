@@ -1,5 +1,5 @@
 """The tail of a pipeline: the final norm, the LM head and the loss, run by the last stage alone,
-under pipeline.schedule="1f1b" (parallel/pipeline_1f1b.py) on one microbatch at a time, under
+under pipeline.schedule="1f1b" (parallel/pipeline/one_f_one_b.py) on one microbatch at a time, under
 gpipe and gpipe_recompute on the whole batch after the loop (`objective_on_the_last_stage`).
 
 A shard_map manual over `stage` and the batch axes whose `cond` on the stage's index skips the
@@ -9,7 +9,7 @@ the head gathered once before the loop (`gathered`), so the head is neither gath
 its gradient reduced per microbatch: each device sums its own (`zeros`, one row per device) and
 `reduced` reduces the sum once a step, over the batch axes into the stored layout first (a
 reduce-scatter over fsdp), then over `stage` (an all-reduce of that shard), unless the head is
-stored on the last stage (pipeline_layout.ends_on_their_stages: `owned`), whose row is then the
+stored on the last stage (layout.ends_on_their_stages: `owned`), whose row is then the
 only one with a gradient and nothing crosses `stage`. Measured on the comm layout stage=2 x fsdp=4, M=16:
 the head per microbatch on every stage 5.45x the minimum, per device with the head gathered once
 1.28x, reduced in that order 1.14x, with the table and the head on their stages 1.04x
@@ -27,7 +27,7 @@ import numpy as np
 from flax import linen as nn
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from maxtext_rocm.parallel.pipeline_layout import STAGE_AXIS
+from maxtext_rocm.parallel.pipeline.axes import STAGE_AXIS
 from maxtext_rocm.parallel.sharding import LOGICAL_RULES, nested_mesh, present_axes, rules_without_zero3
 
 Array = jax.Array
@@ -42,13 +42,13 @@ class TailOnLastStage:
     axes: dict
     mesh: Mesh
     # True for a variable stored [S, ...] with a row per stage (the head on its stage:
-    # pipeline_layout.ends_on_their_stages), False for one replicated over `stage`; None: all False.
+    # layout.ends_on_their_stages), False for one replicated over `stage`; None: all False.
     owned: dict | None = None
 
     @classmethod
     def of(cls, tail, mesh: Mesh, head_on_its_stage: bool) -> "TailOnLastStage":
         """For the Decoder's `tail` (models/llama.py's Tail), its head stored [S, ...] where
-        `head_on_its_stage` (pipeline_layout.ends_on_their_stages), its final norm replicated."""
+        `head_on_its_stage` (layout.ends_on_their_stages), its final norm replicated."""
         owned = {"final_norm": jax.tree_util.tree_map(lambda _: False, tail.variables["final_norm"]),
                  "head": head_on_its_stage}
         return cls(tail.apply, tail.axes, mesh, owned)

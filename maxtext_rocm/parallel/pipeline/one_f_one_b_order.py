@@ -1,11 +1,11 @@
-"""The order of pipeline.schedule="1f1b" (parallel/pipeline_1f1b.py) with R = pipeline.repeats
+"""The order of pipeline.schedule="1f1b" (parallel/pipeline/one_f_one_b.py) with R = pipeline.repeats
 chunks of layers per device: which microbatch and which chunk each stage runs forward and
 backward in each iteration of its lockstep loop, and which buffer slot holds a microbatch's
 residuals between the two. R = 1 is plain 1F1B; R > 1 interleaved 1F1B. Index arithmetic alone,
 on numpy integers (the tests, the planner) or jax ones (the loop's iteration counter), so the
 loop and its checks read the same formulas.
 
-Legend (pipeline.py's): S stages, R repeats, M microbatches, t the iteration; chunk r of device s
+Legend (__init__.py's): S stages, R repeats, M microbatches, t the iteration; chunk r of device s
 is virtual stage v = r S + s, and a microbatch passes v = 0, 1, ..., S R - 1 in turn.
 
 Forward. Stage s runs its forward pass i = t - s (0 <= i < R M). The passes go in groups of S
@@ -14,7 +14,7 @@ r = (i mod R S) // S. So stage 0 runs a group's S microbatches on chunk 0, then 
 chunk 1, and so on: the last stage finishes microbatch m's chunk r in the iteration just before
 stage 0 starts its chunk r + 1, and the activations go round the ring (S - 1 -> 0) with no
 buffer. This is why M must be a multiple of S when R > 1 (Megatron-LM's interleaved schedule
-asks the same); circular's order (microbatch-major, pipeline.py) would hold each one M - S
+asks the same); circular's order (microbatch-major, schedules.py) would hold each one M - S
 iterations in a buffer and its backward as long.
 
 Backward. The mirror image, R S - 1 iterations behind: stage s runs backward pass

@@ -1,5 +1,5 @@
 """pipeline.weight_gather="once": each stage's ZeRO-3-sharded weights gathered once per step,
-before the pipeline loop, instead of in each of its M + S - 1 iterations (legend: pipeline.py);
+before the pipeline loop, instead of in each of its M + S - 1 iterations (legend: __init__.py);
 pipeline.gradient_reduce="once": their gradient reduce-scattered once, after it.
 
 Under "per_iteration" GSPMD gathers a stage's weights over fsdp (and sequence and expert, which
@@ -63,7 +63,7 @@ class GatheredOnce:
 
         def layer_axes(spec) -> tuple:
             # A scan's leaves lead with its "layers" axis; one unscanned layer's (a padded stack's
-            # chunk_layers, pipeline.StageStack) have none.
+            # chunk_layers, stages.StageStack) have none.
             spec = tuple(spec)
             return spec[1:] if spec and spec[0] == "layers" else spec
 
@@ -91,7 +91,7 @@ class GatheredOnce:
 
 
 def per_batch_shard(loop: Callable, mesh: Mesh, axes: tuple[str, ...]) -> Callable:
-    """pipeline.gradient_reduce="once": `loop` (pipeline._loop's contract) run on each batch
+    """pipeline.gradient_reduce="once": `loop` (loop.run_loop's contract) run on each batch
     shard's own rows, manual over the batch mesh `axes` (data, fsdp, expert of more than one
     device), with the stage's weights gathered and replicated over them. Each device then sums its
     own, unreduced weight gradients over the loop's iterations, and shard_map's transpose reduces
@@ -112,7 +112,7 @@ def per_batch_shard(loop: Callable, mesh: Mesh, axes: tuple[str, ...]) -> Callab
                             segments[0] if segments else None)
         rows = P(axes)
         # staged [S, M, mb, seq, d]: a microbatch's rows are every M-th of the batch
-        # (pipeline.split_microbatches), so each batch shard's are its own rows' microbatches.
+        # (microbatches.split_microbatches), so each batch shard's are its own rows' microbatches.
         staged_rows = P(None, None, axes)
         segments = () if segment_ids is None else (segment_ids,)
         # check_vma off: the layers' own scans carry values that vary over the manual axes, which
