@@ -34,9 +34,8 @@ from maxtext_rocm.models import attention, moe
 from maxtext_rocm.numerics import fp8
 from maxtext_rocm.numerics.precision import compute_dtype
 from maxtext_rocm.parallel import context
+from maxtext_rocm.parallel.pipeline.axes import STAGE_AXIS
 from maxtext_rocm.parallel.sharding import mesh_axes_of
-
-STAGE_AXIS = "stage"
 
 
 @dataclasses.dataclass(frozen=True)

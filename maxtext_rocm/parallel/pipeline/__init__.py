@@ -30,10 +30,9 @@ from __future__ import annotations
 from jax.sharding import Mesh
 
 from maxtext_rocm.parallel.pipeline.axes import STAGE_AXIS
-from maxtext_rocm.parallel.pipeline.microbatches import resolve_microbatches
 from maxtext_rocm.parallel.pipeline.schedules import bubble_fraction, describe
 
-__all__ = ["STAGE_AXIS", "bubble_fraction", "describe", "layer_stack", "resolve_microbatches"]
+__all__ = ["STAGE_AXIS", "bubble_fraction", "describe", "layer_stack"]
 
 
 def layer_stack(cfg, mesh: Mesh):

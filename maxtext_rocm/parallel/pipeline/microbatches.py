@@ -1,36 +1,19 @@
-"""How many microbatches a pipeline splits each batch shard into, and the split itself."""
+"""The microbatches a pipeline splits each batch shard into (their count resolved by
+maxtext_rocm/resolve.py), and the split itself."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from jax.sharding import Mesh
-
-from maxtext_rocm.config.checks import pipeline_microbatches
-from maxtext_rocm.parallel.pipeline.axes import STAGE_AXIS
 
 Array = jax.Array
 
 
-def resolve_microbatches(cfg, mesh: Mesh) -> None:
-    """pipeline.microbatches=0 (auto) resolved in `cfg` for `mesh` (config_checks.pipeline_microbatches:
-    the most, up to 4 per stage, that split each batch shard's sequences), so that config.json and
-    the run's first line record what ran."""
-    from maxtext_rocm.config import global_batch_size
-    from maxtext_rocm.parallel.sharding import mesh_axes_of
-
-    stages = mesh.shape.get(STAGE_AXIS, 1)
-    if stages <= 1 or cfg.pipeline.microbatches:
-        return
-    shards = int(np.prod([mesh.shape[a] for a in mesh_axes_of("activation_batch")]))
-    per_shard = global_batch_size(cfg, mesh.size) // cfg.train.grad_accum // shards
-    cfg.pipeline.microbatches = pipeline_microbatches(cfg.pipeline, stages, max(1, per_shard))
-
-
 def resolved_microbatches(pipeline_cfg) -> int:
+    """pipeline.microbatches as the resolve step (maxtext_rocm/resolve.py) counted it."""
     if not pipeline_cfg.microbatches:
-        raise ValueError("pipeline.microbatches=0 (auto) must be resolved for the mesh first (resolve_microbatches)")
+        raise ValueError("pipeline.microbatches=0 (auto) reached the pipeline: the config was not resolved "
+                         "(maxtext_rocm.resolve.resolve() was skipped)")
     return pipeline_cfg.microbatches
 
 
