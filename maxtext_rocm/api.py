@@ -83,7 +83,7 @@ def load_params(path, cfg=None):
 
     A LoRA run's parameters are its merged model, W + (alpha / r) A B in each adapted kernel, on
     the base the run trained on (verified against the run's record: finetune/lora_base.py)."""
-    cfg = resolve_here(run_config(path) if cfg is None else cfg)
+    cfg = run_config(path) if cfg is None else cfg  # each reader below resolves it for this device
     _, boxed, shardings = _abstract_params(cfg)
     abstract = jax.tree_util.tree_map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                                       nn.meta.unbox(boxed), shardings)

@@ -23,8 +23,7 @@ def values_text(spec: schema.Key) -> str:
         return ", ".join(map(str, spec.choices))
     if spec.valid:
         return spec.valid
-    text = spec.range_text()
-    return "" if not text else ("> 0" if text == "positive" else text)
+    return spec.range_text()
 
 
 def _default_text(spec: schema.Key) -> str:

@@ -14,9 +14,6 @@ import ml_collections
 
 from maxtext_rocm.errors import ConfigError
 
-_NO_BOUND = None
-
-
 @dataclasses.dataclass(frozen=True)
 class Key:
     """One config key. `kind` is the default's type unless given (a key whose default is None
@@ -28,10 +25,10 @@ class Key:
     default: Any
     doc: str
     choices: tuple = ()
-    at_least: float | None = _NO_BOUND
-    above: float | None = _NO_BOUND
-    at_most: float | None = _NO_BOUND
-    below: float | None = _NO_BOUND
+    at_least: float | None = None
+    above: float | None = None
+    at_most: float | None = None
+    below: float | None = None
     valid: str = ""
     kind: type | None = None
     nullable: bool = False
@@ -50,9 +47,7 @@ class Key:
         return any(b is not None for b in (self.at_least, self.above, self.at_most, self.below))
 
     def range_text(self) -> str:
-        """The bounds in words: '>= 0 and < 1'; 'positive' for a count above 0."""
-        if self.kind is int and not self.fractional and self.above == 0 and self.at_most is None and self.below is None:
-            return "positive"
+        """The bounds in words: '>= 0 and < 1'."""
         parts = []
         if self.at_least is not None:
             parts.append(f">= {self.at_least}")
@@ -196,5 +191,6 @@ def _out_of_range(dotted: str, spec: Key, value) -> str:
     if spec.valid:
         return f"{dotted}={value!r} is not valid; use {spec.valid}"
     if spec.kind is int and not spec.fractional:
-        return f"{dotted} must be {spec.range_text()}, got {value!r}"
+        bounds = spec.range_text()
+        return f"{dotted} must be {'positive' if bounds == '> 0' else bounds}, got {value!r}"
     return f"{dotted}={value!r} is not valid; use a finite number {spec.range_text()}".rstrip()

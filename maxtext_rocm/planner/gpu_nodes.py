@@ -15,6 +15,7 @@ from jax._src import xla_bridge
 from jax.sharding import AxisType, Mesh
 
 from maxtext_rocm import config as config_lib
+from maxtext_rocm.models.attention import implementation_for
 from maxtext_rocm.resolve import Target
 
 # Target -> (memory in GiB, the device_kind substring metrics.PEAK_TFLOPS knows it by).
@@ -104,4 +105,4 @@ def resolve_target(kind: str) -> Target:
 def flash_attention_for(kind: str) -> str:
     """The attention that keeps no [seq, seq] scores on a target: cuDNN's fused kernel on NVIDIA
     GPUs, the blockwise XLA attention elsewhere (ROCm)."""
-    return "cudnn" if kind.startswith(NVIDIA_PREFIXES) else "blockwise"
+    return implementation_for("auto", resolve_target(kind).platform)  # the resolve step's own rule, in bf16

@@ -27,7 +27,7 @@ def check_run(cfg, device_count: int | None = None, process_count: int = 1, inpu
     if inputs:
         check_inputs(cfg)
     m = cfg.model
-    if m.attention == "pallas":  # its platform is checked where the device is known (resolve_implementation)
+    if m.attention == "pallas":  # its platform is checked by the resolve step (attention.implementation_for)
         from maxtext_rocm.models.pallas_attention import unsupported_head_dim
 
         reason = unsupported_head_dim(m.head_dim)
