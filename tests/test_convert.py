@@ -308,9 +308,10 @@ def test_unsupported_architecture_is_refused(tmp_path, capsys):
     hf = tmp_path / "hf"
     make_hf(hf)
     config = json.loads((hf / "config.json").read_text())
-    config.update(architectures=["Qwen2ForCausalLM"], model_type="qwen2")
+    config.update(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3")
     (hf / "config.json").write_text(json.dumps(config))
-    _refused(capsys, ["from-hf", str(hf), str(tmp_path / "out")], "Qwen2ForCausalLM", "LlamaForCausalLM")
+    _refused(capsys, ["from-hf", str(hf), str(tmp_path / "out")], "DeepseekV3ForCausalLM", "LlamaForCausalLM",
+             "Qwen3MoeForCausalLM")
 
 
 def test_missing_tensor_is_named(tmp_path, capsys):

@@ -9,7 +9,7 @@ processes (agreement.py).
 
 from maxtext_rocm.config.choices import (  # noqa: F401
     ATTENTION_IMPLEMENTATIONS, CONTEXT_PARALLEL_MODES, DATA_SOURCES, FP8_FORMATS, FP8_SCALINGS, MESH_AXES,
-    MODEL_FAMILIES, MOE_IMPLEMENTATIONS, NONFINITE_ACTIONS, PIPELINE_SCHEDULES, PRECISION_POLICIES,
+    MODEL_FAMILIES, MOE_FAMILIES, MOE_IMPLEMENTATIONS, NONFINITE_ACTIONS, PIPELINE_SCHEDULES, PRECISION_POLICIES,
     PRECISION_VARIANTS, REMAT_POLICIES, SCHEDULES)
 from maxtext_rocm.config.checks import axis_sizes, global_batch_size, mesh_shape, validate  # noqa: F401
 from maxtext_rocm.config.declared import defaults  # noqa: F401

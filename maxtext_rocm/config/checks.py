@@ -14,7 +14,7 @@ from typing import Mapping
 import ml_collections
 
 from maxtext_rocm.config import declared
-from maxtext_rocm.config.choices import CHAT_TEMPLATES, MESH_AXES, VIRTUAL_STAGE_SCHEDULES
+from maxtext_rocm.config.choices import CHAT_TEMPLATES, MESH_AXES, MOE_FAMILIES, VIRTUAL_STAGE_SCHEDULES
 from maxtext_rocm.config.mesh_sizes import axis_sizes, mesh_shape  # noqa: F401  (part of this module's interface)
 from maxtext_rocm.config.pipeline_counts import (  # noqa: F401  (read from here by parallel/ and the planner)
     AUTO_MICROBATCHES_PER_STAGE, chunks_per_device, interleaved, pipeline_microbatches)
@@ -62,14 +62,14 @@ def _check_model(m, seq_len: int) -> None:
 
 def _check_moe(m, seq_len: int) -> None:
     """Mixture-of-experts keys against the family and each other."""
-    if m.family != "mixtral":
+    if m.family not in MOE_FAMILIES:
         _require(m.n_experts == 1,
                  f"model.n_experts={m.n_experts} has no effect on model.family={m.family!r}; "
-                 "use model.family='mixtral' for a mixture of experts")
+                 f"use a mixture-of-experts family ({', '.join(MOE_FAMILIES)}) for a mixture of experts")
         return
     _require(m.n_experts >= 2,
-             f"model.n_experts={m.n_experts} is not valid for model.family='mixtral'; a mixture needs at "
-             "least 2 experts (use model.family='llama' for a dense model)")
+             f"model.n_experts={m.n_experts} is not valid for model.family={m.family!r}; a mixture needs at "
+             "least 2 experts (use a dense family such as 'llama' for a dense model)")
     _require(1 <= m.experts_per_token <= m.n_experts,
              f"model.experts_per_token={m.experts_per_token} must lie between 1 and model.n_experts={m.n_experts}")
     # Under "capacity" each expert takes factor * seq_len * k / E tokens of a sequence; below one
@@ -178,9 +178,9 @@ def lora_matrix_sizes(m) -> dict[str, tuple[int, int]]:
 def _check_lora(lora, m, mesh) -> None:
     if lora.rank == 0:
         return
-    experts = sorted(set(lora.targets) & {"gate", "up", "down"}) if m.family == "mixtral" else []
+    experts = sorted(set(lora.targets) & {"gate", "up", "down"}) if m.family in MOE_FAMILIES else []
     _require(not experts,
-             f"lora.targets names {', '.join(experts)}, which in a mixtral model are the experts' weights, "
+             f"lora.targets names {', '.join(experts)}, which in a {m.family} model are the experts' weights, "
              "and LoRA adapts no experts (their grouped matmuls have no low-rank path); use q, k, v, o")
     sizes = lora_matrix_sizes(m)
     for target in lora.targets:

@@ -9,10 +9,15 @@ from maxtext_rocm.config.schema import Group, Key
 # links (DCN) and leaves the fast ones to the axes with a collective in every layer.
 MESH_AXES = ("stage", "data", "fsdp", "expert", "sequence", "tensor")
 POSITIVE = dict(above=0)
+# model.family names the architecture as Hugging Face does (convert/families.py maps each to its
+# classes and the layer options it fixes); these replace the dense feed-forward by a mixture of experts.
+DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+MOE_FAMILIES = ("mixtral", "qwen3_moe")
 
 MODEL = Group("The transformer: its family, sizes and how its layers compute.", {
-    "family": Key("llama", "the architecture: dense Llama, or Mixtral's mixture of experts",
-                  choices=("llama", "mixtral")),
+    "family": Key("llama", "the architecture, named as Hugging Face's model_type: dense llama, mistral, "
+                           "qwen2, qwen3; mixtral and qwen3_moe (mixtures of experts)",
+                  choices=DENSE_FAMILIES + MOE_FAMILIES),
     "vocab_size": Key(32000, "rows of the token embedding and the LM head", **POSITIVE),
     "d_model": Key(256, "the hidden size", **POSITIVE),
     "n_layers": Key(4, "transformer blocks", **POSITIVE),
@@ -38,6 +43,8 @@ MODEL = Group("The transformer: its family, sizes and how its layers compute.", 
     "embed_init_std": Key(0.02, "the standard deviation of the embedding's initialisation", above=0),
     "sliding_window": Key(0, "attention to at most this many tokens back, the query included; 0 or None: off",
                           kind=int, nullable=True, at_least=0, valid="a number of tokens, or 0 or None for off"),
+    "qk_norm": Key(False, "an RMSNorm over each head's queries and keys before rope (Qwen3)"),
+    "qkv_bias": Key(False, "biases on the query, key and value projections (Qwen2.5)"),
     "fuse_projections": Key("auto", "q/k/v and gate/up as one dot each, so tensor parallelism reduces x's "
                                     "gradient once per group; auto: on when mesh tensor > 1 (fp8 keeps one dot "
                                     "per weight)", choices=("auto", "on", "off")),
@@ -46,10 +53,12 @@ MODEL = Group("The transformer: its family, sizes and how its layers compute.", 
                             choices=("auto", "all_gather", "ring")),
     "context_load_balance": Key(True, "under mesh sequence = S, shard i holds chunks i and 2S-1-i of 2S, so "
                                       "every shard does the same causal attention work"),
-    "n_experts": Key(1, "experts per MoE layer (mixtral); 1 for a dense llama", at_least=1),
+    "n_experts": Key(1, "experts per MoE layer (mixtral, qwen3_moe); 1 for a dense family", at_least=1),
     "experts_per_token": Key(1, "experts each token is routed to (top-k)", at_least=1),
     "moe_impl": Key("auto", "dropless (ragged_dot), capacity (drops what overflows), dense (every expert on "
                             "every token); auto: dropless", choices=("auto", "dropless", "capacity", "dense")),
+    "moe_renormalize": Key(True, "the chosen experts' router weights rescaled to sum to one (Mixtral; "
+                                 "Qwen3-MoE's norm_topk_prob)"),
     "moe_capacity_factor": Key(1.25, "under capacity: slots per expert = factor x an even share of tokens",
                                above=0),
     "moe_aux_loss_weight": Key(0.02, "the load-balancing loss's weight, scaled as Mixtral's", at_least=0),

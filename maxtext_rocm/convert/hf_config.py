@@ -1,9 +1,11 @@
-"""Hugging Face `config.json` <-> `cfg.model`, for LlamaForCausalLM and MixtralForCausalLM.
+"""Hugging Face `config.json` <-> `cfg.model`, for the architectures of families.py (Llama, Mistral,
+Qwen2/2.5, Qwen3, Mixtral, Qwen3-MoE).
 
 Published checkpoints say `rope_theta` + `rope_scaling` (Llama 3.1: `rope_type: "llama3"`);
 files written by transformers 5 say `rope_parameters` (with `rope_theta` inside). Both are read.
-Anything this code base cannot represent (biases, other activations, other rope types) is refused
-with one sentence naming the key.
+Anything this code base cannot represent (another activation or rope type, an output bias, layers
+of different attention kinds, dense layers between sparse ones) is refused with one sentence naming
+the key.
 """
 
 from __future__ import annotations
@@ -11,10 +13,9 @@ from __future__ import annotations
 import copy
 from typing import Any, Mapping
 
-from maxtext_rocm.config import UserError
+from maxtext_rocm.config import MOE_FAMILIES, UserError
+from maxtext_rocm.convert.families import ARCHITECTURES, FAMILIES, mismatched_options
 
-ARCHITECTURES = {"LlamaForCausalLM": "llama", "MixtralForCausalLM": "mixtral"}
-MODEL_TYPES = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM"}
 # Our rope_scaling keys -> Hugging Face's "llama3" rope keys.
 ROPE_KEYS = {"factor": "factor", "low_freq_factor": "low_freq_factor",
              "high_freq_factor": "high_freq_factor", "original_max_position": "original_max_position_embeddings"}
@@ -25,8 +26,9 @@ class ConvertError(UserError):
 
 
 def architecture(hf: Mapping[str, Any], where: str) -> str:
-    """The model family ("llama" or "mixtral") a Hugging Face config describes."""
-    names = hf.get("architectures") or ([MODEL_TYPES[hf["model_type"]]] if hf.get("model_type") in MODEL_TYPES else [])
+    """The model family (model.family, families.py) a Hugging Face config describes."""
+    names = hf.get("architectures") or ([FAMILIES[hf["model_type"]].architecture]
+                                        if hf.get("model_type") in FAMILIES else [])
     name = names[0] if names else hf.get("model_type", "unknown")
     if name not in ARCHITECTURES:
         raise ConvertError(f"{where} describes a {name}, which cannot be converted; supported architectures "
@@ -59,7 +61,8 @@ def model_updates(hf: Mapping[str, Any], where: str) -> dict[str, Any]:
     family = architecture(hf, where)
     for key in ("attention_bias", "mlp_bias"):
         if hf.get(key):
-            raise ConvertError(f"{where} sets {key}=true; this code base's layers have no biases")
+            raise ConvertError(f"{where} sets {key}=true; this code base's layers have biases only on q, k and v "
+                               "(Qwen2's), not on the attention output or the MLP")
     act = hf.get("hidden_act", "silu")
     if act not in ("silu", "swish"):
         raise ConvertError(f"{where} sets hidden_act={act!r}; only SwiGLU ('silu') MLPs are supported")
@@ -70,19 +73,48 @@ def model_updates(hf: Mapping[str, Any], where: str) -> dict[str, Any]:
             n_layers=int(hf["num_hidden_layers"]), n_heads=n_heads,
             n_kv_heads=int(hf.get("num_key_value_heads") or n_heads),
             head_dim=int(hf.get("head_dim") or d_model // n_heads),
-            mlp_dim=int(hf["intermediate_size"]), norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            mlp_dim=int(hf["moe_intermediate_size" if family == "qwen3_moe" else "intermediate_size"]),
+            norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            **FAMILIES[family].fixed,
         )
+        updates["rope_theta"], updates["rope_scaling"] = _rope(hf, where)
+        updates["sliding_window"] = _window(hf, family, where)
+        updates.update(_experts(hf, family, where))
     except KeyError as error:
         raise ConvertError(f"{where} has no {error.args[0]!r}, which a {family} config needs") from None
-    updates["rope_theta"], updates["rope_scaling"] = _rope(hf, where)
-    if family == "mixtral":
-        updates.update(n_experts=int(hf["num_local_experts"]), experts_per_token=int(hf["num_experts_per_tok"]),
-                       sliding_window=int(hf.get("sliding_window") or 0),
-                       moe_aux_loss_weight=float(hf.get("router_aux_loss_coef", 0.02)))
-    else:
-        updates.update(n_experts=1, experts_per_token=1, sliding_window=0)
     return updates
+
+
+def _window(hf: Mapping[str, Any], family: str, where: str) -> int:
+    """model.sliding_window: Mistral's and Mixtral's `sliding_window` on every layer, or none; one
+    window for some layers only (Qwen's `use_sliding_window`, mixed `layer_types`) is refused."""
+    kinds = set(hf.get("layer_types") or [])
+    if len(kinds) > 1:
+        raise ConvertError(f"{where} mixes layer_types {sorted(kinds)}; layers of different attention kinds "
+                           "are not supported yet")
+    if hf.get("use_sliding_window"):
+        raise ConvertError(f"{where} sets use_sliding_window=true (a window on some layers only), which is "
+                           "not supported yet")
+    if not FAMILIES[family].windowed or kinds == {"full_attention"}:
+        return 0
+    return int(hf.get("sliding_window") or 0)
+
+
+def _experts(hf: Mapping[str, Any], family: str, where: str) -> dict[str, Any]:
+    """The mixture-of-experts keys (n_experts 1 for a dense family)."""
+    if family not in MOE_FAMILIES:
+        return dict(n_experts=1, experts_per_token=1)
+    if family == "qwen3_moe":
+        if hf.get("mlp_only_layers") or int(hf.get("decoder_sparse_step", 1)) != 1:
+            raise ConvertError(f"{where} sets mlp_only_layers or decoder_sparse_step, so some layers are dense; "
+                               "a mixture of experts on every layer is supported, not a mix")
+        experts = hf["num_experts"] if "num_experts" in hf else hf["num_local_experts"]
+        renormalize = bool(hf.get("norm_topk_prob", False))
+    else:
+        experts, renormalize = hf["num_local_experts"], True
+    return dict(n_experts=int(experts), experts_per_token=int(hf["num_experts_per_tok"]),
+                moe_renormalize=renormalize, moe_aux_loss_weight=float(hf.get("router_aux_loss_coef", 0.02)))
 
 
 def hf_config(model_cfg, base: Mapping[str, Any] | None = None, dtype: str = "float32",
@@ -90,20 +122,20 @@ def hf_config(model_cfg, base: Mapping[str, Any] | None = None, dtype: str = "fl
     """A config.json for transformers from `cfg.model`; `base` (the imported original, if any)
     keeps what this code base does not know (token ids, max positions, ...)."""
     m = model_cfg
+    wrong = mismatched_options(m)
+    if wrong:
+        raise ConvertError(f"{', '.join(wrong)} cannot be written as a {FAMILIES[m.family].architecture} "
+                           f"(model.family={m.family!r}), which transformers would load without it; "
+                           "choose the family whose layers have it (docs/models.md)")
     out = copy.deepcopy(dict(base or {}))
     for stale in ("auto_map", "quantization_config", "_name_or_path"):
         out.pop(stale, None)
-    family = m.family
     out.update(
-        architectures=[MODEL_TYPES[family]], model_type=family, vocab_size=m.vocab_size, hidden_size=m.d_model,
-        intermediate_size=m.mlp_dim, num_hidden_layers=m.n_layers, num_attention_heads=m.n_heads,
+        architectures=[FAMILIES[m.family].architecture], model_type=m.family, vocab_size=m.vocab_size,
+        hidden_size=m.d_model, num_hidden_layers=m.n_layers, num_attention_heads=m.n_heads,
         num_key_value_heads=m.n_kv_heads, head_dim=m.head_dim, rms_norm_eps=m.norm_eps,
         tie_word_embeddings=bool(m.tie_embeddings), hidden_act="silu")
-    if family == "llama":
-        out.update(attention_bias=False, mlp_bias=False)
-    else:
-        out.update(num_local_experts=m.n_experts, num_experts_per_tok=m.experts_per_token,
-                   sliding_window=m.sliding_window or None, router_aux_loss_coef=m.moe_aux_loss_weight)
+    out.update(_family_keys(m, out))
     scaling = None
     if m.rope_scaling is not None:
         scaling = {"rope_type": "llama3", **{theirs: m.rope_scaling[ours] for ours, theirs in ROPE_KEYS.items()}}
@@ -119,3 +151,30 @@ def hf_config(model_cfg, base: Mapping[str, Any] | None = None, dtype: str = "fl
     for key in [k for k in ("dtype", "torch_dtype") if k in out] or ["torch_dtype"]:
         out[key] = dtype
     return out
+
+
+def _family_keys(m, out: Mapping[str, Any]) -> dict[str, Any]:
+    """The config.json keys that differ by family; `out` the config so far (the original's keys)."""
+    if m.family == "qwen3_moe":  # `num_experts` as published unless the original spelled it otherwise
+        experts = "num_local_experts" if "num_local_experts" in out else "num_experts"
+        return {experts: m.n_experts, "num_experts_per_tok": m.experts_per_token, "moe_intermediate_size": m.mlp_dim,
+                "intermediate_size": out.get("intermediate_size", m.mlp_dim), "norm_topk_prob": m.moe_renormalize,
+                "decoder_sparse_step": 1, "mlp_only_layers": [], "router_aux_loss_coef": m.moe_aux_loss_weight,
+                "attention_bias": False, "use_sliding_window": False}
+    keys = {"intermediate_size": m.mlp_dim}
+    if m.family == "mixtral":
+        keys.update(num_local_experts=m.n_experts, num_experts_per_tok=m.experts_per_token,
+                    router_aux_loss_coef=m.moe_aux_loss_weight)
+    if FAMILIES[m.family].windowed:
+        keys["sliding_window"] = m.sliding_window or None
+        if "layer_types" in out:
+            keys["layer_types"] = ["sliding_attention" if m.sliding_window else "full_attention"] * m.n_layers
+    elif "layer_types" in out:
+        keys["layer_types"] = ["full_attention"] * m.n_layers
+    if m.family in ("llama", "qwen3"):
+        keys.update(attention_bias=False)
+    if m.family == "llama":
+        keys.update(mlp_bias=False)
+    if m.family in ("qwen2", "qwen3"):
+        keys.update(use_sliding_window=False)
+    return keys

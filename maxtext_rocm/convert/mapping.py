@@ -7,10 +7,13 @@ our rotary embedding pairs dimension i with i + head_dim/2, as transformers' `ro
 (tests/test_convert.py proves it against transformers' logits).
 
 Scanned stacks hold every layer in one array with a leading layers axis (`params["layers"]`);
-unrolled ones hold `params["layers_{i}"]`. Mixtral's experts are stacked on an expert axis
-([n_experts, d_model, mlp]); on disk they are one tensor per expert (`block_sparse_moe.experts.{e}.w1`:
-gate, `w3`: up, `w2`: down), or, as transformers 5 holds them in memory, fused
-(`mlp.experts.gate_up_proj` [E, 2 x mlp, d_model] with gate first, `mlp.experts.down_proj` [E, d_model, mlp]).
+unrolled ones hold `params["layers_{i}"]`. A mixture's experts are stacked on an expert axis
+([n_experts, d_model, mlp]); on disk they are one tensor per expert (Mixtral's
+`block_sparse_moe.experts.{e}.w1`: gate, `w3`: up, `w2`: down; Qwen3-MoE's
+`mlp.experts.{e}.gate_proj`, `up_proj`, `down_proj`), or, as transformers 5 holds both in memory,
+fused (`mlp.experts.gate_up_proj` [E, 2 x mlp, d_model] with gate first, `mlp.experts.down_proj`
+[E, d_model, mlp]). Qwen2's q/k/v biases are [heads x head_dim] on disk, [heads, head_dim] here;
+Qwen3's q/k norms are one [head_dim] scale each.
 """
 
 from __future__ import annotations
@@ -30,20 +33,28 @@ class Slot:
     hf_name: str
     path: tuple[str, ...]  # keys into our params tree
     index: tuple[int, ...]  # leading indices into that leaf: the layer if scanned, then the expert
-    n_in: int | None  # a Dense kernel's number of input axes; None: same layout on both sides
+    # a Dense kernel's number of input axes; None: same layout on both sides; 0: a bias, whose
+    # output axes ([heads, head_dim]) are one axis on disk
+    n_in: int | None
 
     def hf_shape(self, ours: tuple[int, ...]) -> tuple[int, ...]:
         """The torch shape of this tensor, given the shape of our slice."""
         if self.n_in is None:
             return tuple(ours)
+        if self.n_in == 0:
+            return (math.prod(ours),)
         return (math.prod(ours[self.n_in:]), math.prod(ours[:self.n_in]))
 
     def to_ours(self, array: np.ndarray, ours: tuple[int, ...]) -> np.ndarray:
-        return array if self.n_in is None else array.T.reshape(ours)
+        if self.n_in is None:
+            return array
+        return array.reshape(ours) if self.n_in == 0 else array.T.reshape(ours)
 
     def to_hf(self, value: np.ndarray) -> np.ndarray:
         if self.n_in is None:
             return value
+        if self.n_in == 0:
+            return value.reshape(-1)
         return value.reshape(math.prod(value.shape[:self.n_in]), -1).T
 
 
@@ -61,8 +72,26 @@ DENSE_MLP = {
     "mlp.up_proj.weight": (("mlp", "up", "kernel"), 1),
     "mlp.down_proj.weight": (("mlp", "down", "kernel"), 1),
 }
-ROUTER = "block_sparse_moe.gate.weight"
-EXPERT = {"w1": ("moe", "gate"), "w3": ("moe", "up"), "w2": ("moe", "down")}
+QKV_BIAS = {f"self_attn.{p}_proj.bias": (("attention", f"{p}_bias"), 0) for p in "qkv"}  # Qwen2
+QK_NORM = {f"self_attn.{p}_norm.weight": (("attention", f"{p}_norm", "scale"), None) for p in "qk"}  # Qwen3
+
+
+@dataclasses.dataclass(frozen=True)
+class Experts:
+    """A mixture's published tensor names: its router's, and each expert's prefix and weights
+    (published suffix -> our gate, up or down)."""
+
+    router: str
+    prefix: str
+    weights: dict
+
+
+EXPERTS = {
+    "mixtral": Experts("block_sparse_moe.gate.weight", "block_sparse_moe.experts",
+                       {"w1": ("moe", "gate"), "w3": ("moe", "up"), "w2": ("moe", "down")}),
+    "qwen3_moe": Experts("mlp.gate.weight", "mlp.experts",
+                         {"gate_proj": ("moe", "gate"), "up_proj": ("moe", "up"), "down_proj": ("moe", "down")}),
+}
 # Tensors some files carry that hold nothing to convert (old Llama checkpoints saved rotary tables).
 IGNORED = re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")
 
@@ -74,17 +103,18 @@ def _layer(m, i: int) -> tuple[tuple[str, ...], tuple[int, ...]]:
 def plan(m) -> list[Slot]:
     """Every tensor of a Hugging Face checkpoint of `cfg.model`, in the order files list them."""
     slots = [Slot("model.embed_tokens.weight", ("embed", "embedding"), (), None)]
+    per_layer = {**ATTENTION, **(QKV_BIAS if m.qkv_bias else {}), **(QK_NORM if m.qk_norm else {})}
     for i in range(m.n_layers):
         base, index = _layer(m, i)
         prefix = f"model.layers.{i}."
-        for suffix, (path, n_in) in ATTENTION.items():
+        for suffix, (path, n_in) in per_layer.items():
             slots.append(Slot(prefix + suffix, base + path, index, n_in))
-        if m.family == "mixtral":
-            slots.append(Slot(prefix + ROUTER, base + ("moe", "router", "kernel"), index, 1))
+        if m.family in EXPERTS:
+            experts = EXPERTS[m.family]
+            slots.append(Slot(prefix + experts.router, base + ("moe", "router", "kernel"), index, 1))
             for e in range(m.n_experts):
-                for w, path in EXPERT.items():
-                    slots.append(Slot(f"{prefix}block_sparse_moe.experts.{e}.{w}.weight", base + path,
-                                      index + (e,), 1))
+                for w, path in experts.weights.items():
+                    slots.append(Slot(f"{prefix}{experts.prefix}.{e}.{w}.weight", base + path, index + (e,), 1))
         else:
             for suffix, (path, n_in) in DENSE_MLP.items():
                 slots.append(Slot(prefix + suffix, base + path, index, n_in))
@@ -98,23 +128,27 @@ Extract = Callable[[np.ndarray], np.ndarray]
 
 
 def aliases(m) -> dict[str, tuple[tuple[int, ...], list[tuple[str, Extract]]]]:
-    """Other names for the same tensors: transformers 5's in-memory Mixtral layout.
+    """Other names for the same tensors: transformers 5's in-memory layout of a mixture's experts
+    (Mixtral's and Qwen3-MoE's alike).
 
     alias -> (its torch shape, [(published name, the published tensor cut out of it)]).
     """
-    if m.family != "mixtral":
+    if m.family not in EXPERTS:
         return {}
+    experts = EXPERTS[m.family]
+    gate, up, down = experts.weights  # the published suffixes, in that order
     f, d, n = m.mlp_dim, m.d_model, m.n_experts
     table = {}
     for i in range(m.n_layers):
         prefix = f"model.layers.{i}."
-        table[prefix + "mlp.gate.weight"] = ((n, d), [(prefix + ROUTER, lambda a: a)])
-        experts = f"{prefix}block_sparse_moe.experts."
+        if experts.router != "mlp.gate.weight":
+            table[prefix + "mlp.gate.weight"] = ((n, d), [(prefix + experts.router, lambda a: a)])
+        published = f"{prefix}{experts.prefix}."
         table[prefix + "mlp.experts.gate_up_proj"] = ((n, 2 * f, d), [
-            (f"{experts}{e}.{w}.weight", (lambda a, e=e, lo=lo: a[e, lo:lo + f]))
-            for e in range(n) for w, lo in (("w1", 0), ("w3", f))])
+            (f"{published}{e}.{w}.weight", (lambda a, e=e, lo=lo: a[e, lo:lo + f]))
+            for e in range(n) for w, lo in ((gate, 0), (up, f))])
         table[prefix + "mlp.experts.down_proj"] = ((n, d, f), [
-            (f"{experts}{e}.w2.weight", (lambda a, e=e: a[e])) for e in range(n)])
+            (f"{published}{e}.{down}.weight", (lambda a, e=e: a[e])) for e in range(n)])
     return table
 
 

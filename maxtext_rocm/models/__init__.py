@@ -15,11 +15,17 @@ import ml_collections
 
 from flax import linen as nn
 
+from maxtext_rocm.config.choices import MOE_FAMILIES
 from maxtext_rocm.models.llama import Decoder, LlamaBlock
 from maxtext_rocm.models.mixtral import MixtralBlock
 from maxtext_rocm.numerics.precision import Policy, policy_from_config
 
-BLOCKS = {"llama": LlamaBlock, "mixtral": MixtralBlock}
+
+def block_of(family: str) -> type[nn.Module]:
+    """The block of `family` (model.family): a mixture of experts for MOE_FAMILIES, else dense.
+    Every other difference between families is a layer option of cfg.model (qk_norm, qkv_bias, ...)."""
+    return MixtralBlock if family in MOE_FAMILIES else LlamaBlock
+
 
 
 def build_model(model_cfg, policy: Policy, decode: bool = False, expert_exchange=None, layer_stack=None,
@@ -36,7 +42,7 @@ def build_model(model_cfg, policy: Policy, decode: bool = False, expert_exchange
         raise ValueError("model.fuse_projections='auto' reached the model: the config was not resolved "
                          "(maxtext_rocm.resolve.resolve() was skipped)")
     frozen = ml_collections.FrozenConfigDict(model_cfg)
-    return Decoder(frozen, policy, block=BLOCKS[frozen.family], decode=decode, expert_exchange=expert_exchange,
+    return Decoder(frozen, policy, block=block_of(frozen.family), decode=decode, expert_exchange=expert_exchange,
                    layer_stack=layer_stack, context_attention=context_attention)
 
 

@@ -22,7 +22,7 @@ from flax import linen as nn
 
 from maxtext_rocm.config import ConfigError
 from maxtext_rocm.models.blockwise_attention import blockwise_attention
-from maxtext_rocm.models.layers import Kernel, fused_projections, Dense, apply_rope, rope_inv_frequencies
+from maxtext_rocm.models.layers import Dense, Kernel, RMSNorm, apply_rope, fused_projections, rope_inv_frequencies
 from maxtext_rocm.numerics.precision import Policy
 
 Array = jax.Array
@@ -173,6 +173,11 @@ class Attention(nn.Module):
         m = self.cfg
         d, hd = m.d_model, m.head_dim
         q, k, v = self.project(x)
+        if m.qkv_bias:  # Qwen2.5: added after the dot, so fp8, fused projections and LoRA never see them
+            q, k, v = (t + self.bias(name, t.shape[-2:]) for name, t in zip(("q_bias", "k_bias", "v_bias"), (q, k, v)))
+        if m.qk_norm:  # Qwen3: each head's query and key normalised over head_dim, before rope
+            q = RMSNorm(m.norm_eps, self.policy, name="q_norm")(q)
+            k = RMSNorm(m.norm_eps, self.policy, name="k_norm")(k)
         q = nn.with_logical_constraint(q, ("activation_batch", "activation_length", "activation_heads", None))
         k = nn.with_logical_constraint(k, ("activation_batch", "activation_length", "activation_kv_heads", None))
         v = nn.with_logical_constraint(v, ("activation_batch", "activation_length", "activation_kv_heads", None))
@@ -210,6 +215,13 @@ class Attention(nn.Module):
                                     kernels["v"][:, :, None]], 1, self.policy)  # [.., kv, group + 2, hd]
         q = qkv[..., :group, :].reshape(*x.shape[:-1], m.n_heads, hd)
         return q, qkv[..., group, :], qkv[..., group + 1, :]
+
+    def bias(self, name: str, shape: tuple[int, int]) -> Array:
+        """A projection's bias [heads or kv_heads, head_dim], split as its output is."""
+        axes = ("heads" if name == "q_bias" else "kv_heads", "head_dim")
+        value = self.param(name, nn.with_logical_partitioning(nn.initializers.zeros, axes), shape,
+                           self.policy.param_dtype)
+        return value.astype(self.policy.compute_dtype)
 
     def cache_variables(self, k: Array, positions: Array):
         """(keys, values, their positions, next free slot): kv_heads wide, not heads (GQA)."""

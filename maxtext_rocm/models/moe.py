@@ -1,7 +1,8 @@
 """Mixture of experts: a router, SwiGLU experts, and one switch between three ways to compute them.
 
-Routing is Mixtral's: a linear router, a softmax over `n_experts`, the top `experts_per_token`
-kept and their weights renormalised to sum to one. Each token's output is the weighted sum of its
+Routing is Mixtral's and Qwen3-MoE's: a linear router, a softmax over `n_experts`, the top
+`experts_per_token` kept and (model.moe_renormalize, both families' default) their weights
+renormalised to sum to one. Each token's output is the weighted sum of its
 chosen experts' SwiGLU outputs. `model.moe_impl` chooses how that sum is computed:
 
 - "dropless": (token, choice) pairs sorted by expert, then `jax.lax.ragged_dot` (a grouped GEMM)
@@ -59,15 +60,18 @@ BUFFER_AXES = ("activation_exp_batch", "activation_exp", None)
 # Routing and its auxiliary losses
 
 
-def route(logits: Array, k: int) -> tuple[Array, Array, Array]:
+def route(logits: Array, k: int, renormalize: bool = True) -> tuple[Array, Array, Array]:
     """(probabilities [..., E], weights [..., k], experts [..., k]) from router logits.
 
-    Softmax over all experts, top-k, and the k weights renormalised to sum to one (Mixtral's
-    `softmax(topk(logits))` is the same thing).
+    Softmax over all experts, then the top k; with `renormalize` (model.moe_renormalize) the k
+    weights rescaled to sum to one (Mixtral's `softmax(topk(logits))` is the same thing;
+    Qwen3-MoE's norm_topk_prob), else kept as the softmax gave them.
     """
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
     weights, experts = jax.lax.top_k(probs, k)
-    return probs, weights / jnp.sum(weights, axis=-1, keepdims=True), experts
+    if renormalize:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return probs, weights, experts
 
 
 def load_balancing_loss(probs: Array, experts: Array) -> Array:
@@ -129,7 +133,7 @@ def dense_experts(x: Array, weights: Array, experts: Array, gate: Array, up: Arr
     """Every expert on every token; unchosen experts weigh zero. gate, up: [E, d, f]; down: [E, f, d]."""
     dot = _dots(dots)
     n_experts = gate.shape[0]
-    # [b, s, E]: each token's renormalised weight on each expert, zero where not chosen.
+    # [b, s, E]: each token's routing weight on each expert, zero where not chosen.
     combine = jnp.einsum("bske,bsk->bse", jax.nn.one_hot(experts, n_experts, dtype=x.dtype),
                          weights.astype(x.dtype))
     to_hidden = (((2,), (1,)), ((), ()))  # bsd,edf->bsef
@@ -284,7 +288,7 @@ class MoE(nn.Module):
         # go, and bf16 logits would flip near-ties. It is d_model x n_experts, so this is free.
         router_policy = dataclasses.replace(without_fp8(self.policy), compute_dtype=jnp.float32)
         logits = Dense((d,), (n_experts,), ("embed", None), router_policy, name="router")(x)
-        probs, weights, experts = route(logits, m.experts_per_token)
+        probs, weights, experts = route(logits, m.experts_per_token, m.moe_renormalize)
         self.sow(AUX_LOSSES, "moe_aux_loss", load_balancing_loss(probs, experts))
         self.sow(AUX_LOSSES, "moe_z_loss", router_z_loss(logits))
 

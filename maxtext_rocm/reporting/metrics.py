@@ -16,6 +16,7 @@ import os
 import resource
 from typing import Any, Mapping
 
+from maxtext_rocm.config.choices import DENSE_FAMILIES, MOE_FAMILIES
 from maxtext_rocm.reporting.sinks import JsonlFile, TensorBoardSink, WandbSink
 
 FLOPS_CONVENTION = (
@@ -45,10 +46,10 @@ def _ffn_params(m) -> int:
     implementation executes beyond that (idle capacity slots, the "dense" path's unchosen experts)
     is not model FLOPs.
     """
-    if m.family == "llama":
-        return 3 * m.d_model * m.mlp_dim  # SwiGLU: gate, up, down
-    if m.family == "mixtral":
+    if m.family in MOE_FAMILIES:
         return m.d_model * m.n_experts + m.experts_per_token * 3 * m.d_model * m.mlp_dim
+    if m.family in DENSE_FAMILIES:
+        return 3 * m.d_model * m.mlp_dim  # SwiGLU: gate, up, down
     raise NotImplementedError(f"matmul_params does not know model.family={m.family!r} yet")
 
 
