@@ -195,6 +195,8 @@ def to_hf(cfg, params, out_dir, *, dtype: str = "float32", max_shard_size: str |
     out_dir = Path(out_dir).absolute()
     np_dtype = files_lib.numpy_dtype(dtype)
     limit = files_lib.parse_size(max_shard_size)
+    # First: a model its family's class cannot hold is refused before its tensors are looked at.
+    config = hf_config(cfg.model, hf_base, dtype, max_position=cfg.train.seq_len)
     slots = plan(cfg.model)
     params = jax.tree_util.tree_map(np.asarray, params)
     for slot in slots:  # every tensor must be there before anything is written
@@ -221,7 +223,6 @@ def to_hf(cfg, params, out_dir, *, dtype: str = "float32", max_shard_size: str |
             index = {"metadata": {"total_size": total},
                      "weight_map": {slot.hf_name: names[where] for slot, where in zip(slots, shard_of)}}
             (tmp / files_lib.INDEX).write_text(json.dumps(index, indent=2) + "\n")
-        config = hf_config(cfg.model, hf_base, dtype, max_position=cfg.train.seq_len)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         if generation:
             (tmp / "generation_config.json").write_text(json.dumps(dict(generation), indent=2) + "\n")

@@ -89,13 +89,13 @@ def model_updates(hf: Mapping[str, Any], where: str) -> dict[str, Any]:
 def _window(hf: Mapping[str, Any], family: str, where: str) -> int:
     """model.sliding_window: Mistral's and Mixtral's `sliding_window` on every layer, or none; one
     window for some layers only (Qwen's `use_sliding_window`, mixed `layer_types`) is refused."""
+    if hf.get("use_sliding_window"):
+        raise ConvertError(f"{where} sets use_sliding_window=true (a window on the layers from max_window_layers "
+                           "on), which is not supported yet")
     kinds = set(hf.get("layer_types") or [])
     if len(kinds) > 1:
         raise ConvertError(f"{where} mixes layer_types {sorted(kinds)}; layers of different attention kinds "
                            "are not supported yet")
-    if hf.get("use_sliding_window"):
-        raise ConvertError(f"{where} sets use_sliding_window=true (a window on some layers only), which is "
-                           "not supported yet")
     if not FAMILIES[family].windowed or kinds == {"full_attention"}:
         return 0
     return int(hf.get("sliding_window") or 0)

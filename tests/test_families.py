@@ -1,0 +1,204 @@
+"""The families beyond Llama and Mixtral (Qwen2/2.5, Qwen3, Qwen3-MoE, Mistral), each a tiny random
+model built by transformers itself: logits and greedy KV-cache generation against transformers',
+the round trip back to Hugging Face, the refusals, and a sharded run that resumes and exports."""
+
+import json
+import re
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+from safetensors.numpy import load_file  # noqa: E402
+
+transformers.utils.logging.disable_progress_bar()
+
+import maxtext_rocm as mr  # noqa: E402
+from maxtext_rocm import config as config_lib  # noqa: E402
+from maxtext_rocm.convert import ConvertError, from_hf, to_hf  # noqa: E402
+from maxtext_rocm.convert.__main__ import main as convert_main  # noqa: E402
+
+VOCAB = 96  # divides over the tensor axis of the sharded run
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, rms_norm_eps=1e-5, max_position_embeddings=256)
+MOE = dict(head_dim=16, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2)
+# name -> (transformers class, its config class, config keys, our model keys the import must set)
+FAMILIES = {
+    "qwen2": ("Qwen2ForCausalLM", "Qwen2Config", dict(tie_word_embeddings=True),
+              dict(family="qwen2", qkv_bias=True, qk_norm=False, tie_embeddings=True)),
+    # head_dim apart from hidden_size / heads (Qwen3-0.6B's 128 beside 1024 / 16)
+    "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", dict(head_dim=24),
+              dict(family="qwen3", qk_norm=True, qkv_bias=False, head_dim=24)),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig", dict(**MOE, norm_topk_prob=True),
+                  dict(family="qwen3_moe", qk_norm=True, n_experts=4, experts_per_token=2, mlp_dim=32,
+                       moe_renormalize=True)),
+    # the chosen experts' weights left as the softmax gave them (the published default)
+    "qwen3_moe-unnormalised": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig", dict(**MOE, norm_topk_prob=False),
+                               dict(family="qwen3_moe", moe_renormalize=False)),
+    # a window shorter than the sequences and the generations compared
+    "mistral": ("MistralForCausalLM", "MistralConfig", dict(sliding_window=8),
+                dict(family="mistral", sliding_window=8, qk_norm=False, qkv_bias=False)),
+}
+FP32 = {"precision.policy": "fp32"}
+
+
+def make_family(path, case: str, seed: int = 0, **extra):
+    """A tiny random model of `case` saved by transformers (safetensors), fp32, eager attention.
+    Weights are drawn wide (std 0.15, norms around 1, biases too) so that a missing bias, norm or
+    window moves the logits far beyond the tolerance."""
+    model_cls, config_cls, keys, _ = FAMILIES[case]
+    torch.manual_seed(seed)
+    config = getattr(transformers, config_cls)(**COMMON, **keys, **extra)
+    config._attn_implementation = "eager"
+    model = getattr(transformers, model_cls)(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.uniform_(0.5, 1.5)
+            else:
+                param.normal_(0.0, 0.15)
+    model = model.eval()
+    model.generation_config.eos_token_id = None  # generations run their full length on both sides
+    model.save_pretrained(path)
+    return model
+
+
+def tokens_for(batch=2, seq=32, seed=1):
+    return np.random.default_rng(seed).integers(0, VOCAB, (batch, seq))
+
+
+def hf_logits(model, tokens):
+    with torch.no_grad():
+        return model(torch.tensor(np.asarray(tokens), dtype=torch.long)).logits.numpy()
+
+
+def relative_err(ours, theirs) -> float:
+    theirs = np.asarray(theirs, np.float64)
+    return float(np.max(np.abs(np.asarray(ours, np.float64) - theirs)) / np.max(np.abs(theirs)))
+
+
+@pytest.mark.parametrize("case", list(FAMILIES))
+def test_logits_and_greedy_generation_match_transformers(case, tmp_path):
+    model = make_family(tmp_path / "hf", case)
+    cfg, params = from_hf(tmp_path / "hf", FP32)
+    for key, value in FAMILIES[case][3].items():
+        assert cfg.model[key] == value, key
+    tokens = tokens_for()
+    expected = hf_logits(model, tokens)
+    assert np.abs(expected).max() > 1.0  # the comparison is not between near-zero numbers
+    err = relative_err(mr.forward(cfg, params, tokens), expected)
+    print(f"{case}: max logit error {err:.2e} of the logits' scale")
+    assert err <= 1e-4
+
+    prompts = tokens_for(seq=6, seed=2)  # 6 + 20 tokens: past Mistral's window of 8 in the cache
+    with torch.no_grad():
+        theirs = model.generate(torch.tensor(prompts), max_new_tokens=20, do_sample=False, pad_token_id=0)
+    ours = mr.generate(cfg, params, prompts, max_new_tokens=20)
+    np.testing.assert_array_equal(np.stack(ours), theirs[:, prompts.shape[1]:].numpy())
+
+
+@pytest.mark.parametrize("case", ["qwen2", "qwen3", "qwen3_moe", "mistral"])
+def test_round_trip_gives_identical_tensors_config_and_logits(case, tmp_path):
+    hf_in, export, hf_out = tmp_path / "hf_in", tmp_path / "export", tmp_path / "hf_out"
+    model = make_family(hf_in, case)
+    assert convert_main(["from-hf", str(hf_in), str(export)]) == 0
+    assert convert_main(["to-hf", str(export), str(hf_out)]) == 0
+    before, after = load_file(str(hf_in / "model.safetensors")), load_file(str(hf_out / "model.safetensors"))
+    assert sorted(before) == sorted(after)
+    for name in before:
+        np.testing.assert_array_equal(before[name], after[name], err_msg=name)
+    original, written = (json.loads((d / "config.json").read_text()) for d in (hf_in, hf_out))
+    assert written["model_type"] == original["model_type"] and written["architectures"] == original["architectures"]
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(hf_out, dtype=torch.float32).eval()
+    assert type(reloaded).__name__ == type(model).__name__
+    for key in ("sliding_window", "norm_topk_prob", "num_experts_per_tok", "moe_intermediate_size", "head_dim",
+                "tie_word_embeddings"):
+        if key in original:
+            assert getattr(reloaded.config, key) == getattr(model.config, key), key
+    # Loaded the same way as the original (one built in memory computes its rotary tables apart).
+    original_model = transformers.AutoModelForCausalLM.from_pretrained(hf_in, dtype=torch.float32).eval()
+    tokens = tokens_for()
+    np.testing.assert_array_equal(hf_logits(reloaded, tokens), hf_logits(original_model, tokens))
+
+
+# ----------------------------------------------------------------------------------------------
+# What cannot be represented is refused in one sentence, naming the key
+
+
+@pytest.mark.parametrize("case, extra, needle", [
+    ("qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1), "use_sliding_window"),
+    ("qwen3", dict(attention_bias=True), "attention_bias"),
+    ("qwen3_moe", dict(mlp_only_layers=[1]), "mlp_only_layers"),
+    ("qwen3", dict(layer_types=["full_attention", "sliding_attention"], sliding_window=8), "layer_types"),
+])
+def test_what_cannot_be_represented_is_refused(case, extra, needle, tmp_path, capsys):
+    make_family(tmp_path / "hf", case, **extra)
+    capsys.readouterr()
+    assert convert_main(["from-hf", str(tmp_path / "hf"), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and needle in err, err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("family, option", [("llama", "model.qk_norm=True"), ("qwen3", "model.qkv_bias=True"),
+                                            ("qwen2", "model.sliding_window=16")])
+def test_export_refuses_options_its_family_cannot_hold(family, option, tmp_path):
+    key, value = option.split("=")
+    cfg = config_lib.defaults()
+    cfg.model.update(family=family, vocab_size=VOCAB, d_model=32, n_layers=1, n_heads=2, n_kv_heads=2, head_dim=16,
+                     mlp_dim=64, **{"qk_norm": family == "qwen3", "qkv_bias": family == "qwen2"})
+    config_lib.apply_cli_overrides(cfg, [f"--config.{option}"])
+    with pytest.raises(ConvertError, match=re.escape(option)):
+        to_hf(cfg, {}, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+# ----------------------------------------------------------------------------------------------
+# A sharded run: imported, trained on a mesh, resumed, exported
+
+
+SHARDED = {"qwen3": {"mesh.ici.fsdp": 2, "mesh.ici.tensor": 2},
+           "qwen3_moe": {"mesh.ici.fsdp": 2, "mesh.ici.expert": 2}}
+
+
+@pytest.mark.parametrize("case", list(SHARDED))
+def test_sharded_run_matches_one_device_resumes_and_exports(case, tmp_path, devices):
+    """from-hf on the command line, then 4 steps on fsdp x tensor (or expert) and on one device:
+    the same losses; 2 + 2 steps across a restart: the same weights, bit for bit; to-hf of the
+    sharded run: transformers computes the run's own logits."""
+    import jax
+
+    from maxtext_rocm.train import Trainer
+
+    make_family(tmp_path / "hf", case)
+    assert convert_main(["from-hf", str(tmp_path / "hf"), str(tmp_path / "export")]) == 0
+
+    def trainer(name, n_devices, mesh):
+        cfg = config_lib.load(str(tmp_path / "export" / "preset.py"), overrides={
+            **FP32, "data.source": "synthetic", "train.seq_len": 32, "train.per_device_batch_size": 4 // n_devices,
+            "train.steps": 4, "log.every": 1, "log.tensorboard": False, "checkpoint.every": 2,
+            "checkpoint.async_save": False, "output_dir": str(tmp_path / name),
+            **{f"mesh.ici.{axis}": 1 for axis in ("fsdp", "tensor", "expert")}, **mesh})
+        return Trainer(cfg, devices=devices[:n_devices], log=lambda *_: None)
+
+    one, sharded = trainer("one", 1, {}), trainer("sharded", 4, SHARDED[case])
+    losses = [[float(t.step()["loss"]) for _ in range(4)] for t in (one, sharded)]
+    print(f"{case}: one device {losses[0]}, sharded {losses[1]}")
+    np.testing.assert_allclose(losses[1], losses[0], rtol=1e-5)
+
+    interrupted = trainer("resumed", 4, SHARDED[case])
+    interrupted.run(2)
+    interrupted.close()
+    resumed = trainer("resumed", 4, SHARDED[case])
+    assert resumed.step_count == 2
+    resumed.run()
+    for a, b in zip(jax.tree_util.tree_leaves(resumed.state.params), jax.tree_util.tree_leaves(sharded.state.params)):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+
+    resumed.close()
+    assert convert_main(["to-hf", str(tmp_path / "resumed"), str(tmp_path / "hf_out")]) == 0
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf_out", dtype=torch.float32).eval()
+    params = jax.tree_util.tree_map(np.asarray, resumed.params_in_model_order())
+    tokens = tokens_for()
+    assert relative_err(mr.forward(resumed.cfg, params, tokens), hf_logits(reloaded, tokens)) <= 1e-4
