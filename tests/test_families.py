@@ -202,3 +202,32 @@ def test_sharded_run_matches_one_device_resumes_and_exports(case, tmp_path, devi
     params = jax.tree_util.tree_map(np.asarray, resumed.params_in_model_order())
     tokens = tokens_for()
     assert relative_err(mr.forward(resumed.cfg, params, tokens), hf_logits(reloaded, tokens)) <= 1e-4
+
+
+# ----------------------------------------------------------------------------------------------
+# The new weights under every parallel layout: q/k/v biases split with their heads, the q/k norms'
+# scales replicated, each stacked over the layers like the kernels beside them
+
+
+OPTIONS = {"model.qk_norm": True, "model.qkv_bias": True, "model.n_layers": 4, "model.remat": "full"}
+
+
+@pytest.mark.parametrize("mesh, schedule", [
+    ({"fsdp": 2, "tensor": 2, "sequence": 2}, {}),
+    ({"stage": 2, "fsdp": 2, "tensor": 2}, {}),
+    ({"stage": 2, "fsdp": 4}, {"pipeline.schedule": "1f1b", "pipeline.microbatches": 2}),
+], ids=["fsdp-tensor-sequence", "gpipe-tensor", "1f1b"])
+def test_biases_and_head_norms_under_a_mesh_match_one_device(mesh, schedule, devices, tmp_path):
+    from conftest import small_config
+    from helpers import assert_close, loss_and_grads
+
+    single = {f"mesh.ici.{axis}": 1 for axis in config_lib.MESH_AXES}
+    one = small_config(**OPTIONS, **single, **{"train.per_device_batch_size": 8, "output_dir": str(tmp_path / "one")})
+    ref_loss, ref_grads, _ = loss_and_grads(one, devices[:1])
+    for name in ("q_bias", "k_bias", "v_bias"):  # the comparison covers gradients that are not zero
+        assert np.abs(np.asarray(ref_grads["layers"]["attention"][name])).max() > 0
+    on_mesh = {**single, **{f"mesh.ici.{axis}": size for axis, size in mesh.items()}}
+    cfg = small_config(**OPTIONS, **on_mesh, **schedule, **{"output_dir": str(tmp_path / "mesh")})
+    loss, grads, _ = loss_and_grads(cfg, devices)
+    assert_close(loss, ref_loss)
+    assert_close(grads, ref_grads)
