@@ -29,13 +29,23 @@ TINY_TRAINING = ["--config.train.steps=3", "--config.train.seq_len=64", "--confi
 CLONED = ("configs", "scripts", "notebooks")
 
 
-def page_commands(page: str, section: str | None = None) -> list[str]:
-    """The page's shell commands in order, as one line each (continuations joined); `section`: only
-    those under that `## ` heading."""
+def page_text(page: str, section: str | None = None) -> str:
+    """The page, or only what stands under its `## section` heading."""
     text = (REPO / page).read_text()
     if section is not None:
         text = text.split(f"\n## {section}\n", 1)[1].split("\n## ", 1)[0]
-    return [line for block in bash_blocks_of(text) for line in command_lines(block)]
+    return text
+
+
+def page_commands(page: str, section: str | None = None) -> list[str]:
+    """The page's shell commands in order, as one line each (continuations joined); `section`: only
+    those under that `## ` heading."""
+    return [line for block in bash_blocks_of(page_text(page, section)) for line in command_lines(block)]
+
+
+def python_blocks(page: str, section: str | None = None) -> list[str]:
+    """The page's ```python blocks in order (of its `section`), each a program as written."""
+    return re.findall(r"^```python\n(.*?)^```", page_text(page, section), flags=re.S | re.M)
 
 
 def bash_blocks_of(text: str) -> list[str]:
@@ -69,6 +79,16 @@ class Walk:
             argv = [*argv, *TINY_TRAINING]
         start = time.perf_counter()
         out = subprocess.run(argv, cwd=self.cwd, env=walk_env(), capture_output=True, text=True, timeout=timeout)
+        step = Step(line, argv, out.returncode, time.perf_counter() - start, out.stdout, out.stderr)
+        self.steps.append(step)
+        return step
+
+    def run_python(self, source: str, timeout: float = 300) -> Step:
+        """A ```python block of the page, run as a program where the walk stands."""
+        argv = [sys.executable, "-c", source]
+        start = time.perf_counter()
+        out = subprocess.run(argv, cwd=self.cwd, env=walk_env(), capture_output=True, text=True, timeout=timeout)
+        line = f"python: the page's block {source.splitlines()[0]!r} ..."
         step = Step(line, argv, out.returncode, time.perf_counter() - start, out.stdout, out.stderr)
         self.steps.append(step)
         return step
@@ -144,6 +164,34 @@ def make_hf_llama(folder: Path) -> Path:
     model = transformers.LlamaForCausalLM(config).eval()
     model.generation_config = transformers.GenerationConfig(bos_token_id=BOS_ID, eos_token_id=EOS_IDS,
                                                             do_sample=True, temperature=0.6, top_p=0.9)
+    model.save_pretrained(folder)
+    return folder
+
+
+# Qwen3-8B's token ids, in the tiny vocabulary (tests/chat_helpers.py's QWEN3_SPECIALS): config.json
+# names <|endoftext|> 0 as BOS and <|im_end|> 2 as EOS (the tokenizer has no BOS of its own), its
+# generation config both as EOS. Its embedding is padded past the tokenizer's ids, as Qwen's is.
+QWEN3_BOS_ID, QWEN3_EOS_ID, QWEN3_VOCAB = 0, 2, 384
+
+
+def make_hf_qwen3(folder: Path) -> Path:
+    """A tiny random Qwen3 saved by transformers as Qwen/Qwen3-8B's folder is: config.json,
+    generation_config.json, model.safetensors, a tokenizer with Qwen3's tokens and its published
+    chat template. head_dim is not d_model / heads, as in the Qwen3 models up to 4B."""
+    import torch
+    import transformers
+    from chat_helpers import QWEN3, QWEN3_ADDED, QWEN3_NAMES, QWEN3_SPECIALS, make_chat_tokenizer
+
+    make_chat_tokenizer(folder, template=QWEN3, specials=QWEN3_SPECIALS, names=QWEN3_NAMES, added=QWEN3_ADDED)
+    torch.manual_seed(0)
+    config = transformers.Qwen3Config(vocab_size=QWEN3_VOCAB, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                      max_position_embeddings=MAX_POSITIONS, tie_word_embeddings=False,
+                                      rope_theta=1e6, bos_token_id=QWEN3_BOS_ID, eos_token_id=QWEN3_EOS_ID)
+    model = transformers.Qwen3ForCausalLM(config).eval()
+    model.generation_config = transformers.GenerationConfig(
+        bos_token_id=QWEN3_BOS_ID, eos_token_id=[QWEN3_EOS_ID, QWEN3_BOS_ID], pad_token_id=QWEN3_BOS_ID,
+        do_sample=True, temperature=0.6, top_k=20, top_p=0.95)
     model.save_pretrained(folder)
     return folder
 

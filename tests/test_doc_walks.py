@@ -4,8 +4,8 @@ page's own arguments and relative paths (tests/doc_walk.py says what the directo
 
 What the test adds, and only this:
 - the reader's own inputs, under the page's names: a tiny Llama saved by transformers with a chat
-  tokenizer as `Meta-Llama-3.1-8B-Instruct/` (and `Meta-Llama-3.1-8B/`), `chats.jsonl`,
-  `corpus.jsonl`, `preferences.jsonl`;
+  tokenizer as `Meta-Llama-3.1-8B-Instruct/` (and `Meta-Llama-3.1-8B/`), a tiny Qwen3 with Qwen3's
+  tokens and chat template as `Qwen3-8B/`, `chats.jsonl`, `corpus.jsonl`, `preferences.jsonl`;
 - doc_walk.TINY_TRAINING appended to every training command (3 steps of 2 x 64 tokens; the page's
   arguments are kept, the appended ones come later and win), so a walk takes seconds per command;
 - one CPU device, W&B offline.
@@ -18,7 +18,8 @@ where the README's walk left its reader: with runs/tiny_llama in the directory. 
 checks what the page promises of its results.
 
 Measured 2026-12-06 on the 2-core machine (load 3-4, -n 0): README 11 s, finetuning 28 s, lora
-55 s, dpo 39 s, huggingface 12 s, notebooks 7 s, configs 3 s; 160 s for the file. lora and dpo are past the
+55 s, dpo 39 s, huggingface 12 s, notebooks 7 s, configs 3 s; 160 s for the file. models (Qwen3,
+with its Python block): 54 s, 2026-12-07 at load 4-5. lora and dpo are past the
 ~30 s that marks a test slow, but issue #43 keeps the walks in CI's default run: a page that fails
 its reader must fail CI. Most of a walk is process start-up and compiling a tiny program.
 """
@@ -31,8 +32,9 @@ from pathlib import Path
 
 import pytest
 
-from doc_walk import (BOS_ID, CHATS, CORPUS, EOS_IDS, MAX_POSITIONS, PREFERENCES, Walk, described,  # noqa: E402
-                      fresh_directory, make_hf_llama, page_commands, write_jsonl)
+from doc_walk import (BOS_ID, CHATS, CORPUS, EOS_IDS, MAX_POSITIONS, PREFERENCES,  # noqa: E402
+                      QWEN3_BOS_ID, QWEN3_EOS_ID, Walk, described, fresh_directory, make_hf_llama, make_hf_qwen3,
+                      page_commands, python_blocks, write_jsonl)
 
 # Commands a page shows that the default walk leaves out, with why; each must still be on its page.
 # The AOT compiles run on a CPU but take 10 s to minutes each: test_compile_commands (slow) walks them.
@@ -85,6 +87,15 @@ def hf_model(tmp_path_factory) -> Path:
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
     return make_hf_llama(tmp_path_factory.mktemp("published") / "model")
+
+
+@pytest.fixture(scope="module")
+def hf_qwen3(tmp_path_factory) -> Path:
+    """The published Qwen3 that docs/models.md starts from, made with transformers (skipped as
+    hf_model is)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    return make_hf_qwen3(tmp_path_factory.mktemp("published") / "qwen3")
 
 
 def load_hf(kind: str, folder: Path):
@@ -187,6 +198,39 @@ def test_huggingface(tmp_path, hf_model):
     assert config.get("dtype", config.get("torch_dtype")) == "bfloat16"  # the page's `[--dtype bfloat16]`
     generation = json.loads((out / "generation_config.json").read_text())
     assert (generation["bos_token_id"], generation["eos_token_id"]) == (BOS_ID, EOS_IDS)
+
+
+def test_models(tmp_path, hf_qwen3):
+    """docs/models.md's Qwen3 walk, then the page's Python in the directory the walk left."""
+    from safetensors.numpy import load_file
+
+    section = "Qwen3: from Hugging Face through SFT and back"
+    cwd = fresh_directory(tmp_path / "clone")
+    bring(hf_qwen3, cwd, "Qwen3-8B")
+    write_jsonl(cwd / "chats.jsonl", [{"messages": chat} for chat in CHATS] * 4)
+    walked = walk("docs/models.md", cwd, section=section)
+    assert len(walked.steps) == len(page_commands("docs/models.md")) == 4  # the section is the page's walk
+    assert [m["step"] for m in metrics(cwd / "runs" / "qwen3_8b_chat") if "loss" in m] == [1, 2, 3]
+    out = cwd / "qwen3_8b_chat_hf"
+    config = json.loads((out / "config.json").read_text())
+    assert (config["architectures"], config["model_type"], config["head_dim"]) == (["Qwen3ForCausalLM"], "qwen3", 16)
+    assert (config["bos_token_id"], config["eos_token_id"]) == (QWEN3_BOS_ID, QWEN3_EOS_ID)  # the original's
+    generation = json.loads((out / "generation_config.json").read_text())
+    assert (generation["eos_token_id"], generation["top_k"]) == ([QWEN3_EOS_ID, QWEN3_BOS_ID], 20)
+    # "the tokenizer files with the chat template": Qwen3's, with its empty <think> block.
+    tokenizer = load_hf("AutoTokenizer", out)
+    assert tokenizer.apply_chat_template(CHATS[0], tokenize=False).endswith(
+        "<|im_start|>assistant\n<think>\n\n</think>\n\nhello world<|im_end|>\n")
+    # Every tensor of the original, head norms included, under its name; the trained ones moved.
+    original, exported = (load_file(str(folder / "model.safetensors")) for folder in (hf_qwen3, out))
+    assert sorted(exported) == sorted(original) and any("q_norm" in name for name in exported)
+    assert any(not (exported[name] == original[name]).all() for name in original)
+    [source] = python_blocks("docs/models.md", section)
+    step = walked.run_python(source)
+    assert step.returncode == 0, described(step)
+    name, error = step.stdout.split()[-2:]
+    print(f"{walked.timings()}\nexport -> transformers: {name}, max abs logit error {float(error):.2e}")
+    assert name == "Qwen3ForCausalLM" and float(error) <= 1e-4
 
 
 def test_configs(tmp_path):
