@@ -15,9 +15,6 @@ from maxtext_rocm import config as config_lib
 from maxtext_rocm import count_active_params, count_params
 from maxtext_rocm.convert.hf_config import hf_config, model_updates
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-
 _QWEN3 = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=151936, head_dim=128,
               hidden_act="silu", rms_norm_eps=1e-6, rope_theta=1000000, rope_scaling=None,
               attention_bias=False, sliding_window=None, use_sliding_window=False, tie_word_embeddings=False,
@@ -52,11 +49,15 @@ PUBLISHED_BILLIONS = {"qwen3_8b": 8.2, "qwen3_32b": 32.8, "qwen3_30b_a3b": 30.5,
                       "qwen2_5_7b": 7.61, "mistral_7b": 7.25}
 
 
-def meta_model(config: dict):
-    """transformers' model of a config.json's contents, built on the meta device (no memory)."""
-    hf = transformers.AutoConfig.for_model(**config)
+def meta_model(config):
+    """transformers' model of a config (a config.json's contents, or transformers' own config
+    object), built on the meta device (no memory). Skips the test where torch or transformers (the
+    test extra) is not installed."""
+    torch, transformers = pytest.importorskip("torch"), pytest.importorskip("transformers")
+    if isinstance(config, dict):
+        config = transformers.AutoConfig.for_model(**config)
     with torch.device("meta"):
-        return transformers.AutoModelForCausalLM.from_config(hf)
+        return transformers.AutoModelForCausalLM.from_config(config)
 
 
 def transformers_counts(model) -> tuple[int, int]:
@@ -94,12 +95,12 @@ def test_preset_is_what_from_hf_reads_from_the_published_config(preset):
 
 @pytest.mark.parametrize("preset", sorted(PUBLISHED))
 def test_exported_config_loads_in_transformers_as_the_family_with_the_same_count(preset, tmp_path):
+    transformers = pytest.importorskip("transformers")
     cfg = config_lib.load(preset)
     (tmp_path / "config.json").write_text(json.dumps(hf_config(cfg.model)))
     loaded = transformers.AutoConfig.from_pretrained(tmp_path)
     assert loaded.model_type == cfg.model.family == PUBLISHED[preset]["model_type"]
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(loaded)
+    model = meta_model(loaded)
     assert type(model).__name__ == PUBLISHED[preset]["architectures"][0]
     assert transformers_counts(model) == (count_params(cfg), count_active_params(cfg))
 
