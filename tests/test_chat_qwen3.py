@@ -1,4 +1,4 @@
-"""Qwen3's published chat template (tests/chat_helpers.py's QWEN3) under data.format chat and
+"""Qwen3's published chat template (data/builtin_templates.py's QWEN3) under data.format chat and
 prompt_completion: token ids and trained masks against transformers.
 
 The published template has no `{% generation %}` marks, so transformers' own
@@ -9,9 +9,9 @@ the two templates to the same text, token for token, so that mask is QWEN3's.
 
 Qwen3's template renders an assistant turn after the last user message with a <think> block
 (empty where it has no reasoning) and every earlier one without it, so the conversation up to an
-earlier turn is not a prefix of the whole: data/formats.py finds assistant spans by rendering such
-prefixes and refuses a chat with several assistant turns in one sentence; one record per assistant
-turn as prompt_completion (earlier turns in the prompt) is what trains them (docs/models.md).
+earlier turn is not a prefix of the whole, and rendering prefixes cannot find the assistant's
+turns. The published template is therefore read as QWEN3_GENERATION (data/builtin_templates.py),
+whose marks say where each turn is, as they tell transformers.
 """
 
 import numpy as np
@@ -118,14 +118,24 @@ def test_end_of_turn_is_im_end(ours):
     assert end_of_turn(template, tok).stop_ids == (tok.tok.token_to_id("<|im_end|>"),)
 
 
-@pytest.mark.xfail(strict=True, raises=TemplateError,
-                   reason="data/formats.py locates assistant turns by rendering prefixes, which Qwen3's template "
-                          "renders differently from the whole chat: a chat with several assistant turns is refused")
 def test_multi_turn_chat_mask_equals_transformers(folders, ours):
-    """What issue #50 asks: the mask of a whole multi-turn chat equal to transformers'. Strict: this
-    fails the day it passes, so its marker comes off with the fix."""
+    """What issue #50 asks: the mask of a whole multi-turn chat equal to transformers'. The
+    published template is read as its marked copy (data/builtin_templates.py), whose blocks say
+    where each turn is; by prefixes it could not be found (the next test)."""
     template, tok = ours
     for chat in MULTI_TURN:
         ids, mask = reference(folders, chat)
         example = chat_example(template, tok, chat)
         assert example.tokens.tolist() == ids and example.trained.tolist() == mask.tolist()
+
+
+def test_without_the_marks_a_multi_turn_chat_is_refused_naming_the_way_out(folders, ours):
+    """The published template read as it is, without its marked copy, leaves only prefix rendering, which Qwen3's earlier turns defeat: refused in one sentence that names
+    the built-in marked copy."""
+    from maxtext_rocm.data.chat_template import ChatTemplate
+
+    template, tok = ours
+    unmarked = ChatTemplate(QWEN3, template.specials, "an unmarked copy")
+    assert not unmarked.render_marked(MULTI_TURN[0])[1]
+    with pytest.raises(TemplateError, match="built-in 'qwen3'"):
+        chat_example(unmarked, tok, MULTI_TURN[0])

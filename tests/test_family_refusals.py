@@ -29,7 +29,7 @@ CASES = {
     "layer_types": ("qwen3", dict(layer_types=["sliding_attention", "full_attention"], sliding_window=8),
                     "layers of different attention kinds are not supported yet"),
     "use_sliding_window": ("qwen3", dict(use_sliding_window=True, sliding_window=8),
-                           "sets use_sliding_window=true (a window on some layers only), which is not supported yet"),
+                           "sets use_sliding_window=true (a window on the layers from max_window_layers on), which is not supported yet"),
     "attention_bias": ("qwen3", dict(attention_bias=True),
                        "sets attention_bias=true; this code base's layers have biases only on q, k and v (Qwen2's), "
                        "not on the attention output or the MLP"),

@@ -22,7 +22,7 @@ OPTIMIZER = Group("AdamW with warmup and a decay schedule; no weight decay on no
     "eps": Key(1e-8, "Adam's epsilon", at_least=0),
 }, page="configs.md")
 
-CHAT_TEMPLATES = ("llama3",)  # built into data/chat_template.py; data.chat_template may also be a file
+CHAT_TEMPLATES = ("llama3", "qwen3")  # built into data/builtin_templates.py; data.chat_template may also be a file
 
 DATA = Group("Where batches come from and how documents become rows.", {
     "source": Key("synthetic", "synthetic (random tokens), embedded (a small built-in corpus) or files",
@@ -35,7 +35,7 @@ DATA = Group("Where batches come from and how documents become rows.", {
     "format": Key("text", "what a JSON line holds: text, chat (messages), prompt_completion, or preference "
                           "(prompt, chosen, rejected; for DPO)",
                   choices=("text", "chat", "prompt_completion", "preference")),
-    "chat_template": Key("", "the Jinja template chats render with: '' the tokenizer's own, a file, or llama3"),
+    "chat_template": Key("", "the Jinja template chats render with: '' the tokenizer's own, a file, llama3 or qwen3"),
     "train_on_prompt": Key(False, "chat/prompt_completion: train every token, not only the assistant's"),
     "add_bos": Key(True, "a beginning-of-sequence token before each document, where the tokenizer has one"),
     "add_eos": Key(True, "an end-of-sequence token after each document, where the tokenizer has one"),

@@ -1,31 +1,31 @@
 """Chat templates: a conversation (a list of {"role", "content"} messages) rendered to text as
 transformers' `tokenizer.apply_chat_template` renders it, and that text turned into token ids.
 
-The template is `data.chat_template` (a Jinja file, or the built-in "llama3"), else the tokenizer's
-own: `chat_template.jinja` beside the tokenizer.json that `data.tokenizer` names, else the
-`chat_template` of the tokenizer_config.json there (transformers reads them in that order). It is
+The template is `data.chat_template` (a Jinja file, or the built-in "llama3" or "qwen3":
+data/builtin_templates.py), else the tokenizer's own: `chat_template.jinja` beside the tokenizer.json that `data.tokenizer` names, else the
+`chat_template` of the tokenizer_config.json there (transformers reads them in that order); a published template
+known to builtin_templates.py is read as its copy with generation marks, the same text. It is
 rendered in transformers' Jinja environment: sandboxed, `trim_blocks` and `lstrip_blocks`, the
 loop controls, `raise_exception`, `strftime_now`, a `tojson` that leaves non-ASCII and HTML alone,
-`{% generation %}` blocks (rendered as their body), and the special tokens (`bos_token`,
+`{% generation %}` blocks (rendered as their body, and reported as the assistant's spans by
+`render_marked`), and the special tokens (`bos_token`,
 `eos_token`, ...) as variables. transformers' own rendering is the reference in the tests.
 """
 from __future__ import annotations
 
 import functools
 import json
+import re
 from datetime import datetime
 from pathlib import Path
 from typing import NamedTuple
 
+from maxtext_rocm.data.builtin_templates import BUILT_IN, marked_equivalent
 from maxtext_rocm.errors import ConfigError
 
-# Meta-Llama-3-8B-Instruct's published chat_template (tokenizer_config.json), byte for byte.
-LLAMA3 = ("{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = "
-          "'<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim + "
-          "'<|eot_id|>' %}{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}"
-          "{{ content }}{% endfor %}{% if add_generation_prompt %}"
-          "{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}")
-BUILT_IN = {"llama3": LLAMA3}  # named in config/keys_run.py's CHAT_TEMPLATES
+# Where a `{% generation %}` block's text starts and ends in a raw rendering: private-use code
+# points, stripped from every text a ChatTemplate returns (a message holding one is refused).
+GENERATION_OPEN, GENERATION_CLOSE = "\U000F0000", "\U000F0001"
 # The keys transformers passes as template variables (its SPECIAL_TOKENS_ATTRIBUTES).
 SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 ROLES = ("system", "user", "assistant", "tool", "ipython")
@@ -36,9 +36,9 @@ class TemplateError(ConfigError):
 
 
 def _environment():
-    """transformers' chat-template environment (utils/chat_template_utils.py), minus its
-    assistant-mask tracker: `{% generation %}` renders its body, and masks are found here by
-    rendering prefixes (data/conversation.py)."""
+    """transformers' chat-template environment (utils/chat_template_utils.py), its assistant-mask
+    tracker aside: `{% generation %}` renders its body between GENERATION_OPEN and
+    GENERATION_CLOSE, which ChatTemplate reads off as the assistant's spans."""
     import jinja2
     import jinja2.ext
     from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -52,7 +52,7 @@ def _environment():
             return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
 
         def _body(self, caller):
-            return caller()
+            return GENERATION_OPEN + caller() + GENERATION_CLOSE
 
     def raise_exception(message):
         raise jinja2.exceptions.TemplateError(message)
@@ -87,13 +87,31 @@ class ChatTemplate:
             raise TemplateError(f"the chat template of {where} is not valid Jinja ({error})") from None
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+        return self.render_marked(messages, add_generation_prompt)[0]
+
+    def render_marked(self, messages: list[dict], add_generation_prompt: bool = False):
+        """(the text, [start, end) of each `{% generation %}` block in it): the template's own
+        account of what the assistant wrote, where it has marks (else no spans)."""
         import jinja2
 
+        if any(GENERATION_OPEN in str(m.get("content")) or GENERATION_CLOSE in str(m.get("content"))
+               for m in messages):
+            raise TemplateError(f"a message holds the code point U+F0000 or U+F0001, which {self.where}'s "
+                                "rendering reserves; remove it from the data")
         try:
-            return self._template.render(messages=messages, tools=None, documents=None,
-                                         add_generation_prompt=add_generation_prompt, **self.specials)
+            raw = self._template.render(messages=messages, tools=None, documents=None,
+                                        add_generation_prompt=add_generation_prompt, **self.specials)
         except jinja2.TemplateError as error:
             raise TemplateError(f"the chat template of {self.where} refused the conversation ({error})") from None
+        text, spans, start = [], [], None
+        for piece in re.split(f"({GENERATION_OPEN}|{GENERATION_CLOSE})", raw):
+            if piece == GENERATION_OPEN:
+                start = sum(map(len, text))
+            elif piece == GENERATION_CLOSE:
+                spans.append((start, sum(map(len, text))))
+            else:
+                text.append(piece)
+        return "".join(text), spans
 
 
 class EndOfTurn(NamedTuple):
@@ -155,10 +173,10 @@ def _load(spec: str, folder: str, specials: tuple) -> ChatTemplate:
         if not file.is_file():
             raise ConfigError(f"data.chat_template={spec!r} is neither a file nor a built-in template; use a Jinja "
                               f"file, one of {', '.join(map(repr, BUILT_IN))}, or '' for the tokenizer's own")
-        return ChatTemplate(file.read_text(encoding="utf-8"), specials, str(file))
+        return ChatTemplate(marked_equivalent(file.read_text(encoding="utf-8")), specials, str(file))
     jinja_file, config = folder / "chat_template.jinja", folder / "tokenizer_config.json"
     if jinja_file.is_file():
-        return ChatTemplate(jinja_file.read_text(encoding="utf-8"), specials, str(jinja_file))
+        return ChatTemplate(marked_equivalent(jinja_file.read_text(encoding="utf-8")), specials, str(jinja_file))
     source = json.loads(config.read_text()).get("chat_template") if config.is_file() else None
     if isinstance(source, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
         source = next((t.get("template") for t in source if isinstance(t, dict) and t.get("name") == "default"), None)
@@ -166,7 +184,7 @@ def _load(spec: str, folder: str, specials: tuple) -> ChatTemplate:
         raise ConfigError(f"the tokenizer in {folder} has no chat template (no chat_template.jinja, no chat_template "
                           f"in its tokenizer_config.json); set data.chat_template to a Jinja file or "
                           f"{', '.join(map(repr, BUILT_IN))}")
-    return ChatTemplate(source, specials, str(config))
+    return ChatTemplate(marked_equivalent(source), specials, str(config))
 
 
 def encode_rendered(tokenizer, text: str) -> list[int]:

@@ -2,7 +2,9 @@
 
 A chat is rendered whole with its template (data/chat_template.py) and tokenized whole, as
 transformers' `apply_chat_template(..., tokenize=True)` does. Which characters an assistant wrote
-is found by rendering prefixes: the conversation up to an assistant turn with the generation
+is what the template's `{% generation %}` blocks hold, where it has them (as transformers'
+`return_assistant_tokens_mask` reads them; Qwen3's published template is read through its marked
+copy, data/builtin_templates.py); otherwise it is found by rendering prefixes: the conversation up to an assistant turn with the generation
 prompt (`<|start_header_id|>assistant<|end_header_id|>\\n\\n`) ends where its reply starts, and the
 conversation through that turn ends where it stops (after the end-of-turn token, trailing
 whitespace excluded). Both must be prefixes of the whole rendering, which holds for templates
@@ -30,7 +32,11 @@ class PreferencePair(NamedTuple):
 
 
 def assistant_spans(template: ChatTemplate, messages: list[dict], text: str, only_last: bool, where: str):
-    """Character spans [start, end) of `text` (the whole rendering) that the assistant turns wrote."""
+    """Character spans [start, end) of `text` (the whole rendering) that the assistant turns wrote:
+    the template's `{% generation %}` blocks where it has them, else found by rendering prefixes."""
+    marked = template.render_marked(messages)[1]
+    if marked:  # transformers' return_assistant_tokens_mask reads these same blocks
+        return marked[-1:] if only_last else marked
     spans = []
     turns = [k for k, m in enumerate(messages) if m["role"] == "assistant"]
     for k in turns[-1:] if only_last else turns:
@@ -43,7 +49,9 @@ def assistant_spans(template: ChatTemplate, messages: list[dict], text: str, onl
                                     "or user message, or set data.train_on_prompt=true")
             raise TemplateError(f"{where}: the chat template ({template.where}) renders an earlier part of this "
                                 "conversation differently once later turns follow, so the assistant's words cannot "
-                                "be located; use another data.chat_template or data.train_on_prompt=true")
+                                "be located; mark them with {% generation %} in a copy of the template given as "
+                                "data.chat_template (the built-in 'qwen3' is Qwen3's so marked), or set "
+                                "data.train_on_prompt=true")
         spans.append((len(before), max(len(before), len(through.rstrip()))))
     return spans
 
