@@ -1,4 +1,4 @@
-"""maxtext_rocm: a readable JAX/Flax trainer for Llama and Mixtral, first on ROCm.
+"""maxtext_rocm: a readable JAX/Flax trainer for Llama, Mixtral, Mistral and Qwen, first on ROCm.
 
 The names a notebook needs, re-exported:
 

@@ -25,7 +25,7 @@ MODEL = Group("The transformer: its family, sizes and how its layers compute.", 
     "n_kv_heads": Key(4, "key/value heads (grouped-query attention shares each among n_heads / n_kv_heads)",
                       **POSITIVE),
     "head_dim": Key(64, "the size of each head (even, for rotary embeddings)", **POSITIVE),
-    "mlp_dim": Key(1024, "the hidden size of each SwiGLU feed-forward (of each expert under mixtral)", **POSITIVE),
+    "mlp_dim": Key(1024, "the hidden size of each SwiGLU feed-forward (of each expert in a mixture)", **POSITIVE),
     "rope_theta": Key(500000.0, "the rotary embeddings' base frequency", above=0),
     "rope_scaling": Key(None, "None, or Llama 3.1's frequency scaling: {factor, low_freq_factor, "
                               "high_freq_factor, original_max_position}", kind=dict, nullable=True),

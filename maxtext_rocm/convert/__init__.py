@@ -1,4 +1,5 @@
-"""Hugging Face <-> maxtext_rocm checkpoints, for LlamaForCausalLM and MixtralForCausalLM.
+"""Hugging Face <-> maxtext_rocm checkpoints, for the architectures of convert/families.py (Llama,
+Mistral, Qwen2/2.5, Qwen3, Mixtral, Qwen3-MoE).
 
     python -m maxtext_rocm.convert from-hf HF_DIR OUT_DIR [--config.GROUP.KEY=VALUE ...]
     python -m maxtext_rocm.convert to-hf CHECKPOINT_DIR OUT_DIR [--dtype bfloat16] [--max-shard-size 5GB] [--adapter]
@@ -96,7 +97,7 @@ def _empty_params(cfg) -> dict:
 
 
 def from_hf(hf_dir, overrides: Mapping[str, Any] | Iterable[str] | None = None, name: str | None = None):
-    """(config, params) of a Hugging Face LlamaForCausalLM / MixtralForCausalLM folder.
+    """(config, params) of a Hugging Face folder of one of families.py's architectures.
 
     `overrides` ({"model.scan_layers": False, "precision.policy": "fp32"} or command-line strings)
     apply to the config before the weights are read; the params tree follows model.scan_layers.
