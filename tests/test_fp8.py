@@ -269,3 +269,25 @@ def test_mixtral_experts_run_in_fp8_except_ragged_dot(moe_impl, expert_dots, dev
         down = trainer.state.fp8["layers"]["moe"]["down_dot"]
         assert float(down["input_amax_history"].max()) > 0 and float(down["output_grad_amax_history"].max()) > 0
     assert "router" not in str(jax.tree_util.tree_structure(trainer.state.fp8)), "the router stays out of fp8"
+
+
+def test_qkv_biases_and_head_norms_stay_outside_the_fp8_dots(devices, tmp_path):
+    """Qwen2.5's biases and Qwen3's head norms under fp8: q, k and v keep their own fp8 dots (with
+    statistics from both passes), the biases and norm scales are trained in full precision after
+    them, and nothing else joins the fp8 state."""
+    cfg = fp8_config(tmp_path, **{"model.qkv_bias": True, "model.qk_norm": True, "optimizer.lr": 1e-2,
+                                  "optimizer.warmup_steps": 0})
+    trainer = Trainer(cfg, devices=devices[:1], log=lambda *_: None)
+    attention_state = trainer.state.fp8["layers"]["attention"]
+    assert sorted(attention_state) == ["k", "o", "q", "v"]
+    before = jax.tree_util.tree_map(np.asarray, trainer.state.params["layers"]["attention"])
+    for _ in range(2):
+        metrics = trainer.step()
+    assert np.isfinite(float(metrics["loss"])) and int(metrics["nonfinite_steps"]) == 0
+    after = trainer.state.params["layers"]["attention"]
+    for name in ("q_bias", "k_bias", "v_bias"):
+        assert np.abs(np.asarray(after[name]) - before[name]).max() > 0, name
+    for name in ("q_norm", "k_norm"):
+        assert np.abs(np.asarray(after[name]["scale"]) - before[name]["scale"]).max() > 0, name
+    q = trainer.state.fp8["layers"]["attention"]["q"]["dot"]
+    assert float(q["input_amax_history"].max()) > 0 and float(q["output_grad_amax_history"].max()) > 0
