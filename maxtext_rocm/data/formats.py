@@ -31,10 +31,11 @@ class PreferencePair(NamedTuple):
     rejected: TokenizedExample
 
 
-def assistant_spans(template: ChatTemplate, messages: list[dict], text: str, only_last: bool, where: str):
+def assistant_spans(template: ChatTemplate, messages: list[dict], text: str, marked: list, only_last: bool,
+                    where: str):
     """Character spans [start, end) of `text` (the whole rendering) that the assistant turns wrote:
-    the template's `{% generation %}` blocks where it has them, else found by rendering prefixes."""
-    marked = template.render_marked(messages)[1]
+    the template's `{% generation %}` blocks (`marked`, as render_marked found them) where it has
+    them, else found by rendering prefixes."""
     if marked:  # transformers' return_assistant_tokens_mask reads these same blocks
         return marked[-1:] if only_last else marked
     spans = []
@@ -71,12 +72,12 @@ def chat_example(template: ChatTemplate, tokenizer, messages: list[dict], train_
                  only_last: bool = False, where: str = "a conversation") -> TokenizedExample:
     """Token ids of the rendered conversation; `trained` on every assistant turn's tokens (only
     the last with `only_last`), or on every token with `train_on_prompt`."""
-    text = template.render(messages)
+    text, marked = template.render_marked(messages)
     ids = encode_rendered(tokenizer, text)
     if train_on_prompt:
         return TokenizedExample(np.asarray(ids, np.int32), None)
     trained = np.zeros(len(ids), bool)
-    for start, stop in assistant_spans(template, messages, text, only_last, where):
+    for start, stop in assistant_spans(template, messages, text, marked, only_last, where):
         first = _token_boundary(tokenizer, text, ids, start, end=False)
         trained[first:_token_boundary(tokenizer, text, ids, stop, end=True)] = True
     return TokenizedExample(np.asarray(ids, np.int32), trained)
