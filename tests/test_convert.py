@@ -42,13 +42,7 @@ def make_hf(path, family="llama", *, n_kv_heads=2, tie=False, rope_scaling=None,
     else:
         model = transformers.MixtralForCausalLM(transformers.MixtralConfig(
             **common, num_local_experts=4, num_experts_per_tok=2, sliding_window=sliding_window))
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.uniform_(0.5, 1.5)
-            else:
-                param.normal_(0.0, 0.15)
-    model = model.to(dtype).eval()
+    model = widened(model).to(dtype).eval()
     kwargs = {"max_shard_size": shard_size} if shard_size else {}
     model.save_pretrained(path, **kwargs)
     if legacy_rope:  # published checkpoints' spelling: rope_theta + rope_scaling at the top level
@@ -57,6 +51,18 @@ def make_hf(path, family="llama", *, n_kv_heads=2, tie=False, rope_scaling=None,
         config["rope_theta"] = rope.pop("rope_theta")
         config["rope_scaling"] = None if rope["rope_type"] == "default" else rope
         (Path(path) / "config.json").write_text(json.dumps(config))
+    return model
+
+
+def widened(model):
+    """`model` with its weights redrawn wider than transformers' init (std 0.15, norm scales
+    around 1), in place."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.uniform_(0.5, 1.5)
+            else:
+                param.normal_(0.0, 0.15)
     return model
 
 

@@ -19,6 +19,7 @@ import maxtext_rocm as mr  # noqa: E402
 from maxtext_rocm import config as config_lib  # noqa: E402
 from maxtext_rocm.convert import ConvertError, from_hf, to_hf  # noqa: E402
 from maxtext_rocm.convert.__main__ import main as convert_main  # noqa: E402
+from test_convert import widened  # noqa: E402
 
 VOCAB = 96  # divides over the tensor axis of the sharded run
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -52,14 +53,7 @@ def make_family(path, case: str, seed: int = 0, **extra):
     torch.manual_seed(seed)
     config = getattr(transformers, config_cls)(**COMMON, **keys, **extra)
     config._attn_implementation = "eager"
-    model = getattr(transformers, model_cls)(config)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.uniform_(0.5, 1.5)
-            else:
-                param.normal_(0.0, 0.15)
-    model = model.eval()
+    model = widened(getattr(transformers, model_cls)(config)).eval()
     model.generation_config.eos_token_id = None  # generations run their full length on both sides
     model.save_pretrained(path)
     return model
@@ -145,10 +139,14 @@ def test_export_refuses_options_its_family_cannot_hold(family, option, tmp_path)
 
 
 SHARDED = {"qwen3": {"mesh.ici.fsdp": 2, "mesh.ici.tensor": 2},
-           "qwen3_moe": {"mesh.ici.fsdp": 2, "mesh.ici.expert": 2}}
+           "qwen3_moe": {"mesh.ici.fsdp": 2, "mesh.ici.expert": 2},
+           "qwen2": {"mesh.ici.fsdp": 2, "mesh.ici.tensor": 2},
+           "mistral": {"mesh.ici.fsdp": 2, "mesh.ici.tensor": 2}}
 
 
-@pytest.mark.parametrize("case", list(SHARDED))
+# CI budget (~40 s each): Qwen3's dense and MoE runs by default; Qwen2's and Mistral's in -m slow
+@pytest.mark.parametrize("case", ["qwen3", "qwen3_moe", *(pytest.param(case, marks=pytest.mark.slow)
+                                                           for case in ("qwen2", "mistral"))])
 def test_sharded_run_matches_one_device_resumes_and_exports(case, tmp_path, devices):
     """from-hf on the command line, then 4 steps on fsdp x tensor (or expert) and on one device:
     the same losses; 2 + 2 steps across a restart: the same weights, bit for bit; to-hf of the
