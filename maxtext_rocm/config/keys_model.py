@@ -11,7 +11,7 @@ MESH_AXES = ("stage", "data", "fsdp", "expert", "sequence", "tensor")
 POSITIVE = dict(above=0)
 # model.family names the architecture as Hugging Face does (convert/families.py maps each to its
 # classes and the layer options it fixes); these replace the dense feed-forward by a mixture of experts.
-DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
 MOE_FAMILIES = ("mixtral", "qwen3_moe")
 
 MODEL = Group("The transformer: its family, sizes and how its layers compute.", {
@@ -43,6 +43,23 @@ MODEL = Group("The transformer: its family, sizes and how its layers compute.", 
     "embed_init_std": Key(0.02, "the standard deviation of the embedding's initialisation", above=0),
     "sliding_window": Key(0, "attention to at most this many tokens back, the query included; 0 or None: off",
                           kind=int, nullable=True, at_least=0, valid="a number of tokens, or 0 or None for off"),
+    "attention_kinds": Key((), "the repeating unit of the layers' attention kinds, full or sliding (within "
+                               "model.sliding_window), as Hugging Face's layer_types: Gemma 3's five sliding to one "
+                               "full; empty: every layer full, or sliding where sliding_window is set",
+                           kind=tuple, valid="a list of full and sliding, repeats allowed (e.g. sliding,full)"),
+    "rope_local_theta": Key(None, "the rope base of sliding layers under attention_kinds (Gemma 3: 10000); None: "
+                                  "rope_theta and rope_scaling, as full layers", kind=float, nullable=True, above=0,
+                            valid="a rope base > 0, or None for rope_theta"),
+    "rope_linear_factor": Key(1.0, "positions divided by this in full layers' rope (Gemma 3's linear scaling)",
+                              at_least=1),
+    "norm_unit_offset": Key(False, "each RMSNorm scales by 1 + w, w stored zero-centred (Gemma)"),
+    "post_norms": Key(False, "an RMSNorm on the attention's and the MLP's outputs too, before each residual add "
+                             "(Gemma 3)"),
+    "scale_embeddings": Key(False, "the embedding multiplied by sqrt(d_model) (Gemma)"),
+    "query_pre_attn_scalar": Key(None, "attention scores scaled by this ** -0.5 (Gemma 3); None: head_dim ** -0.5",
+                                 kind=float, nullable=True, above=0, valid="a number > 0, or None for head_dim"),
+    "mlp_activation": Key("silu", "the gated MLP's activation: silu (SwiGLU) or gelu_tanh (GeGLU, Gemma)",
+                          choices=("silu", "gelu_tanh")),
     "qk_norm": Key(False, "an RMSNorm over each head's queries and keys before rope (Qwen3)"),
     "qkv_bias": Key(False, "biases on the query, key and value projections (Qwen2.5)"),
     "fuse_projections": Key("auto", "q/k/v and gate/up as one dot each, so tensor parallelism reduces x's "

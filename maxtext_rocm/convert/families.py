@@ -17,29 +17,49 @@ from typing import Any, Mapping
 @dataclasses.dataclass(frozen=True)
 class Family:
     """`architecture`: the transformers class; `fixed`: the cfg.model options its layers always
-    have; `windowed`: whether its config's `sliding_window` is read (else a window is refused)."""
+    have; `windowed`: whether its config's `sliding_window` is read (else a window is refused);
+    `layered`: whether its `layer_types` may mix kinds (model.attention_kinds, with their own rope
+    base); `scaled_scores`: whether it reads query_pre_attn_scalar; `model_type`: config.json's,
+    where it is not the family's name. The activation and the rope are read for every family."""
 
     architecture: str
     fixed: Mapping[str, Any]
     windowed: bool = False
+    layered: bool = False
+    scaled_scores: bool = False
+    model_type: str = ""
 
 
-_PLAIN = {"qk_norm": False, "qkv_bias": False}
+# The layer options as Llama has them: every family states where it departs from these.
+_PLAIN = {"qk_norm": False, "qkv_bias": False, "norm_unit_offset": False, "post_norms": False,
+          "scale_embeddings": False}
 FAMILIES = {
     "llama": Family("LlamaForCausalLM", _PLAIN),
     "mistral": Family("MistralForCausalLM", _PLAIN, windowed=True),
-    "qwen2": Family("Qwen2ForCausalLM", {"qk_norm": False, "qkv_bias": True}),
-    "qwen3": Family("Qwen3ForCausalLM", {"qk_norm": True, "qkv_bias": False}),
+    "qwen2": Family("Qwen2ForCausalLM", {**_PLAIN, "qkv_bias": True}),
+    "qwen3": Family("Qwen3ForCausalLM", {**_PLAIN, "qk_norm": True}),
+    # Gemma 3's text model: its query_pre_attn_scalar, rope bases and layer pattern are read apart
+    "gemma3": Family("Gemma3ForCausalLM", {"qk_norm": True, "qkv_bias": False, "norm_unit_offset": True,
+                                           "post_norms": True, "scale_embeddings": True},
+                     windowed=True, layered=True, scaled_scores=True, model_type="gemma3_text"),
     "mixtral": Family("MixtralForCausalLM", {**_PLAIN, "moe_renormalize": True}, windowed=True),
-    "qwen3_moe": Family("Qwen3MoeForCausalLM", {"qk_norm": True, "qkv_bias": False}),
+    "qwen3_moe": Family("Qwen3MoeForCausalLM", {**_PLAIN, "qk_norm": True}),
 }
 ARCHITECTURES = {family.architecture: name for name, family in FAMILIES.items()}
+MODEL_TYPES = {family.model_type or name: name for name, family in FAMILIES.items()}
 
 
 def mismatched_options(model_cfg) -> list[str]:
     """`key=value` for each option of `model_cfg` that its family's class cannot hold."""
     family = FAMILIES[model_cfg.family]
-    wrong = [f"model.{key}={model_cfg[key]}" for key, value in family.fixed.items() if model_cfg[key] != value]
+    wrong = [f"model.{key}={model_cfg[key]}" for key, value in family.fixed.items()
+             if (tuple(model_cfg[key]) if isinstance(value, tuple) else model_cfg[key]) != value]
     if model_cfg.sliding_window and not family.windowed:
         wrong.append(f"model.sliding_window={model_cfg.sliding_window}")
+    if len(model_cfg.attention_kinds) > 1 and not family.layered:
+        wrong.append(f"model.attention_kinds={','.join(model_cfg.attention_kinds)}")
+    if model_cfg.rope_local_theta is not None and not family.layered:
+        wrong.append(f"model.rope_local_theta={model_cfg.rope_local_theta}")
+    if model_cfg.query_pre_attn_scalar is not None and not family.scaled_scores:
+        wrong.append(f"model.query_pre_attn_scalar={model_cfg.query_pre_attn_scalar}")
     return wrong

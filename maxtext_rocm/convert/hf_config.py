@@ -13,47 +13,27 @@ from __future__ import annotations
 import copy
 from typing import Any, Mapping
 
-from maxtext_rocm.config import MOE_FAMILIES, UserError
-from maxtext_rocm.convert.families import ARCHITECTURES, FAMILIES, mismatched_options
+from maxtext_rocm.config import MOE_FAMILIES
+from maxtext_rocm.convert.families import ARCHITECTURES, FAMILIES, MODEL_TYPES, mismatched_options
+from maxtext_rocm.convert.hf_attention import ConvertError, rope_keys, window_keys, write_rope, write_windows
 
-# Our rope_scaling keys -> Hugging Face's "llama3" rope keys.
-ROPE_KEYS = {"factor": "factor", "low_freq_factor": "low_freq_factor",
-             "high_freq_factor": "high_freq_factor", "original_max_position": "original_max_position_embeddings"}
-
-
-class ConvertError(UserError):
-    """A Hugging Face folder or a checkpoint that cannot be converted."""
+__all__ = ["ConvertError", "architecture", "hf_config", "model_updates"]
+# config.json's activation names -> model.mlp_activation
+ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+# Keys whose values this code base has no layer for: refused unless null or false
+UNREPRESENTED = {"final_logit_softcapping": "a tanh cap on the logits", "attn_logit_softcapping":
+                 "a tanh cap on the attention scores", "use_bidirectional_attention": "bidirectional attention"}
 
 
 def architecture(hf: Mapping[str, Any], where: str) -> str:
     """The model family (model.family, families.py) a Hugging Face config describes."""
-    names = hf.get("architectures") or ([FAMILIES[hf["model_type"]].architecture]
-                                        if hf.get("model_type") in FAMILIES else [])
+    names = hf.get("architectures") or ([FAMILIES[MODEL_TYPES[hf["model_type"]]].architecture]
+                                        if hf.get("model_type") in MODEL_TYPES else [])
     name = names[0] if names else hf.get("model_type", "unknown")
     if name not in ARCHITECTURES:
         raise ConvertError(f"{where} describes a {name}, which cannot be converted; supported architectures "
                            f"are {', '.join(ARCHITECTURES)}")
     return ARCHITECTURES[name]
-
-
-def _rope(hf: Mapping[str, Any], where: str) -> tuple[float, dict | None]:
-    """(rope_theta, our rope_scaling or None) from either spelling of the rope settings."""
-    params = hf.get("rope_parameters")
-    if isinstance(params, Mapping) and "full_attention" in params:  # per-layer-type form
-        params = params["full_attention"]
-    scaling = dict(params) if isinstance(params, Mapping) else dict(hf.get("rope_scaling") or {})
-    theta = scaling.get("rope_theta", hf.get("rope_theta", 10000.0))
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind == "default":
-        return float(theta), None
-    if kind != "llama3":
-        raise ConvertError(f"{where} asks for rope_type {kind!r}; only 'default' and Llama 3.1's 'llama3' "
-                           "frequency scaling are supported")
-    missing = [k for k in ROPE_KEYS.values() if k not in scaling]
-    if missing:
-        raise ConvertError(f"{where} has llama3 rope scaling without {', '.join(missing)}")
-    return float(theta), {ours: float(scaling[theirs]) if ours != "original_max_position" else int(scaling[theirs])
-                          for ours, theirs in ROPE_KEYS.items()}
 
 
 def model_updates(hf: Mapping[str, Any], where: str) -> dict[str, Any]:
@@ -63,9 +43,14 @@ def model_updates(hf: Mapping[str, Any], where: str) -> dict[str, Any]:
         if hf.get(key):
             raise ConvertError(f"{where} sets {key}=true; this code base's layers have biases only on q, k and v "
                                "(Qwen2's), not on the attention output or the MLP")
-    act = hf.get("hidden_act", "silu")
-    if act not in ("silu", "swish"):
-        raise ConvertError(f"{where} sets hidden_act={act!r}; only SwiGLU ('silu') MLPs are supported")
+    act_key = "hidden_activation" if "hidden_activation" in hf else "hidden_act"
+    act = hf.get(act_key) or "silu"
+    if act not in ACTIVATIONS:
+        raise ConvertError(f"{where} sets {act_key}={act!r}; only SwiGLU ('silu') and GeGLU ('gelu_pytorch_tanh') "
+                           "MLPs are supported")
+    for key, what in UNREPRESENTED.items():
+        if hf.get(key):
+            raise ConvertError(f"{where} sets {key}={hf[key]!r}: {what}, which this code base does not have")
     try:
         d_model, n_heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
         updates = dict(
@@ -75,30 +60,17 @@ def model_updates(hf: Mapping[str, Any], where: str) -> dict[str, Any]:
             head_dim=int(hf.get("head_dim") or d_model // n_heads),
             mlp_dim=int(hf["moe_intermediate_size" if family == "qwen3_moe" else "intermediate_size"]),
             norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            tie_embeddings=bool(hf.get("tie_word_embeddings", False)), mlp_activation=ACTIVATIONS[act],
+            query_pre_attn_scalar=float(hf["query_pre_attn_scalar"]) if hf.get("query_pre_attn_scalar") else None,
             **FAMILIES[family].fixed,
         )
-        updates["rope_theta"], updates["rope_scaling"] = _rope(hf, where)
-        updates["sliding_window"] = _window(hf, family, where)
+        updates.update(rope_keys(hf, where))
+        spec = FAMILIES[family]
+        updates.update(window_keys(hf, updates["n_layers"], spec.windowed, spec.layered, where))
         updates.update(_experts(hf, family, where))
     except KeyError as error:
         raise ConvertError(f"{where} has no {error.args[0]!r}, which a {family} config needs") from None
     return updates
-
-
-def _window(hf: Mapping[str, Any], family: str, where: str) -> int:
-    """model.sliding_window: Mistral's and Mixtral's `sliding_window` on every layer, or none; one
-    window for some layers only (Qwen's `use_sliding_window`, mixed `layer_types`) is refused."""
-    if hf.get("use_sliding_window"):
-        raise ConvertError(f"{where} sets use_sliding_window=true (a window on the layers from max_window_layers "
-                           "on), which is not supported yet")
-    kinds = set(hf.get("layer_types") or [])
-    if len(kinds) > 1:
-        raise ConvertError(f"{where} mixes layer_types {sorted(kinds)}; layers of different attention kinds "
-                           "are not supported yet")
-    if not FAMILIES[family].windowed or kinds == {"full_attention"}:
-        return 0
-    return int(hf.get("sliding_window") or 0)
 
 
 def _experts(hf: Mapping[str, Any], family: str, where: str) -> dict[str, Any]:
@@ -131,19 +103,17 @@ def hf_config(model_cfg, base: Mapping[str, Any] | None = None, dtype: str = "fl
     for stale in ("auto_map", "quantization_config", "_name_or_path"):
         out.pop(stale, None)
     out.update(
-        architectures=[FAMILIES[m.family].architecture], model_type=m.family, vocab_size=m.vocab_size,
-        hidden_size=m.d_model, num_hidden_layers=m.n_layers, num_attention_heads=m.n_heads,
+        architectures=[FAMILIES[m.family].architecture], model_type=FAMILIES[m.family].model_type or m.family,
+        vocab_size=m.vocab_size, hidden_size=m.d_model, num_hidden_layers=m.n_layers, num_attention_heads=m.n_heads,
         num_key_value_heads=m.n_kv_heads, head_dim=m.head_dim, rms_norm_eps=m.norm_eps,
-        tie_word_embeddings=bool(m.tie_embeddings), hidden_act="silu")
+        tie_word_embeddings=bool(m.tie_embeddings))
+    their_act = {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh"}[m.mlp_activation]
+    out["hidden_activation" if m.family == "gemma3" else "hidden_act"] = their_act
+    if m.query_pre_attn_scalar or "query_pre_attn_scalar" in out:
+        out["query_pre_attn_scalar"] = m.query_pre_attn_scalar or m.head_dim
     out.update(_family_keys(m, out))
-    scaling = None
-    if m.rope_scaling is not None:
-        scaling = {"rope_type": "llama3", **{theirs: m.rope_scaling[ours] for ours, theirs in ROPE_KEYS.items()}}
-    if "rope_parameters" in out:  # keep the spelling the original used (transformers 5)
-        out["rope_parameters"] = {"rope_theta": m.rope_theta, **(scaling or {"rope_type": "default"})}
-        out.pop("rope_scaling", None), out.pop("rope_theta", None)
-    else:  # the published spelling, which transformers 4 and 5 both read
-        out.update(rope_theta=m.rope_theta, rope_scaling=scaling)
+    write_rope(m, out)
+    write_windows(m, out, FAMILIES[m.family].windowed)
     if "max_position_embeddings" not in out:  # informative only: Llama 3.1 scaling reads its own keys
         scaled = int(m.rope_scaling["original_max_position"] * m.rope_scaling["factor"]) if m.rope_scaling else 0
         out["max_position_embeddings"] = max(max_position or 0, scaled) or 8192
@@ -165,13 +135,7 @@ def _family_keys(m, out: Mapping[str, Any]) -> dict[str, Any]:
     if m.family == "mixtral":
         keys.update(num_local_experts=m.n_experts, num_experts_per_tok=m.experts_per_token,
                     router_aux_loss_coef=m.moe_aux_loss_weight)
-    if FAMILIES[m.family].windowed:
-        keys["sliding_window"] = m.sliding_window or None
-        if "layer_types" in out:
-            keys["layer_types"] = ["sliding_attention" if m.sliding_window else "full_attention"] * m.n_layers
-    elif "layer_types" in out:
-        keys["layer_types"] = ["full_attention"] * m.n_layers
-    if m.family in ("llama", "qwen3"):
+    if m.family in ("llama", "qwen3", "gemma3"):
         keys.update(attention_bias=False)
     if m.family == "llama":
         keys.update(mlp_bias=False)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from maxtext_rocm.convert.mapping import ATTENTION, DENSE_MLP
+from maxtext_rocm.convert.mapping import ATTENTION, DENSE_MLP, layer_path, leaf
 
 # Our (block module, layer) -> the Hugging Face module inside a decoder layer, from the weight
 # mapping ("self_attn.q_proj.weight" <- ("attention", "q", "kernel")).
@@ -42,13 +42,16 @@ def merged_params(checkpoint_dir: Path, cfg):
     return lora_run.merged_params(_loaded_run(checkpoint_dir, cfg), cfg)
 
 
-def _per_layer(tree, n_layers: int, scanned: bool):
-    """[(layer index, the layer's subtree)] of a stacked (scanned) or unrolled tree."""
+def _per_layer(tree, m):
+    """[(layer index, the layer's subtree)] of a tree laid out as model group `m`'s layers are
+    (mapping.layer_path: stacked, stacked by unit, or unrolled)."""
     import jax
 
-    if scanned:
-        return [(i, jax.tree_util.tree_map(lambda x, i=i: x[i], tree["layers"])) for i in range(n_layers)]
-    return [(i, tree[f"layers_{i}"]) for i in range(n_layers)]
+    layers = []
+    for i in range(m.n_layers):
+        path, index = layer_path(m, i)
+        layers.append((i, jax.tree_util.tree_map(lambda x, index=index: x[index] if index else x, leaf(tree, path))))
+    return layers
 
 
 def peft_tensors(adapters, cfg, dtype) -> dict[str, np.ndarray]:
@@ -56,7 +59,7 @@ def peft_tensors(adapters, cfg, dtype) -> dict[str, np.ndarray]:
     lora_B.weight [out, r] likewise, named as PeftModel saves a LlamaForCausalLM's adapters."""
     tensors = {}
     rank = cfg.lora.rank
-    for i, layer in _per_layer(adapters, cfg.model.n_layers, cfg.model.scan_layers):
+    for i, layer in _per_layer(adapters, cfg.model):
         for block, modules in layer.items():
             for name, dot in modules.items():
                 module = HF_MODULES[(block, name)]

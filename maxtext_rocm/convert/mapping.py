@@ -72,6 +72,13 @@ DENSE_MLP = {
     "mlp.up_proj.weight": (("mlp", "up", "kernel"), 1),
     "mlp.down_proj.weight": (("mlp", "down", "kernel"), 1),
 }
+# Gemma 3's four norms: its post_attention_layernorm is the attention output's, not the MLP input's.
+SANDWICH_NORMS = {
+    "input_layernorm.weight": (("attention_norm", "scale"), None),
+    "post_attention_layernorm.weight": (("post_attention_norm", "scale"), None),
+    "pre_feedforward_layernorm.weight": (("mlp_norm", "scale"), None),
+    "post_feedforward_layernorm.weight": (("post_mlp_norm", "scale"), None),
+}
 QKV_BIAS = {f"self_attn.{p}_proj.bias": (("attention", f"{p}_bias"), 0) for p in "qkv"}  # Qwen2
 QK_NORM = {f"self_attn.{p}_norm.weight": (("attention", f"{p}_norm", "scale"), None) for p in "qk"}  # Qwen3
 
@@ -96,16 +103,25 @@ EXPERTS = {
 IGNORED = re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")
 
 
-def _layer(m, i: int) -> tuple[tuple[str, ...], tuple[int, ...]]:
-    return (("layers",), (i,)) if m.scan_layers else ((f"layers_{i}",), ())
+def layer_path(m, i: int) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """Where layer i's variables are: a slice of the scanned stack, of its unit's block under
+    model.attention_kinds (the remainder's layers on their own), or an unrolled layer's."""
+    unit = len(m.attention_kinds)
+    if not m.scan_layers or (unit > 1 and i >= m.n_layers // unit * unit):
+        return (f"layers_{i}",), ()
+    if unit > 1:
+        return ("layers", f"block_{i % unit}"), (i // unit,)
+    return ("layers",), (i,)
 
 
 def plan(m) -> list[Slot]:
     """Every tensor of a Hugging Face checkpoint of `cfg.model`, in the order files list them."""
     slots = [Slot("model.embed_tokens.weight", ("embed", "embedding"), (), None)]
-    per_layer = {**ATTENTION, **(QKV_BIAS if m.qkv_bias else {}), **(QK_NORM if m.qk_norm else {})}
+    attention = {k: v for k, v in ATTENTION.items() if not k.endswith("layernorm.weight")} if m.post_norms else ATTENTION
+    per_layer = {**attention, **(SANDWICH_NORMS if m.post_norms else {}), **(QKV_BIAS if m.qkv_bias else {}),
+                 **(QK_NORM if m.qk_norm else {})}
     for i in range(m.n_layers):
-        base, index = _layer(m, i)
+        base, index = layer_path(m, i)
         prefix = f"model.layers.{i}."
         for suffix, (path, n_in) in per_layer.items():
             slots.append(Slot(prefix + suffix, base + path, index, n_in))

@@ -167,6 +167,22 @@ class Attention(nn.Module):
     # the config and the mesh outside the model (maxtext_rocm/parallel/context.py); None: this
     # module's own attention (one device, or no `sequence` axis).
     context_attention: Callable | None = None
+    # "full" or "sliding" (model.attention_kinds, models.layer_kinds): the window and the rope this
+    # layer uses; "": as model.sliding_window says for every layer.
+    kind: str = ""
+
+    @property
+    def window(self) -> int:
+        """The tokens a query sees under this layer's kind (0: all before it)."""
+        return 0 if self.kind == "full" else (self.cfg.sliding_window or 0)
+
+    def rope_frequencies(self):
+        """A sliding layer's own rope base where model.rope_local_theta gives one (Gemma 3's local
+        layers: no scaling either); else rope_theta with rope_scaling and the linear factor."""
+        m = self.cfg
+        if self.kind == "sliding" and m.rope_local_theta:
+            return rope_inv_frequencies(m.head_dim, m.rope_local_theta, None)
+        return rope_inv_frequencies(m.head_dim, m.rope_theta, m.rope_scaling) / m.rope_linear_factor
 
     @nn.compact
     def __call__(self, x: Array, positions: Array, segment_ids: Array | None) -> Array:
@@ -175,15 +191,17 @@ class Attention(nn.Module):
         q, k, v = self.project(x)
         if m.qkv_bias:  # Qwen2.5: added after the dot, so fp8, fused projections and LoRA never see them
             q, k, v = (t + self.bias(name, t.shape[-2:]) for name, t in zip(("q_bias", "k_bias", "v_bias"), (q, k, v)))
-        if m.qk_norm:  # Qwen3: each head's query and key normalised over head_dim, before rope
-            q = RMSNorm(m.norm_eps, self.policy, name="q_norm")(q)
-            k = RMSNorm(m.norm_eps, self.policy, name="k_norm")(k)
+        if m.qk_norm:  # Qwen3, Gemma 3: each head's query and key normalised over head_dim, before rope
+            q = RMSNorm(m.norm_eps, self.policy, m.norm_unit_offset, name="q_norm")(q)
+            k = RMSNorm(m.norm_eps, self.policy, m.norm_unit_offset, name="k_norm")(k)
         q = nn.with_logical_constraint(q, ("activation_batch", "activation_length", "activation_heads", None))
         k = nn.with_logical_constraint(k, ("activation_batch", "activation_length", "activation_kv_heads", None))
         v = nn.with_logical_constraint(v, ("activation_batch", "activation_length", "activation_kv_heads", None))
 
-        inv_freq = rope_inv_frequencies(hd, m.rope_theta, m.rope_scaling)
+        inv_freq = self.rope_frequencies()
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        if m.query_pre_attn_scalar:  # Gemma 3's score scale, by every implementation's head_dim ** -0.5
+            q = q * jnp.asarray((hd / m.query_pre_attn_scalar) ** 0.5, q.dtype)
         if self.decode and self.has_variable(CACHE, "key"):
             out = self.cached_attention(q, k, v, positions)
         else:
@@ -193,7 +211,7 @@ class Attention(nn.Module):
                 out = self.context_attention(q, k, v, segment_ids)
             else:
                 out = dot_product_attention(q, k, v, segment_ids=segment_ids, implementation=m.attention,
-                                            sliding_window=m.sliding_window, dot_general=self.policy.dot_general)
+                                            sliding_window=self.window, dot_general=self.policy.dot_general)
         out = nn.with_logical_constraint(out, ("activation_batch", "activation_length", "activation_heads", None))
         return Dense((m.n_heads, hd), (d,), ("heads", "head_dim", "embed"), self.policy, name="o")(out)
 
@@ -241,5 +259,5 @@ class Attention(nn.Module):
         value.value = jax.lax.dynamic_update_slice(value.value, v.astype(value.value.dtype), (0, start, 0, 0))
         pos.value = jax.lax.dynamic_update_slice(pos.value, positions.astype(jnp.int32), (0, start))
         index.value = start + k.shape[1]
-        mask = position_mask(positions, pos.value, self.cfg.sliding_window)
+        mask = position_mask(positions, pos.value, self.window)
         return masked_attention(q, key.value, value.value, mask, self.policy.dot_general)

@@ -78,18 +78,21 @@ def fused_projections(x: Array, kernels: Sequence[Array], axis: int, policy: Pol
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm, computed in fp32 whatever the compute dtype."""
+    """Root-mean-square norm, computed in fp32 whatever the compute dtype. `unit_offset` (Gemma's
+    model.norm_unit_offset): the scale applied is 1 + w, w stored zero-centred and initialised to 0."""
 
     eps: float
     policy: Policy
+    unit_offset: bool = False
 
     @nn.compact
     def __call__(self, x: Array) -> Array:
-        scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, ("norm",)),
-                           (x.shape[-1],), self.policy.param_dtype)
+        init = nn.initializers.zeros if self.unit_offset else nn.initializers.ones
+        scale = self.param("scale", nn.with_logical_partitioning(init, ("norm",)), (x.shape[-1],),
+                           self.policy.param_dtype).astype(jnp.float32)
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (normed * scale.astype(jnp.float32)).astype(self.policy.compute_dtype)
+        return (normed * (1.0 + scale if self.unit_offset else scale)).astype(self.policy.compute_dtype)
 
 
 EMBED_TABLE_AXES = ("vocab", "embed")
@@ -103,6 +106,7 @@ class Embed(nn.Module):
     d_model: int
     init_std: float
     policy: Policy
+    scale: bool = False  # model.scale_embeddings: looked-up rows times sqrt(d_model) (Gemma)
 
     def setup(self):
         self.embedding = self.param(
@@ -111,7 +115,11 @@ class Embed(nn.Module):
             (self.vocab_size, self.d_model), self.policy.param_dtype)
 
     def __call__(self, tokens: Array) -> Array:
-        return jnp.take(self.embedding, tokens, axis=0).astype(self.policy.compute_dtype)
+        rows = jnp.take(self.embedding, tokens, axis=0).astype(self.policy.compute_dtype)
+        if not self.scale:
+            return rows
+        # sqrt(d_model) rounded to the compute dtype first, as transformers rounds it to the weights'
+        return rows * jnp.asarray(math.sqrt(self.d_model), self.policy.compute_dtype)
 
     def attend(self, x: Array) -> Array:
         table = self.embedding.astype(self.policy.compute_dtype)

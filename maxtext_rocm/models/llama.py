@@ -36,13 +36,18 @@ REMAT_POLICIES = {
 BLOCK_OUTPUT_AXES = ("activation_batch", "activation_length", "activation_embed")
 
 
+# model.mlp_activation -> the gate's activation: SwiGLU's, or GeGLU's with tanh GELU (Gemma).
+ACTIVATIONS = {"silu": nn.silu, "gelu_tanh": lambda x: nn.gelu(x, approximate=True)}
+
+
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """A gated MLP, down(act(gate(x)) * up(x)): SwiGLU, or GeGLU under activation="gelu_tanh"."""
 
     d_model: int
     mlp_dim: int
     policy: Policy
     fuse: str = "off"  # model.fuse_projections: "on" = gate and up as one dot
+    activation: str = "silu"
 
     @nn.compact
     def __call__(self, x: Array) -> Array:
@@ -52,34 +57,71 @@ class MLP(nn.Module):
         else:  # one dot, [.., 2, mlp]: one tensor-parallel reduction of x's gradient, not two
             gate_up = fused_projections(x, [Kernel(*shapes, name=n)()[:, None] for n in ("gate", "up")], 0, self.policy)
             gate, up = gate_up[..., 0, :], gate_up[..., 1, :]
-        hidden = nn.silu(gate) * up
+        hidden = ACTIVATIONS[self.activation](gate) * up
         hidden = nn.with_logical_constraint(hidden, ("activation_batch", "activation_length", "activation_mlp"))
         return Dense((self.mlp_dim,), (self.d_model,), ("mlp", "embed"), self.policy, name="down")(hidden)
 
 
 class LlamaBlock(nn.Module):
-    """Pre-norm attention and SwiGLU MLP, each added to the residual stream."""
+    """Pre-norm attention and a gated MLP, each added to the residual stream; with model.post_norms
+    (Gemma 3) each output normed again before its add."""
 
     cfg: "ml_collections.FrozenConfigDict"  # noqa: F821 - cfg.model
     policy: Policy
     decode: bool = False  # attention keeps a KV cache (generate.py)
     expert_exchange: Callable | None = None  # a Mixtral block's MoE across devices (models/moe.py)
     context_attention: Callable | None = None  # attention over a sequence-split batch (models/attention.py)
+    attention_kind: str = ""  # "full" or "sliding" (models.layer_kinds); "": model.sliding_window's
 
     @nn.compact
     def __call__(self, x: Array, positions: Array, segment_ids: Array | None):
         m = self.cfg
-        attn_in = RMSNorm(m.norm_eps, self.policy, name="attention_norm")(x)
-        attention = Attention(m, self.policy, self.decode, self.context_attention, name="attention")
-        x = x + attention(attn_in, positions, segment_ids)
-        mlp_in = RMSNorm(m.norm_eps, self.policy, name="mlp_norm")(x)
-        x = x + self.feed_forward()(mlp_in)
+        attention = Attention(m, self.policy, self.decode, self.context_attention, self.attention_kind,
+                              name="attention")
+        x = x + self.normed("post_attention_norm", attention(self.norm("attention_norm", x), positions, segment_ids))
+        x = x + self.normed("post_mlp_norm", self.feed_forward()(self.norm("mlp_norm", x)))
         # (carry, per-layer output): the signature nn.scan expects.
         return nn.with_logical_constraint(x, BLOCK_OUTPUT_AXES), None
 
+    def norm(self, name: str, x: Array) -> Array:
+        return RMSNorm(self.cfg.norm_eps, self.policy, self.cfg.norm_unit_offset, name=name)(x)
+
+    def normed(self, name: str, out: Array) -> Array:
+        """A sublayer's output, normed again under model.post_norms."""
+        return self.norm(name, out) if self.cfg.post_norms else out
+
     def feed_forward(self) -> nn.Module:
         """The block's feed-forward layer: the one thing a Mixtral block changes."""
-        return MLP(self.cfg.d_model, self.cfg.mlp_dim, self.policy, self.cfg.fuse_projections, name="mlp")
+        m = self.cfg
+        return MLP(m.d_model, m.mlp_dim, self.policy, m.fuse_projections, m.mlp_activation, name="mlp")
+
+
+class LayerUnit(nn.Module):
+    """The repeating unit of a stack whose layers differ in attention kind (model.attention_kinds):
+    one block per kind, in order. The Decoder scans it, so a 62-layer Gemma 3 compiles one unit of
+    six blocks, not 62."""
+
+    block: type[nn.Module]
+    kinds: tuple[str, ...]
+    cfg: "ml_collections.FrozenConfigDict"  # noqa: F821 - cfg.model
+    policy: Policy
+    decode: bool = False
+    expert_exchange: Callable | None = None
+    context_attention: Callable | None = None
+
+    @nn.compact
+    def __call__(self, x: Array, positions: Array, segment_ids: Array | None):
+        for j, kind in enumerate(self.kinds):
+            x, _ = self.block(self.cfg, self.policy, self.decode, self.expert_exchange, self.context_attention,
+                              attention_kind=kind, name=f"block_{j}")(x, positions, segment_ids)
+        return x, None
+
+
+def layer_kinds(m) -> tuple[str, ...]:
+    """Each layer's attention kind: model.attention_kinds repeated over n_layers (its remainder
+    where the count does not divide), or every layer sliding under model.sliding_window, else full."""
+    unit = tuple(m.attention_kinds) or (("sliding",) if m.sliding_window else ("full",))
+    return tuple(unit[i % len(unit)] for i in range(m.n_layers))
 
 
 class TokenEmbedding(NamedTuple):
@@ -138,7 +180,7 @@ class Decoder(nn.Module):
         m = self.cfg
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-        embed = Embed(m.vocab_size, m.d_model, m.embed_init_std, self.policy, name="embed")
+        embed = Embed(m.vocab_size, m.d_model, m.embed_init_std, self.policy, m.scale_embeddings, name="embed")
         stacked_elsewhere = (m.scan_layers and self.layer_stack is not None and not self.decode
                              and not self.is_initializing())
         runs_the_loss = stacked_elsewhere and getattr(self.layer_stack, "runs_the_loss", False)
@@ -168,17 +210,19 @@ class Decoder(nn.Module):
                     metadata_params={nn.PARTITION_NAME: "layers"})
                 return stack(m, self.policy, self.decode, self.expert_exchange, self.context_attention, **kwargs)
 
-            stack = scanned(m.n_layers, name="layers")
-            if not stacked_elsewhere:
-                x, _ = stack(x, positions, segment_ids)
+            if len(m.attention_kinds) > 1 and not stacked_elsewhere:  # layers that differ: scan their unit
+                x = self._units(block, x, positions, segment_ids)
+            elif not stacked_elsewhere:
+                x, _ = scanned(m.n_layers, name="layers", attention_kind=layer_kinds(m)[0])(x, positions, segment_ids)
             else:
+                stack = scanned(m.n_layers, name="layers", attention_kind=layer_kinds(m)[0])
                 # The strategy runs the stack's own variables through `scanned` stacks of its
                 # choosing (unbound: scanned(length, parent=None)); what their layers sowed comes
                 # back as {collection: tree}, kept here beside the stack's (unused) own. The tokens
                 # go in unembedded: a strategy that splits the stack over devices looks them up
                 # where the first layers run, through the table's variables (a pure function: a
                 # bound module cannot be called inside the strategy's jax transforms).
-                unbound = Embed(m.vocab_size, m.d_model, m.embed_init_std, self.policy, parent=None)
+                unbound = Embed(m.vocab_size, m.d_model, m.embed_init_std, self.policy, m.scale_embeddings, parent=None)
                 embedding = TokenEmbedding(embed.variables, functools.partial(_looked_up, unbound))
                 tail = {} if loss is None else {"tail": self._tail(loss)}
                 x, sown = self.layer_stack(stack, scanned, embedding, tokens, positions, segment_ids, **tail)
@@ -188,12 +232,9 @@ class Decoder(nn.Module):
                 if loss is not None:
                     return x  # (objective, sums): the stack ran the final norm, the head and the loss
         else:
-            for i in range(m.n_layers):
-                x, _ = block(m, self.policy, self.decode, self.expert_exchange, self.context_attention,
-                             name=f"layers_{i}")(
-                    x, positions, segment_ids)
+            x = self._unrolled(block, range(m.n_layers), x, positions, segment_ids)
 
-        x = RMSNorm(m.norm_eps, self.policy, name="final_norm")(x)
+        x = RMSNorm(m.norm_eps, self.policy, m.norm_unit_offset, name="final_norm")(x)
         if return_hidden:
             return x
         if m.tie_embeddings:
@@ -203,12 +244,34 @@ class Decoder(nn.Module):
             logits = Dense((m.d_model,), (m.vocab_size,), HEAD_AXES, head_policy, name="lm_head")(x)
         return nn.with_logical_constraint(logits, ("activation_batch", "activation_length", "activation_vocab"))
 
+    def _units(self, block, x: Array, positions: Array, segment_ids: Array | None) -> Array:
+        """The stack as scanned repeats of its LayerUnit ("layers", each leaf [units, ...] under
+        block_j), then the remainder's layers one by one ("layers_{i}")."""
+        m = self.cfg
+        kinds = tuple(m.attention_kinds)
+        units = m.n_layers // len(kinds)
+        if units:
+            stack = nn.scan(
+                LayerUnit, variable_axes={"params": 0, AUX_LOSSES: 0, FP8_COLLECTION: 0, CACHE: 0, ADAPTERS: 0},
+                split_rngs={"params": True, "dropout": True}, in_axes=(nn.broadcast, nn.broadcast), length=units,
+                metadata_params={nn.PARTITION_NAME: "layers"})
+            x, _ = stack(block, kinds, m, self.policy, self.decode, self.expert_exchange, self.context_attention,
+                         name="layers")(x, positions, segment_ids)
+        return self._unrolled(block, range(units * len(kinds), m.n_layers), x, positions, segment_ids)
+
+    def _unrolled(self, block, layers, x: Array, positions: Array, segment_ids: Array | None) -> Array:
+        kinds = layer_kinds(self.cfg)
+        for i in layers:
+            x, _ = block(self.cfg, self.policy, self.decode, self.expert_exchange, self.context_attention,
+                         attention_kind=kinds[i], name=f"layers_{i}")(x, positions, segment_ids)
+        return x
+
     def _tail(self, loss: StackLoss) -> Tail:
         """The final norm, the head and `loss` as one pure function of their variables (read from
         this module's, which apply() was given)."""
         params = self.variables["params"]
         head, vocab_axis = lm_head_weight(params, self.cfg)
-        norm = RMSNorm(self.cfg.norm_eps, self.policy, parent=None)
+        norm = RMSNorm(self.cfg.norm_eps, self.policy, self.cfg.norm_unit_offset, parent=None)
 
         def apply(variables, hidden, rows):
             normed = norm.apply({"params": variables["final_norm"]}, hidden)
