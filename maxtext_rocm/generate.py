@@ -109,9 +109,10 @@ def _decoder(model_cfg, policy, batch: int, prompt_len: int, max_new: int, tempe
     return jax.jit(run)
 
 
-def _left_pad(prompts) -> tuple[np.ndarray, np.ndarray]:
-    """(tokens, positions) [batch, longest]: prompts aligned to the right, padding at position -1."""
-    longest = max(len(p) for p in prompts)
+def _left_pad(prompts, pad_to: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens, positions) [batch, max(longest, pad_to)]: prompts aligned to the right, padding at
+    position -1."""
+    longest = max(max(len(p) for p in prompts), pad_to)
     tokens = np.zeros((len(prompts), longest), np.int32)
     positions = np.full((len(prompts), longest), -1, np.int32)
     for row, prompt in enumerate(prompts):
@@ -122,12 +123,13 @@ def _left_pad(prompts) -> tuple[np.ndarray, np.ndarray]:
 
 
 def generate(cfg, params, prompt_tokens, max_new_tokens: int = 64, temperature: float = 0.0,
-             top_k: int = 0, top_p: float = 1.0, seed: int = 0, eos_id=None):
+             top_k: int = 0, top_p: float = 1.0, seed: int = 0, eos_id=None, pad_to: int = 0):
     """Continues each prompt of `prompt_tokens` (a list of token-id sequences, any lengths) by up
     to `max_new_tokens` tokens: greedy at temperature 0, else sampled (top_k, top_p), the same
     for the same seed. A row stops after `eos_id` (an id or several, e.g. a chat's end-of-turn and
-    EOS; kept in its output). Returns one int32 array
-    of new tokens per prompt; a single prompt (one sequence of ints) gives one array."""
+    EOS; kept in its output). `pad_to`: left-pad the prompts to at least this length, so that calls
+    with prompts of different lengths share one compiled program (evaluation's buckets). Returns one
+    int32 array of new tokens per prompt; a single prompt (one sequence of ints) gives one array."""
     single = len(prompt_tokens) > 0 and np.ndim(prompt_tokens[0]) == 0
     prompts = [np.asarray(p, np.int32).reshape(-1) for p in ([prompt_tokens] if single else prompt_tokens)]
     vocab = cfg.model.vocab_size
@@ -144,7 +146,7 @@ def generate(cfg, params, prompt_tokens, max_new_tokens: int = 64, temperature: 
     if set(params) == {"params"}:
         params = params["params"]
     stop_ids = tuple(int(i) for i in np.atleast_1d(np.asarray([] if eos_id is None else eos_id, np.int64)))
-    tokens, positions = _left_pad(prompts)
+    tokens, positions = _left_pad(prompts, pad_to)
     cfg = resolve_here(cfg, seq_len=tokens.shape[1])
     run = _decoder(_decoding_model_cfg(cfg.model), policy_from_config(cfg.precision), len(prompts),
                    tokens.shape[1], int(max_new_tokens), float(temperature), int(min(top_k, vocab)),

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -34,7 +35,7 @@ import pytest
 
 from doc_walk import (BOS_ID, CHATS, CORPUS, EOS_IDS, MAX_POSITIONS, PREFERENCES,  # noqa: E402
                       QWEN3_BOS_ID, QWEN3_EOS_ID, Walk, described, fresh_directory, make_hf_llama, make_hf_qwen3,
-                      page_commands, python_blocks, write_jsonl)
+                      page_commands, page_text, python_blocks, write_jsonl)
 
 # Commands a page shows that the default walk leaves out, with why; each must still be on its page.
 # The AOT compiles run on a CPU but take 10 s to minutes each: test_compile_commands (slow) walks them.
@@ -49,12 +50,20 @@ COMPILES = {
     "python -m maxtext_rocm.compile configs/llama3_8b.py --target=mi300x:1 --config.lora.rank=16":
         "compiles Llama 3 8B under LoRA: 10-40 s",
 }
+# docs/evaluation.md's public tasks download their data from the Hugging Face Hub, which CI cannot reach.
+PUBLIC_TASKS = {
+    "python -m maxtext_rocm.eval runs/llama31_8b/ --tasks hellaswag,arc_easy,arc_challenge --batch_size 32 "
+    "--output_path results/": "downloads HellaSwag and ARC from the Hugging Face Hub",
+    "python -m maxtext_rocm.eval runs/llama31_8b/ --tasks gsm8k --num_fewshot 5 --output_path results/":
+        "downloads GSM8K from the Hugging Face Hub",
+}
 NOT_WALKED = {
     "python -m maxtext_rocm.train configs/llama3_8b.py --config.mesh.ici.fsdp=8 --config.train.steps=50":
         "trains Llama 3 8B on one 8-GPU node",
     "python -m maxtext_rocm.train configs/llama3_8b.py:fp32 --config.train.steps=100 --config.optimizer.lr=1e-4":
         "trains Llama 3 8B in fp32",
     **COMPILES,
+    **PUBLIC_TASKS,
 }
 
 
@@ -75,7 +84,8 @@ def walk(page: str, cwd: Path, section: str | None = None) -> Walk:
 
 
 def test_not_walked_commands_are_on_their_pages():
-    shown = {line for page in ("README.md", "docs/lora.md", "docs/configs.md") for line in page_commands(page)}
+    shown = {line for page in ("README.md", "docs/lora.md", "docs/configs.md", "docs/evaluation.md")
+             for line in page_commands(page)}
     assert set(NOT_WALKED) <= shown, set(NOT_WALKED) - shown
 
 
@@ -272,3 +282,26 @@ def test_a_walk_fails_on_a_command_that_fails_its_reader(tmp_path):
     page.write_text("```bash\npython -m maxtext_rocm.convert to-hf runs/tiny_llama tiny_hf\n```\n")
     with pytest.raises(pytest.fail.Exception, match=r"(?s)page.md, command 1 of 1: .*exited 2.*runs/tiny_llama"):
         walk(str(page), fresh_directory(tmp_path / "clone"))
+
+
+def test_evaluation(tmp_path, hf_model):
+    """docs/evaluation.md: its task YAML files as the page writes them, documents of each kind,
+    then its commands; lm-eval's results file and samples land where the page says."""
+    pytest.importorskip("lm_eval")
+    cwd = fresh_directory(tmp_path / "clone")
+    bring(hf_model, cwd, "Meta-Llama-3.1-8B")
+    (cwd / "tasks").mkdir()
+    for block in re.findall(r"^```yaml\n(.*?)^```", page_text("docs/evaluation.md"), flags=re.S | re.M):
+        name = block.splitlines()[0].removeprefix("# ")
+        (cwd / name).write_text(block)
+    write_jsonl(cwd / "tasks" / "tiny_choice.jsonl", [
+        {"question": "Say hello.", "choices": [" hello world", " goodbye"], "answer": 0},
+        {"question": "What is 2+2?", "choices": [" four", " five"], "answer": 0}])
+    write_jsonl(cwd / "tasks" / "tiny_text.jsonl", CORPUS)
+    write_jsonl(cwd / "tasks" / "tiny_gen.jsonl", [{"prompt": "hello", "answer": " world"}])
+    walked = walk("docs/evaluation.md", cwd)
+    assert "tiny_text" in walked.steps[1].stdout and "bits_per_byte" in walked.steps[1].stdout  # the table
+    (results,) = (cwd / "results" / "llama31_8b").glob("results_*.json")
+    assert set(json.loads(results.read_text())["results"]) == {"tiny_choice", "tiny_text", "tiny_gen"}
+    assert len(list((cwd / "results" / "llama31_8b").glob("samples_*.jsonl"))) == 3
+    assert "acc" in walked.steps[2].stdout  # lm-eval's own command line, our model registered

@@ -92,6 +92,7 @@ LAYERS = [
     ["trainer"],
     ["api", "planner", "convert"],
     ["train", "generate", "compile"],
+    ["eval"],  # lm-evaluation-harness's model over api, generate and convert's record of the original
     ["maxtext_rocm"],
 ]
 

@@ -35,7 +35,8 @@ def test_tiny_llama_trains_and_writes_its_run_directory(tmp_path):
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [3, 6]
     assert set(rows[0]) == {"step", "loss", "lr", "grad_norm", "step_time_s", "tokens_per_s_per_device",
-                            "tflops_per_s_per_device", "mfu", "nonfinite_steps", "padding_fraction"}
+                            "real_tokens_per_s_per_device", "tflops_per_s_per_device", "mfu", "nonfinite_steps",
+                            "padding_fraction"}
     assert rows[0]["padding_fraction"] == 0.0  # the embedded corpus fills every row
     assert rows[0]["mfu"] is None  # no peak is known for a CPU
     assert all(r["loss"] > 0 and r["tokens_per_s_per_device"] > 0 for r in rows)

@@ -131,11 +131,17 @@ def check_trained_within(example: TokenizedExample, seq_len: int, where: str) ->
                     "train.seq_len, shorten it, or set data.packing='concat' (or 'best_fit': both cut, never truncate)")
 
 
-def format_dataset(files, data_cfg, tokenizer):
-    """(records, grain.MapDataset of examples) for data.format chat / prompt_completion / preference."""
-    import grain
+class FormatDataset(NamedTuple):
+    """The records of data.format chat / prompt_completion / preference and what tokenizes them."""
 
+    records: object  # data/records.py's Records
+    tokenize: Tokenize
+    key: tuple  # data/kept.py's kept_key: finds what the start-up check kept
+
+
+def format_dataset(files, data_cfg, tokenizer) -> FormatDataset:
     from maxtext_rocm.data.chat_template import load_chat_template
+    from maxtext_rocm.data.kept import kept_key
     from maxtext_rocm.data.records import Records
 
     fmt = data_cfg.get("format", "text")
@@ -143,7 +149,7 @@ def format_dataset(files, data_cfg, tokenizer):
     template = load_chat_template(data_cfg, tokenizer) if records.has_messages else None
     tokenize = Tokenize(fmt, tokenizer, template, bool(data_cfg.get("train_on_prompt", False)),
                         data_cfg.get("add_bos", True), data_cfg.get("add_eos", True))
-    return records, grain.MapDataset.source(records).map(tokenize)
+    return FormatDataset(records, tokenize, kept_key(files, tokenize))
 
 
 def role_pattern(record: dict) -> tuple:
@@ -161,10 +167,16 @@ class FormatSource(NamedTuple):
 
 
 def format_source(files, data_cfg, tokenizer, local_rows: int) -> FormatSource:
+    """The records, their examples (those the start-up check tokenized, taken from it: data/kept.py)
+    and the packer of their rows."""
+    import grain
+
+    from maxtext_rocm.data.kept import TokenizedRecords, take_kept
     from maxtext_rocm.data.packing import RowPacker
     from maxtext_rocm.data.preference import PairPacker
 
-    records, dataset = format_dataset(files, data_cfg, tokenizer)
+    records, tokenize, key = format_dataset(files, data_cfg, tokenizer)
+    dataset = grain.MapDataset.source(TokenizedRecords(records, tokenize, take_kept(key)))
     if data_cfg.get("format") != "preference":
         return FormatSource(records, dataset, RowPacker)
     if local_rows % 2:
@@ -202,10 +214,14 @@ def check_format_inputs(files, data_cfg, tokenizer, seq_len: int | None, key: st
     (chat, prompt_completion) no example loses every trained token to the row's end, which
     tokenizes every record once; and the data trains something: some record leaves a trained
     token (preference: some pair whose rows differ). Usually the first record does, so that costs
-    nothing more; data that trains nothing costs one pass over it, once, to be refused."""
+    nothing more; data that trains nothing costs one pass over it, once, to be refused. What it
+    tokenized is kept for the source that trains on it (data/kept.py), so no record is tokenized
+    twice in a start-up."""
     from maxtext_rocm.data.chat_template import load_chat_template, reply_problem
+    from maxtext_rocm.data.kept import KeptExamples, TokenizedRecords, leave_for_source
 
-    records, dataset = format_dataset(files, data_cfg, tokenizer)
+    records, tokenize, kept_as = format_dataset(files, data_cfg, tokenizer)
+    dataset = TokenizedRecords(records, tokenize)
     if records.has_messages:
         problem = reply_problem(load_chat_template(data_cfg, tokenizer))
         if problem:
@@ -215,6 +231,7 @@ def check_format_inputs(files, data_cfg, tokenizer, seq_len: int | None, key: st
     exhaustive = not preference and unpacked and seq_len
     trains = lambda item: usable_pair(item, seq_len) if preference else trains_a_token(item)  # noqa: E731
     seen, trained = set(), False
+    kept = KeptExamples(len(records), owners=(tokenize.tokenizer, tokenize.template))
     for index in range(len(records)):
         if not exhaustive:
             pattern = role_pattern(records[index][0])
@@ -222,11 +239,13 @@ def check_format_inputs(files, data_cfg, tokenizer, seq_len: int | None, key: st
                 continue
             seen.add(pattern)
         example = dataset[index]
+        kept.keep(index, example)
         trained = trained or trains(example)
         if exhaustive:
             check_trained_within(example, seq_len, records.where(index))
     if not trained and not any(trains(dataset[index]) for index in range(len(records))):
         raise _trains_nothing(data_cfg, files, key)
+    leave_for_source(kept_as, kept)
 
 
 def _trains_nothing(data_cfg, files, key: str) -> DataError:

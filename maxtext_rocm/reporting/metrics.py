@@ -256,8 +256,9 @@ def format_line(step: int, total_steps: int, metrics: Mapping[str, Any]) -> str:
         parts.append(f"pad {100 * padding:.1f}%")
     if step_time is not None:
         parts.append(f"{step_time:.3f} s/step")
-    if tokens is not None:
-        parts.append(f"{tokens:,.0f} tok/s/dev")
+    if tokens is not None:  # every position computed; "real": those holding a token (not padding)
+        real = get("real_tokens_per_s_per_device")
+        parts.append(f"{tokens:,.0f} tok/s/dev" + (f" ({real:,.0f} real)" if real is not None else ""))
     if tflops is not None:
         parts.append(f"{tflops:.2f} TFLOP/s/dev")
     if "mfu" in metrics or tflops is not None:

@@ -1,5 +1,6 @@
 """The Trainer's clocks: how long a launch took to its first finished step (said once), and the
-step time of the logged rows (measured between marks, evaluations left out)."""
+step time of the logged rows (measured between marks, evaluations left out) with the padding of
+the steps it timed (for the rows' real tokens per second)."""
 
 from __future__ import annotations
 
@@ -31,11 +32,14 @@ class StartupClock:
 class StepClock:
     """One `Trainer.run` call's step timing: a mark (time, step count) that the next logged row's
     step time is measured from, set at the end of the call's first step (the Trainer's first
-    includes compilation) and again at each logged row; `logged_at`: the step of the last row."""
+    includes compilation) and again at each logged row; `logged_at`: the step of the last row.
+    `paddings`: the padding fraction of each step taken since the mark, as the device scalars the
+    steps returned, fetched with the row's other metrics (no host sync of their own)."""
 
     def __init__(self):
         self.mark: tuple[float, int] | None = None
         self.logged_at: int | None = None
+        self.paddings: list = []
 
     @property
     def started(self) -> bool:
@@ -43,6 +47,11 @@ class StepClock:
 
     def start(self, step_count: int) -> None:
         self.mark = (time.perf_counter(), step_count)
+        self.paddings = []
+
+    def timed(self, step_metrics: dict) -> None:
+        """A step taken after the mark: its padding counts in the next row's real tokens."""
+        self.paddings.append(step_metrics["padding"])
 
     def step_time(self, step_count: int) -> float | None:
         """Seconds per step since the mark (None when no step was taken since)."""

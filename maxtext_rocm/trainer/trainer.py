@@ -58,6 +58,8 @@ class Trainer:
                 step_metrics = self.step()
                 if not clock.started:  # the step time counts from the end of this call's first step
                     self._first_step_done(step_metrics, clock)
+                else:
+                    clock.timed(step_metrics)
                 if self.checkpointer:  # it raises a failed background save now, and saves at its steps
                     self.checkpointer.save_if_due(self.step_count, self.cfg.train.steps, self.save_checkpoint)
                 if self._evaluates_at(self.step_count):
@@ -157,9 +159,10 @@ class Trainer:
     def _log_row(self, step_metrics, clock: StepClock) -> tuple[dict, dict]:
         """Fetches the step's metrics (the loop's only host sync), writes and prints its row and
         marks the step clock. Returns (the fetched metrics, the row)."""
-        fetched = jax.device_get(step_metrics)
+        fetched, paddings = jax.device_get((step_metrics, clock.paddings))
         logged = run_report.logged_row(self.cfg, fetched, clock.step_time(self.step_count), self.global_batch,
-                                       self.n_devices, self.flops_per_token, self.peak_tflops)
+                                       self.n_devices, self.flops_per_token, self.peak_tflops,
+                                       timed_padding=float(np.mean(paddings)) if paddings else None)
         self.writer.write(self.step_count, logged)
         self.last_logged = (self.step_count, logged)
         if self.is_logger:

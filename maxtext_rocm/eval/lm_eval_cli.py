@@ -1,0 +1,17 @@
+"""lm-eval's own command line with the "maxtext_rocm" model registered:
+
+    python -m maxtext_rocm.eval.lm_eval_cli --model maxtext_rocm --model_args run=RUN --tasks T1,T2 [lm_eval's flags]
+
+lm-eval 0.4 finds a model only in its registry, which a module fills when it is imported; the
+`lm_eval` script imports its own models and nothing else (no entry points, and --include_path
+reads task YAML, not Python). This imports ours, then hands the arguments to lm-eval unchanged.
+"""
+
+import sys
+
+from lm_eval.__main__ import cli_evaluate
+
+import maxtext_rocm.eval.model  # noqa: F401  registers "maxtext_rocm"
+
+if __name__ == "__main__":
+    sys.exit(cli_evaluate())

@@ -1,0 +1,192 @@
+"""maxtext_rocm.eval against lm-evaluation-harness's own `hf` backend on the same tiny model: a
+Llama made by transformers, imported with `convert from-hf`, scored by both on local tasks (YAML +
+JSON Lines written here, nothing downloaded) of each request type. Every per-request
+log-likelihood agrees to 1e-4 in fp32, the metrics agree, greedy generations are the same strings.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("lm_eval")
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from chat_helpers import make_chat_tokenizer  # noqa: E402
+
+from maxtext_rocm.convert.__main__ import main as convert_main  # noqa: E402
+from maxtext_rocm.eval import cli  # noqa: E402
+
+WINDOW = 64  # both backends' max_length: the rolling task's documents need several windows
+STOP = "o"  # the generation task's stop string; the test checks that it cuts a generation
+TASKS = {
+    "tiny_choice": ("multiple_choice", [
+        {"question": "What does the quick brown fox jump over?", "choices": [" the lazy dog", " the moon", " a fence"],
+         "answer": 0},
+        {"question": "Say hello.", "choices": [" hello world", " goodbye"], "answer": 0},
+        {"question": "What is 2+2?", "choices": [" four", " five", " the answer is four"], "answer": 2}]),
+    "tiny_text": ("loglikelihood_rolling", [{"text": "the quick brown fox jumps over the lazy dog. " * 6},
+                                            {"text": "hello world, hello tokenizer. " * 2}]),
+    "tiny_gen": ("generate_until", [{"prompt": "the quick brown", "answer": " fox"},
+                                    {"prompt": "hello", "answer": " world"}, {"prompt": "What is", "answer": " four"}]),
+}
+TASK_KEYS = {
+    "multiple_choice": 'doc_to_text: "Question: {{question}}\\nAnswer:"\ndoc_to_choice: "{{choices}}"\n'
+                       'doc_to_target: "{{answer}}"\nmetric_list:\n  - metric: acc\n  - metric: acc_norm\n',
+    "loglikelihood_rolling": 'doc_to_text: ""\ndoc_to_target: "{{text}}"\nmetric_list:\n  - metric: word_perplexity\n'
+                             '  - metric: byte_perplexity\n  - metric: bits_per_byte\n',
+    "generate_until": f'doc_to_text: "{{{{prompt}}}}"\ndoc_to_target: "{{{{answer}}}}"\ngeneration_kwargs:\n'
+                      f'  until: ["{STOP}"]\n  max_gen_toks: 12\n  do_sample: false\nmetric_list:\n'
+                      '  - metric: exact_match\n',
+}
+
+
+def write_tasks(folder: Path) -> Path:
+    """One YAML + one JSON Lines file per task, as a user writes a local task."""
+    folder.mkdir(parents=True)
+    for name, (kind, docs) in TASKS.items():
+        data = folder / f"{name}.jsonl"
+        data.write_text("".join(json.dumps(d) + "\n" for d in docs))
+        (folder / f"{name}.yaml").write_text(
+            f"task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\n"
+            f"test_split: test\noutput_type: {kind}\n{TASK_KEYS[kind]}")
+    return folder
+
+
+def make_llama(folder: Path) -> Path:
+    """A tiny Llama with a BPE tokenizer; weights drawn wide (std 0.15) so that logits differ by
+    far more than float noise and greedy choices are not near-ties."""
+    make_chat_tokenizer(folder)
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                      tie_word_embeddings=False, bos_token_id=0, eos_token_id=[1, 4])
+    model = transformers.LlamaForCausalLM(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.uniform_(0.5, 1.5) if "norm" in name else param.normal_(0.0, 0.15)
+    model.eval().save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("eval")
+    make_llama(root / "hf")
+    assert convert_main(["from-hf", str(root / "hf"), str(root / "export")]) == 0
+    write_tasks(root / "tasks")
+    return root
+
+
+def evaluate(model: str, model_args: dict, root: Path) -> dict:
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    import maxtext_rocm.eval.model  # noqa: F401  registers "maxtext_rocm"
+
+    return lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=list(TASKS), batch_size=4,
+                                   task_manager=TaskManager(include_path=str(root / "tasks")), log_samples=True)
+
+
+@pytest.fixture(scope="module")
+def both(workspace):
+    ours = evaluate("maxtext_rocm", {"run": str(workspace / "export"), "precision": "fp32", "max_length": WINDOW},
+                    workspace)
+    theirs = evaluate("hf", {"pretrained": str(workspace / "hf"), "dtype": "float32", "max_length": WINDOW,
+                             "device": "cpu"}, workspace)
+    return ours, theirs
+
+
+def responses(results: dict, task: str) -> list:
+    return [sample["resps"] for sample in sorted(results["samples"][task], key=lambda s: s["doc_id"])]
+
+
+@pytest.mark.parametrize("task", ["tiny_choice", "tiny_text"])
+def test_every_loglikelihood_matches_hf(both, task):
+    ours, theirs = both
+    ours, theirs = responses(ours, task), responses(theirs, task)
+    assert len(ours) == len(theirs) == len(TASKS[task][1])
+    for our_doc, their_doc in zip(ours, theirs):
+        assert len(our_doc) == len(their_doc)
+        for (ours_one,), (theirs_one,) in zip(our_doc, their_doc):
+            if task == "tiny_choice":  # (log-likelihood, is_greedy)
+                assert ours_one[0] == pytest.approx(theirs_one[0], abs=1e-4) and ours_one[1] == theirs_one[1]
+            else:
+                assert ours_one == pytest.approx(theirs_one, abs=1e-4)
+
+
+def test_metrics_match_hf(both):
+    ours, theirs = both
+    for task in TASKS:
+        our_metrics = {k: v for k, v in ours["results"][task].items() if "," in k and not isinstance(v, str)}
+        their_metrics = {k: v for k, v in theirs["results"][task].items() if "," in k and not isinstance(v, str)}
+        assert our_metrics.keys() == their_metrics.keys() and our_metrics
+        for key, value in our_metrics.items():
+            assert value == pytest.approx(their_metrics[key], rel=1e-5), (task, key)
+
+
+def test_greedy_generations_are_hf_strings(both, workspace):
+    ours, theirs = both
+    assert responses(ours, "tiny_gen") == responses(theirs, "tiny_gen")
+    # The stop string was met: some unstopped greedy continuation holds it (so it cut that one).
+    tokenizer = transformers.AutoTokenizer.from_pretrained(workspace / "hf")
+    model = transformers.AutoModelForCausalLM.from_pretrained(workspace / "hf", dtype=torch.float32)
+    cut = 0
+    for doc, ((ours_text,),) in zip(TASKS["tiny_gen"][1], responses(ours, "tiny_gen")):
+        ids = tokenizer(doc["prompt"], return_tensors="pt").input_ids
+        whole = tokenizer.decode(model.generate(ids, max_new_tokens=12, do_sample=False)[0, ids.shape[1]:],
+                                 skip_special_tokens=True)
+        assert whole.split(STOP)[0] == ours_text
+        cut += STOP in whole
+    assert cut >= 1
+
+
+def test_a_task_compiles_a_few_programs(workspace):
+    """Requests of many lengths run in a few padded shapes (eval/scoring.py's buckets)."""
+    from lm_eval.api.instance import Instance
+
+    from maxtext_rocm.eval.model import MaxTextLM
+    from maxtext_rocm.eval.scoring import bucket_lengths
+
+    lm = MaxTextLM(run=str(workspace / "export"), precision="fp32", max_length=WINDOW, batch_size=4)
+    requests = [Instance("loglikelihood", {}, ("the quick brown fox " * n, " jumps"), 0) for n in range(1, 13)]
+    scores = lm.loglikelihood(requests, disable_tqdm=True)
+    assert len(scores) == 12 and lm.scorer.shapes_run <= {(4, b) for b in bucket_lengths(WINDOW)}
+    assert len(lm.scorer.shapes_run) <= 3
+
+
+def test_command_writes_lm_evals_results_file(workspace, tmp_path, capsys):
+    out = tmp_path / "results"
+    code = cli.main([str(workspace / "export"), "--tasks", "tiny_choice", "--include_path", str(workspace / "tasks"),
+                     "--limit", "2", "--output_path", str(out), "--log_samples", "--model_args", "precision=fp32"])
+    assert code == 0
+    assert "tiny_choice" in capsys.readouterr().out  # lm-eval's results table
+    (results,) = (out / "export").glob("results_*.json")
+    record = json.loads(results.read_text())
+    assert record["results"]["tiny_choice"]["sample_len"] == 2 and "configs" in record and "versions" in record
+    (samples,) = (out / "export").glob("samples_tiny_choice_*.jsonl")
+    assert len(samples.read_text().splitlines()) == 2
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["--tasks", "no_such_task"], "unknown task 'no_such_task'"),
+    (["--tasks", "tiny_choice", "--include_path", "EMPTY"], "holds no task YAML file"),
+])
+def test_bad_input_is_one_sentence(workspace, tmp_path, capsys, argv, said):
+    (tmp_path / "empty").mkdir()
+    argv = [str(tmp_path / "empty") if a == "EMPTY" else a for a in argv]
+    if "--include_path" not in argv:
+        argv += ["--include_path", str(workspace / "tasks")]
+    assert cli.main([str(workspace / "export"), *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and said in err and len(err.splitlines()) == 1
+
+
+def test_without_lm_eval_the_command_names_the_extra(monkeypatch, capsys, tmp_path):
+    monkeypatch.setitem(sys.modules, "lm_eval", None)  # import lm_eval raises ImportError
+    assert cli.main([str(tmp_path), "--tasks", "hellaswag"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "pip install -e '.[eval]'" in err
