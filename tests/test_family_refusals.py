@@ -15,12 +15,12 @@ transformers = pytest.importorskip("transformers")
 from maxtext_rocm.convert.__main__ import main as convert_main  # noqa: E402
 
 PAGE = (Path(__file__).resolve().parent.parent / "docs" / "models.md").read_text()
-SUPPORTED = ("LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MixtralForCausalLM, "
-             "Qwen3MoeForCausalLM")
+SUPPORTED = ("LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Gemma3ForCausalLM, "
+             "MixtralForCausalLM, Qwen3MoeForCausalLM, Gemma3ForConditionalGeneration")
 # (the folder it starts from, what config.json gets, what from-hf says; the page quotes it, or for
 # another class or the second key of a row, names it as `shown`)
 ARCHITECTURES = {
-    "Gemma3ForCausalLM": "gemma3_text", "Gemma3ForConditionalGeneration": "gemma3", "GptOssForCausalLM": "gpt_oss",
+    "Gemma2ForCausalLM": "gemma2", "GptOssForCausalLM": "gpt_oss",
     "Llama4ForCausalLM": "llama4_text", "DeepseekV3ForCausalLM": "deepseek_v3", "Qwen2MoeForCausalLM": "qwen2_moe",
 }
 CASES = {
@@ -39,11 +39,15 @@ CASES = {
                         "on every layer is supported, not a mix"),
     "decoder_sparse_step": ("qwen3_moe", dict(decoder_sparse_step=2),
                             "sets mlp_only_layers or decoder_sparse_step, so some layers are dense"),
-    "hidden_act": ("qwen3", dict(hidden_act="gelu_pytorch_tanh"),
-                   "sets hidden_act='gelu_pytorch_tanh'; only SwiGLU ('silu') MLPs are supported"),
+    "hidden_act": ("qwen3", dict(hidden_act="relu"),
+                   "sets hidden_act='relu'; only SwiGLU ('silu') and GeGLU ('gelu_pytorch_tanh') MLPs are supported"),
+    "final_logit_softcapping": ("qwen3", dict(final_logit_softcapping=30.0),
+                                "sets final_logit_softcapping=30.0: a tanh cap on the logits, which this code base "
+                                "does not have"),
     "rope_type": ("qwen3", dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6,
                                                   "original_max_position_embeddings": 32}),
-                  "asks for rope_type 'yarn'; only 'default' and Llama 3.1's 'llama3' frequency scaling are supported"),
+                  "asks for rope_type 'yarn'; only 'default', 'linear' and Llama 3.1's 'llama3' frequency scaling are "
+                  "supported"),
 }
 SHOWN = {**{name: f"`{name}`" for name in ARCHITECTURES}, "mlp_bias": "`mlp_bias: true`",
          "decoder_sparse_step": "`decoder_sparse_step` other than 1"}

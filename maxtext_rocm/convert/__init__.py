@@ -36,6 +36,7 @@ import numpy as np
 
 from maxtext_rocm import config as config_lib
 from maxtext_rocm.convert import files as files_lib
+from maxtext_rocm.convert.families import multimodal_of, text_config
 from maxtext_rocm.convert.hf_config import ConvertError, hf_config, model_updates
 from maxtext_rocm.convert.mapping import IGNORED, aliases, leaf, plan
 from maxtext_rocm.convert.origin import find_origin, find_record, generation_config, read_generation_config
@@ -103,7 +104,8 @@ def from_hf(hf_dir, overrides: Mapping[str, Any] | Iterable[str] | None = None, 
     apply to the config before the weights are read; the params tree follows model.scan_layers.
     """
     hf_dir = Path(hf_dir)
-    hf = read_hf_config(hf_dir)
+    original = read_hf_config(hf_dir)
+    multimodal, hf = multimodal_of(original), text_config(original)
     weight_files = files_lib.weight_files(hf_dir)  # pickles are refused before anything else
     where = str(hf_dir / "config.json")
     name = re.sub(r"[^A-Za-z0-9_.-]", "_", name or hf_dir.resolve().name) or "converted"
@@ -126,6 +128,10 @@ def from_hf(hf_dir, overrides: Mapping[str, Any] | Iterable[str] | None = None, 
 
     for name, path, shape, dtype, load in files_lib.tensors(weight_files):
         origin = f"{name} in {path.name}"
+        if multimodal is not None:  # the text model's tensors under their text-only names
+            if name.startswith(multimodal.skipped):
+                continue
+            name = name.removeprefix(multimodal.prefix)
         if IGNORED.match(name) or (name == "lm_head.weight" and m.tie_embeddings):
             continue
         if name not in slots and name not in alias_table:
@@ -158,6 +164,16 @@ def from_hf(hf_dir, overrides: Mapping[str, Any] | Iterable[str] | None = None, 
     return cfg, params
 
 
+def import_note(hf_dir) -> str | None:
+    """The line `from-hf` says of a checkpoint whose other towers it leaves out, or None."""
+    hf = read_hf_config(hf_dir)
+    multimodal = multimodal_of(hf)
+    if multimodal is None:
+        return None
+    return (f"note: {hf_dir} holds a {hf['architectures'][0]}; its text model was imported (as a "
+            f"{multimodal.text_architecture}), not its {' or '.join(p.rstrip('.') for p in multimodal.skipped)}")
+
+
 def hf_to_export(hf_dir, out_dir, overrides=None) -> Path:
     """`from-hf`: a params export + config.json + preset.py in out_dir."""
     from maxtext_rocm.checkpoint.params import write_params
@@ -168,7 +184,8 @@ def hf_to_export(hf_dir, out_dir, overrides=None) -> Path:
     with written_atomically(out_dir) as tmp:
         write_params(tmp, params)  # params/ + checksums.json, verified by every reader
         # The original, for `to-hf` of this export and of every run started from it (origin.py).
-        record = {"config": cfg.to_dict(), "hf_config": read_hf_config(hf_dir), "converted_from": str(hf_dir.resolve()),
+        record = {"config": cfg.to_dict(), "hf_config": text_config(read_hf_config(hf_dir)),
+                  "converted_from": str(hf_dir.resolve()),
                   "generation_config": read_generation_config(hf_dir)}
         (tmp / "config.json").write_text(json.dumps(record, indent=2) + "\n")
         (tmp / "preset.py").write_text(preset_source(cfg, hf_dir.resolve()))

@@ -34,12 +34,15 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE, file=sys.stderr)
         return 2
     from maxtext_rocm.config import UserError
-    from maxtext_rocm.convert import checkpoint_to_hf, hf_to_export
+    from maxtext_rocm.convert import checkpoint_to_hf, hf_to_export, import_note
 
     command, source, out, rest = argv[0], argv[1], argv[2], argv[3:]
     try:
         if command == "from-hf":
             written = Path(hf_to_export(source, out, overrides=rest))
+            note = import_note(source)
+            if note:
+                print(note)
             print(f"wrote {written} (fine-tune from it: python -m maxtext_rocm.train {written / 'preset.py'} "
                   "--config.data.paths=YOUR_DATA.jsonl; docs/finetuning.md)")
         else:

@@ -63,3 +63,36 @@ def mismatched_options(model_cfg) -> list[str]:
     if model_cfg.query_pre_attn_scalar is not None and not family.scaled_scores:
         wrong.append(f"model.query_pre_attn_scalar={model_cfg.query_pre_attn_scalar}")
     return wrong
+
+
+# Checkpoints that hold a text model beside other towers: the class, the text model's config key,
+# its tensors' prefix, and the prefixes of what is not imported.
+@dataclasses.dataclass(frozen=True)
+class Multimodal:
+    text_architecture: str
+    text_model_type: str
+    config_key: str
+    prefix: str
+    skipped: tuple[str, ...]
+
+
+MULTIMODAL = {"Gemma3ForConditionalGeneration": Multimodal("Gemma3ForCausalLM", "gemma3_text", "text_config",
+                                                           "language_model.", ("vision_tower.", "multi_modal_projector."))}
+
+
+def multimodal_of(hf: Mapping[str, Any]) -> Multimodal | None:
+    names = hf.get("architectures") or []
+    return MULTIMODAL.get(names[0]) if names else None
+
+
+def text_config(hf: Mapping[str, Any]) -> dict:
+    """The config.json of the text model `hf` describes: itself, or a multimodal checkpoint's
+    text config as its text class's own (what `to-hf` of it writes: the text model alone)."""
+    multimodal = multimodal_of(hf)
+    if multimodal is None:
+        return dict(hf)
+    text = dict(hf.get(multimodal.config_key) or {})
+    text.update(architectures=[multimodal.text_architecture], model_type=multimodal.text_model_type)
+    if "tie_word_embeddings" in hf:
+        text["tie_word_embeddings"] = hf["tie_word_embeddings"]
+    return text

@@ -14,7 +14,7 @@ import copy
 from typing import Any, Mapping
 
 from maxtext_rocm.config import MOE_FAMILIES
-from maxtext_rocm.convert.families import ARCHITECTURES, FAMILIES, MODEL_TYPES, mismatched_options
+from maxtext_rocm.convert.families import ARCHITECTURES, FAMILIES, MODEL_TYPES, MULTIMODAL, mismatched_options
 from maxtext_rocm.convert.hf_attention import ConvertError, rope_keys, window_keys, write_rope, write_windows
 
 __all__ = ["ConvertError", "architecture", "hf_config", "model_updates"]
@@ -32,7 +32,7 @@ def architecture(hf: Mapping[str, Any], where: str) -> str:
     name = names[0] if names else hf.get("model_type", "unknown")
     if name not in ARCHITECTURES:
         raise ConvertError(f"{where} describes a {name}, which cannot be converted; supported architectures "
-                           f"are {', '.join(ARCHITECTURES)}")
+                           f"are {', '.join([*ARCHITECTURES, *MULTIMODAL])}")
     return ARCHITECTURES[name]
 
 
@@ -110,7 +110,8 @@ def hf_config(model_cfg, base: Mapping[str, Any] | None = None, dtype: str = "fl
     their_act = {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh"}[m.mlp_activation]
     out["hidden_activation" if m.family == "gemma3" else "hidden_act"] = their_act
     if m.query_pre_attn_scalar or "query_pre_attn_scalar" in out:
-        out["query_pre_attn_scalar"] = m.query_pre_attn_scalar or m.head_dim
+        scalar = m.query_pre_attn_scalar or m.head_dim
+        out["query_pre_attn_scalar"] = int(scalar) if float(scalar).is_integer() else scalar  # transformers: int
     out.update(_family_keys(m, out))
     write_rope(m, out)
     write_windows(m, out, FAMILIES[m.family].windowed)
