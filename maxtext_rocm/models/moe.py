@@ -68,10 +68,26 @@ def route(logits: Array, k: int, renormalize: bool = True) -> tuple[Array, Array
     Qwen3-MoE's norm_topk_prob), else kept as the softmax gave them.
     """
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-    weights, experts = jax.lax.top_k(probs, k)
+    weights, experts = top_k_of_each(probs, k)
     if renormalize:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     return probs, weights, experts
+
+
+def top_k_of_each(values: Array, k: int) -> tuple[Array, Array]:
+    """`jax.lax.top_k(values, k)`, the same values, indices and gradient (ties to the lower
+    index), from a stable sort along the last axis.
+
+    XLA's partitioner splits its TopK only along the sorted axis: with the batch sharded it
+    gathered every device's router probabilities to each device and ran the top-k of all tokens
+    everywhere, an all-gather per layer (docs/figures.md, "Qwen3 plans"). A sort is partitioned
+    along its other axes, so each device sorts only its own tokens' experts.
+    """
+    axis = values.ndim - 1
+    positions = jax.lax.broadcasted_iota(jnp.int32, values.shape, axis)
+    # Ascending and stable on the negated values: the largest first, equal ones in index order.
+    negated, order = jax.lax.sort((-values, positions), dimension=axis, is_stable=True, num_keys=1)
+    return -negated[..., :k], order[..., :k]
 
 
 def load_balancing_loss(probs: Array, experts: Array) -> Array:
