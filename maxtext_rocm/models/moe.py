@@ -75,8 +75,8 @@ def route(logits: Array, k: int, renormalize: bool = True) -> tuple[Array, Array
 
 
 def top_k_of_each(values: Array, k: int) -> tuple[Array, Array]:
-    """`jax.lax.top_k(values, k)`, the same values, indices and gradient (ties to the lower
-    index), from a stable sort along the last axis.
+    """`jax.lax.top_k(values, k)` along the last axis, the same values, indices and gradient,
+    from a stable sort.
 
     XLA's partitioner splits its TopK only along the sorted axis: with the batch sharded it
     gathered every device's router probabilities to each device and ran the top-k of all tokens
@@ -85,9 +85,14 @@ def top_k_of_each(values: Array, k: int) -> tuple[Array, Array]:
     """
     axis = values.ndim - 1
     positions = jax.lax.broadcasted_iota(jnp.int32, values.shape, axis)
-    # Ascending and stable on the negated values: the largest first, equal ones in index order.
-    negated, order = jax.lax.sort((-values, positions), dimension=axis, is_stable=True, num_keys=1)
-    return -negated[..., :k], order[..., :k]
+    # top_k orders floats totally (-0 below +0, NaNs at the ends by sign) where sort's comparator
+    # takes -0 for +0: integer keys in IEEE total order, complemented so the largest come first;
+    # the sort's stability puts equal values in index order, as top_k does.
+    bits = jax.lax.bitcast_convert_type(values, jnp.dtype(f"int{values.dtype.itemsize * 8}"))
+    total_order = bits ^ ((bits >> (bits.dtype.itemsize * 8 - 1)) & jnp.iinfo(bits.dtype).max)
+    _, order = jax.lax.sort((~total_order, positions), dimension=axis, is_stable=True, num_keys=1)
+    chosen = order[..., :k]
+    return jnp.take_along_axis(values, chosen, axis=axis), chosen
 
 
 def load_balancing_loss(probs: Array, experts: Array) -> Array:
