@@ -40,15 +40,16 @@ def _optimized_step(tmp_path, mesh_axes: dict) -> str:
     """The optimized HLO of a small Mixtral's train step (dropless, fp32, remat full) for 8 GPUs
     with `mesh_axes`, as `python -m maxtext_rocm.compile` builds it, from XLA's dump."""
     dump = tmp_path / "dump"
-    sizes = [f"--config.mesh.ici.{a}={mesh_axes.get(a, 1)}" for a in ("stage", "data", "fsdp", "expert", "sequence", "tensor")]
+    sizes = [f"--config.mesh.ici.{a}={mesh_axes.get(a, 1)}"
+             for a in ("stage", "data", "fsdp", "expert", "sequence", "tensor")]
     result = subprocess.run(
         [sys.executable, "-m", "maxtext_rocm.compile", "tiny_mixtral", "--target=mi355x:8", *sizes,
          "--config.precision.policy=fp32", "--config.model.moe_impl=dropless", "--config.model.remat=full",
          f"--config.model.n_experts={EXPERTS}", "--config.model.experts_per_token=2",
          f"--config.model.d_model={D_MODEL}", "--config.model.n_layers=2", "--config.model.n_heads=4",
          "--config.model.n_kv_heads=2", "--config.model.head_dim=16", "--config.model.mlp_dim=32",
-         "--config.model.vocab_size=128", "--config.model.scan_layers=true", "--config.data.source=synthetic", f"--config.train.seq_len={SEQ}",
-         "--config.train.per_device_batch_size=1"],
+         "--config.model.vocab_size=128", "--config.model.scan_layers=true", "--config.data.source=synthetic",
+         f"--config.train.seq_len={SEQ}", "--config.train.per_device_batch_size=1"],
         env={**os.environ, "XLA_FLAGS": f"--xla_dump_to={dump} --xla_dump_hlo_as_text", "JAX_PLATFORMS": "cpu"},
         capture_output=True, text=True, timeout=300, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert result.returncode == 0, result.stderr[-2000:]
