@@ -188,7 +188,8 @@ def test_top_k_of_each_is_lax_top_k_in_values_indices_and_gradient(shape, k, tie
     np.testing.assert_array_equal(got[0], expected[0])
     np.testing.assert_array_equal(got[1], expected[1])
     readout = jax.random.normal(jax.random.key(0), expected[0].shape)
-    grads = [jax.grad(lambda v: jnp.sum(top_k(v, k)[0] * readout))(values) for top_k in (jax.lax.top_k, moe.top_k_of_each)]
+    grads = [jax.grad(lambda v: jnp.sum(top_k(v, k)[0] * readout))(values)
+             for top_k in (jax.lax.top_k, moe.top_k_of_each)]
     np.testing.assert_array_equal(grads[1], grads[0])
 
 
