@@ -175,6 +175,36 @@ def test_routing_renormalises_the_top_k():
     np.testing.assert_allclose(weights, [[0.6 / 0.9, 0.3 / 0.9]], rtol=1e-6)
 
 
+@pytest.mark.parametrize("shape, k, ties", [((2, 16, 8), 2, False), ((2, 9, 128), 8, False), ((3, 7, 8), 3, True)])
+def test_top_k_of_each_is_lax_top_k_in_values_indices_and_gradient(shape, k, ties):
+    """The router's sort-based top-k (partitioned along the tokens, where XLA's TopK gathers them)
+    is jax.lax.top_k: the same values, the same indices with ties to the lower index, and the
+    same gradient, bit for bit."""
+    values = jax.random.normal(jax.random.key(k), shape)
+    if ties:  # coarse values, signed zeros and a repeated first column: many exact ties
+        values = jnp.round(values * 2) / 2
+        values = values.at[..., 0].set(values[..., 1])
+    expected, got = jax.lax.top_k(values, k), moe.top_k_of_each(values, k)
+    np.testing.assert_array_equal(got[0], expected[0])
+    np.testing.assert_array_equal(got[1], expected[1])
+    readout = jax.random.normal(jax.random.key(0), expected[0].shape)
+    grads = [jax.grad(lambda v: jnp.sum(top_k(v, k)[0] * readout))(values)
+             for top_k in (jax.lax.top_k, moe.top_k_of_each)]
+    np.testing.assert_array_equal(grads[1], grads[0])
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_top_k_of_each_orders_signed_zeros_infinities_and_nans_as_lax_top_k(dtype):
+    """top_k orders floats totally: -0 below +0, a NaN above everything or, negative, below."""
+    values = jnp.array([0.0, -0.0, jnp.nan, -jnp.nan, jnp.inf, -jnp.inf, 1.0, -1.0, 0.0, -0.0, jnp.nan], dtype)
+    bits = jnp.int32 if dtype == jnp.float32 else jnp.int16
+    for k in range(1, values.size + 1):
+        expected, got = jax.lax.top_k(values, k), moe.top_k_of_each(values, k)
+        np.testing.assert_array_equal(got[1], expected[1])
+        np.testing.assert_array_equal(jax.lax.bitcast_convert_type(got[0], bits),
+                                      jax.lax.bitcast_convert_type(expected[0], bits))
+
+
 def test_load_balancing_loss_by_hand():
     probs = jnp.array([[0.9, 0.1], [0.8, 0.2], [0.3, 0.7], [0.6, 0.4]])
     experts = jnp.array([[0], [0], [1], [0]])  # top-1

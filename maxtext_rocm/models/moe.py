@@ -68,10 +68,31 @@ def route(logits: Array, k: int, renormalize: bool = True) -> tuple[Array, Array
     Qwen3-MoE's norm_topk_prob), else kept as the softmax gave them.
     """
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-    weights, experts = jax.lax.top_k(probs, k)
+    weights, experts = top_k_of_each(probs, k)
     if renormalize:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     return probs, weights, experts
+
+
+def top_k_of_each(values: Array, k: int) -> tuple[Array, Array]:
+    """`jax.lax.top_k(values, k)` along the last axis, the same values, indices and gradient,
+    from a stable sort.
+
+    XLA's partitioner splits its TopK only along the sorted axis: with the batch sharded it
+    gathered every device's router probabilities to each device and ran the top-k of all tokens
+    everywhere, an all-gather per layer (docs/figures.md, "Qwen3 plans"). A sort is partitioned
+    along its other axes, so each device sorts only its own tokens' experts.
+    """
+    axis = values.ndim - 1
+    positions = jax.lax.broadcasted_iota(jnp.int32, values.shape, axis)
+    # top_k orders floats totally (-0 below +0, NaNs at the ends by sign) where sort's comparator
+    # takes -0 for +0: integer keys in IEEE total order, complemented so the largest come first;
+    # the sort's stability puts equal values in index order, as top_k does.
+    bits = jax.lax.bitcast_convert_type(values, jnp.dtype(f"int{values.dtype.itemsize * 8}"))
+    total_order = bits ^ ((bits >> (bits.dtype.itemsize * 8 - 1)) & jnp.iinfo(bits.dtype).max)
+    _, order = jax.lax.sort((~total_order, positions), dimension=axis, is_stable=True, num_keys=1)
+    chosen = order[..., :k]
+    return jnp.take_along_axis(values, chosen, axis=axis), chosen
 
 
 def load_balancing_loss(probs: Array, experts: Array) -> Array:
