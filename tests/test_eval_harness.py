@@ -186,7 +186,10 @@ def test_bad_input_is_one_sentence(workspace, tmp_path, capsys, argv, said):
 
 
 def test_without_lm_eval_the_command_names_the_extra(monkeypatch, capsys, tmp_path):
+    from maxtext_rocm.eval import lm_eval_cli
+
     monkeypatch.setitem(sys.modules, "lm_eval", None)  # import lm_eval raises ImportError
-    assert cli.main([str(tmp_path), "--tasks", "hellaswag"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "pip install -e '.[eval]'" in err
+    for command in (lambda: cli.main([str(tmp_path), "--tasks", "hellaswag"]), lm_eval_cli.main):
+        assert command() == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "pip install -e '.[eval]'" in err

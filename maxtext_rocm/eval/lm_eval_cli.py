@@ -9,9 +9,20 @@ reads task YAML, not Python). This imports ours, then hands the arguments to lm-
 
 import sys
 
-from lm_eval.__main__ import cli_evaluate
+from maxtext_rocm.eval.cli import INSTALL
 
-import maxtext_rocm.eval.model  # noqa: F401  registers "maxtext_rocm"
+
+def main() -> int:
+    try:
+        from lm_eval.__main__ import cli_evaluate
+    except ImportError:  # the optional extra: one sentence, as `python -m maxtext_rocm.eval` says it
+        print(f"error: evaluation needs lm-evaluation-harness, which is not installed; run {INSTALL}",
+              file=sys.stderr)
+        return 2
+    import maxtext_rocm.eval.model  # noqa: F401  registers "maxtext_rocm"
+
+    return cli_evaluate() or 0
+
 
 if __name__ == "__main__":
-    sys.exit(cli_evaluate())
+    sys.exit(main())
