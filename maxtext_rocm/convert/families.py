@@ -52,8 +52,7 @@ MODEL_TYPES = {family.model_type or name: name for name, family in FAMILIES.item
 def mismatched_options(model_cfg) -> list[str]:
     """`key=value` for each option of `model_cfg` that its family's class cannot hold."""
     family = FAMILIES[model_cfg.family]
-    wrong = [f"model.{key}={model_cfg[key]}" for key, value in family.fixed.items()
-             if (tuple(model_cfg[key]) if isinstance(value, tuple) else model_cfg[key]) != value]
+    wrong = [f"model.{key}={model_cfg[key]}" for key, value in family.fixed.items() if model_cfg[key] != value]
     if model_cfg.sliding_window and not family.windowed:
         wrong.append(f"model.sliding_window={model_cfg.sliding_window}")
     if len(model_cfg.attention_kinds) > 1 and not family.layered:

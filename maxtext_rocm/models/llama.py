@@ -117,6 +117,15 @@ class LayerUnit(nn.Module):
         return x, None
 
 
+def scanned_over_layers(module: type[nn.Module], length: int) -> type[nn.Module]:
+    """`module` (a block, or a LayerUnit of blocks) scanned `length` times: its variables, router
+    losses, fp8 state, KV cache and adapters stacked on a leading "layers" axis, each repeat
+    drawing its own initialisation and dropout, positions and segments the same for all."""
+    return nn.scan(module, variable_axes={"params": 0, AUX_LOSSES: 0, FP8_COLLECTION: 0, CACHE: 0, ADAPTERS: 0},
+                   split_rngs={"params": True, "dropout": True}, in_axes=(nn.broadcast, nn.broadcast),
+                   length=length, metadata_params={nn.PARTITION_NAME: "layers"})
+
+
 def layer_kinds(m) -> tuple[str, ...]:
     """Each layer's attention kind: model.attention_kinds repeated over n_layers (its remainder
     where the count does not divide), or every layer sliding under model.sliding_window, else full."""
@@ -203,12 +212,8 @@ class Decoder(nn.Module):
             def scanned(length: int | None, **kwargs) -> nn.Module:
                 if length is None:
                     return block(m, self.policy, self.decode, self.expert_exchange, self.context_attention, **kwargs)
-                stack = nn.scan(
-                    block, variable_axes={"params": 0, AUX_LOSSES: 0, FP8_COLLECTION: 0, CACHE: 0, ADAPTERS: 0},
-                    split_rngs={"params": True, "dropout": True},
-                    in_axes=(nn.broadcast, nn.broadcast), length=length,
-                    metadata_params={nn.PARTITION_NAME: "layers"})
-                return stack(m, self.policy, self.decode, self.expert_exchange, self.context_attention, **kwargs)
+                return scanned_over_layers(block, length)(m, self.policy, self.decode, self.expert_exchange,
+                                                          self.context_attention, **kwargs)
 
             if len(m.attention_kinds) > 1 and not stacked_elsewhere:  # layers that differ: scan their unit
                 x = self._units(block, x, positions, segment_ids)
@@ -251,10 +256,7 @@ class Decoder(nn.Module):
         kinds = tuple(m.attention_kinds)
         units = m.n_layers // len(kinds)
         if units:
-            stack = nn.scan(
-                LayerUnit, variable_axes={"params": 0, AUX_LOSSES: 0, FP8_COLLECTION: 0, CACHE: 0, ADAPTERS: 0},
-                split_rngs={"params": True, "dropout": True}, in_axes=(nn.broadcast, nn.broadcast), length=units,
-                metadata_params={nn.PARTITION_NAME: "layers"})
+            stack = scanned_over_layers(LayerUnit, units)
             x, _ = stack(block, kinds, m, self.policy, self.decode, self.expert_exchange, self.context_attention,
                          name="layers")(x, positions, segment_ids)
         return self._unrolled(block, range(units * len(kinds), m.n_layers), x, positions, segment_ids)
