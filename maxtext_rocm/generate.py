@@ -24,16 +24,14 @@ import argparse
 import functools
 import sys
 
-import flax.core
 import jax
-import jax.numpy as jnp
-import ml_collections
 import numpy as np
 from flax import linen as nn
 
 from maxtext_rocm.config import UserError
 from maxtext_rocm.models import build_model
-from maxtext_rocm.models.attention import CACHE
+# `sample` stays importable from here, where notebooks and tests found it before models/decoding.py.
+from maxtext_rocm.models.decoding import decode_loop, decoding_model_cfg, sample  # noqa: F401
 from maxtext_rocm.numerics.precision import policy_from_config
 from maxtext_rocm.resolve import resolve_here
 
@@ -41,72 +39,13 @@ USAGE = ("python -m maxtext_rocm.generate CHECKPOINT_DIR (--prompt TEXT | --chat
          "[--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P] [--seed S]")
 
 
-def sample(logits, key, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0):
-    """Next tokens [batch] from logits [batch, vocab]: the argmax at temperature 0; otherwise a
-    draw from softmax(logits / temperature) restricted to the top_k most likely tokens (0: all)
-    and to the smallest set of them whose probability reaches top_p (1.0: all)."""
-    if temperature == 0:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    logits = logits.astype(jnp.float32) / temperature
-    if top_k:
-        kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
-        logits = jnp.where(logits < kth, -jnp.inf, logits)
-    if top_p < 1.0:
-        ordered = jnp.sort(logits, axis=-1)[:, ::-1]
-        probs = jax.nn.softmax(ordered, axis=-1)
-        before = jnp.cumsum(probs, axis=-1) - probs  # the mass of the tokens more likely than each
-        threshold = jnp.min(jnp.where(before < top_p, ordered, jnp.inf), axis=-1, keepdims=True)
-        logits = jnp.where(logits < threshold, -jnp.inf, logits)
-    return jax.random.categorical(key, logits).astype(jnp.int32)
-
-
-def _decoding_model_cfg(model_cfg) -> ml_collections.FrozenConfigDict:
-    """The model config for decoding: a mixture of experts that never drops a token ("capacity"
-    would drop where a decode step's few tokens crowd one expert)."""
-    m = ml_collections.ConfigDict(model_cfg)
-    if m.n_experts > 1 and m.moe_impl == "capacity":
-        m.moe_impl = "dense" if jax.default_backend() == "cpu" else "dropless"
-    return ml_collections.FrozenConfigDict(m)
-
-
 @functools.lru_cache(maxsize=16)
 def _decoder(model_cfg, policy, batch: int, prompt_len: int, max_new: int, temperature: float,
              top_k: int, top_p: float, stop_ids: tuple[int, ...]):
     """The jitted prefill + decode loop for one shape and one sampling setting."""
     model = build_model(model_cfg, policy, decode=True)
-    stops = jnp.asarray(stop_ids or (-1,), jnp.int32)
-    others = flax.core.DenyList("params")  # the cache, plus fp8 state / router losses (dropped)
-
-    def step(params, cache, tokens, positions):
-        logits, variables = model.apply({"params": params, CACHE: cache}, tokens, positions, mutable=others)
-        return logits[:, -1], variables[CACHE]
-
-    def run(params, tokens, positions, key):
-        # `init` sizes the cache (positions -1: empty); XLA drops the parameter initialisation.
-        cache = model.init(jax.random.key(0), jnp.zeros((batch, prompt_len + max_new), jnp.int32))[CACHE]
-        logits, cache = step(params, cache, tokens, positions)  # prefill
-        next_position = jnp.max(positions, axis=1) + 1
-        key, sub = jax.random.split(key)
-        out = jnp.zeros((batch, max_new), jnp.int32)
-
-        def body(carry):  # the decode step: record the token, feed it, sample the next
-            i, token, cache, out, done, key = carry
-            out = out.at[:, i].set(token)
-            done = done | jnp.isin(token, stops)
-            logits, cache = step(params, cache, token[:, None], (next_position + i)[:, None])
-            key, sub = jax.random.split(key)
-            return i + 1, sample(logits, sub, temperature, top_k, top_p), cache, out, done, key
-
-        def cond(carry):
-            i, _, _, _, done, _ = carry
-            return (i < max_new) & ~jnp.all(done)
-
-        first = sample(logits, sub, temperature, top_k, top_p)
-        carry = (jnp.int32(0), first, cache, out, jnp.zeros((batch,), bool), key)
-        steps, _, _, out, _, _ = jax.lax.while_loop(cond, body, carry)
-        return out, steps
-
-    return jax.jit(run)
+    run = decode_loop(model, batch, prompt_len, max_new, temperature, top_k, top_p, stop_ids)
+    return jax.jit(lambda params, tokens, positions, key: run({"params": params}, tokens, positions, key)[:2])
 
 
 def _left_pad(prompts, pad_to: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -148,7 +87,7 @@ def generate(cfg, params, prompt_tokens, max_new_tokens: int = 64, temperature: 
     stop_ids = tuple(int(i) for i in np.atleast_1d(np.asarray([] if eos_id is None else eos_id, np.int64)))
     tokens, positions = _left_pad(prompts, pad_to)
     cfg = resolve_here(cfg, seq_len=tokens.shape[1])
-    run = _decoder(_decoding_model_cfg(cfg.model), policy_from_config(cfg.precision), len(prompts),
+    run = _decoder(decoding_model_cfg(cfg.model), policy_from_config(cfg.precision), len(prompts),
                    tokens.shape[1], int(max_new_tokens), float(temperature), int(min(top_k, vocab)),
                    float(top_p), stop_ids)
     out, steps = jax.device_get(run(params, tokens, positions, jax.random.key(seed)))

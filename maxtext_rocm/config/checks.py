@@ -9,12 +9,15 @@ trainer/preflight.py. `maxtext_rocm.config` re-exports `validate`, `mesh_shape`,
 
 from __future__ import annotations
 
+import math
+import re
 from typing import Mapping
 
 import ml_collections
 
 from maxtext_rocm.config import declared
-from maxtext_rocm.config.choices import CHAT_TEMPLATES, MESH_AXES, MOE_FAMILIES, VIRTUAL_STAGE_SCHEDULES
+from maxtext_rocm.config.choices import (BUILT_IN_REWARDS, CHAT_TEMPLATES, MESH_AXES, MOE_FAMILIES,
+                                         VIRTUAL_STAGE_SCHEDULES)
 from maxtext_rocm.config.mesh_sizes import axis_sizes, mesh_shape  # noqa: F401  (part of this module's interface)
 from maxtext_rocm.config.pipeline_counts import (  # noqa: F401  (read from here by parallel/ and the planner)
     AUTO_MICROBATCHES_PER_STAGE, chunks_per_device, interleaved, pipeline_microbatches)
@@ -42,6 +45,7 @@ def validate(cfg: ml_collections.ConfigDict, device_count: int | None = None,
     _validate_1f1b(cfg)  # first: what 1f1b refuses, it refuses on every jax
     _validate_gradient_reduce(cfg)
     _check_train(cfg)
+    _check_grpo(cfg)
     _check_lora(cfg.lora, cfg.model, cfg.mesh)
     _check_data(cfg)
     _check_log(cfg.log)
@@ -178,6 +182,71 @@ def _check_train(cfg) -> None:
              "with train.objective='dpo'")
     _require(t.compilation_cache.strip() != "",
              f"train.compilation_cache must be 'auto', 'off' or a directory, got {t.compilation_cache!r}")
+
+
+def _check_grpo(cfg) -> None:
+    """GRPO's keys against the data, the layout and the loop (its rewards are imported by preflight)."""
+    t, data = cfg.train, cfg.data
+    _require((t.objective == "grpo") == (data.format == "prompt"),
+             "train.objective='grpo' samples completions of prompts and data.format='prompt' holds them; set both, "
+             f"or neither (now train.objective={t.objective!r}, data.format={data.format!r})")
+    if t.objective != "grpo":
+        return
+    check_reward_names(cfg.grpo)
+    _require(cfg.grpo.max_new_tokens < t.seq_len,
+             f"grpo.max_new_tokens={cfg.grpo.max_new_tokens} leaves no room for a prompt in train.seq_len={t.seq_len}; "
+             "raise train.seq_len or lower grpo.max_new_tokens")
+    _require(not t.eval_every, f"train.eval_every={t.eval_every} has no held-out loss to evaluate under "
+             "train.objective='grpo' (its data are prompts); set it to 0 and evaluate with python -m maxtext_rocm.eval")
+    _require(t.z_loss_weight == 0, f"train.z_loss_weight={t.z_loss_weight} applies to the language-model loss only; "
+             "set it to 0 with train.objective='grpo'")
+    for axis in ("stage", "sequence"):
+        sizes = [cfg.mesh[group][axis] for group in ("ici", "dcn")]
+        _require(all(size == 1 for size in sizes),
+                 f"train.objective='grpo' samples with a KV cache, which does not yet run with mesh {axis} > 1 "
+                 f"(mesh.ici.{axis}={sizes[0]}, mesh.dcn.{axis}={sizes[1]}); set both to 1 and use fsdp or tensor")
+
+
+def reward_weights(grpo_cfg) -> tuple[float, ...]:
+    """grpo.reward_weights as numbers, one per reward (all 1 when empty), or a ConfigError."""
+    names, given = tuple(grpo_cfg.rewards), tuple(grpo_cfg.reward_weights)
+    if not given:
+        return (1.0,) * len(names)
+    try:
+        weights = tuple(float(w) for w in given)
+    except (TypeError, ValueError):
+        weights = ()
+    if len(weights) != len(names) or not all(math.isfinite(w) for w in weights):
+        raise ConfigError(f"grpo.reward_weights={','.join(map(str, given))} must be {len(names)} finite numbers, one "
+                          f"per reward of grpo.rewards={','.join(names)} (or empty: every weight 1)")
+    return weights
+
+
+def check_reward_names(grpo_cfg) -> None:
+    """What the config alone can say of grpo.rewards (its imports are load_rewards')."""
+    names = tuple(grpo_cfg.rewards)
+    if not names:
+        raise ConfigError("grpo.rewards is empty; name at least one reward: answer, format, length or "
+                          "module:function")
+    for name in names:
+        if name not in BUILT_IN_REWARDS and not re.fullmatch(r"[\w.]+:\w+", name):
+            raise ConfigError(f"grpo.rewards names {name!r}, which is neither a built-in reward "
+                              f"({', '.join(BUILT_IN_REWARDS)}) nor module:function")
+    reward_weights(grpo_cfg)
+    try:
+        re.compile(grpo_cfg.format_pattern)
+    except re.error as error:
+        raise ConfigError(f"grpo.format_pattern={grpo_cfg.format_pattern!r} is not a regular expression ({error}); "
+                          "give one Python's re module compiles") from None
+
+
+def grpo_batch_problem(global_batch: int, group_size: int) -> str | None:
+    """Why a GRPO batch cannot hold whole groups of completions, or None."""
+    if global_batch % group_size == 0:
+        return None
+    return (f"train.objective='grpo' samples grpo.group_size={group_size} completions of each prompt, but the global "
+            f"batch is {global_batch} sequences; make it a multiple of {group_size} (train.per_device_batch_size x "
+            "devices), or change grpo.group_size")
 
 
 def dpo_batch_problem(global_batch: int, grad_accum: int, process_groups: int) -> str | None:

@@ -41,3 +41,5 @@ NUMBER_RANGES = {
     dotted: (spec.at_least if spec.at_least is not None else spec.above, spec.at_least is not None,
              spec.at_most if spec.at_most is not None else spec.below, spec.at_most is not None)
     for dotted, spec in _KEYS.items() if spec.bounded}
+# GRPO's built-in reward functions (finetune/grpo/rewards.py); grpo.rewards may also name module:function.
+BUILT_IN_REWARDS = ("answer", "format", "length")

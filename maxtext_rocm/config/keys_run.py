@@ -1,5 +1,5 @@
 """The declared keys of a run: what it reads, how it steps, saves, fine-tunes, logs and starts up
-(`optimizer`, `data`, `train`, `dpo`, `checkpoint`, `lora`, `log`, `distributed`; the model's
+(`optimizer`, `data`, `train`, `dpo`, `grpo`, `checkpoint`, `lora`, `log`, `distributed`; the model's
 groups: config/keys_model.py; the whole config: config/declared.py)."""
 
 from __future__ import annotations
@@ -32,9 +32,10 @@ DATA = Group("Where batches come from and how documents become rows.", {
     "paths": Key("", "data.source=files: comma-separated files or globs of .jsonl, .parquet, .txt, .arrayrecord"),
     "eval_paths": Key("", "held-out files for train.eval_every, as data.paths"),
     "text_field": Key("text", "the JSON Lines field or Parquet column holding the text"),
-    "format": Key("text", "what a JSON line holds: text, chat (messages), prompt_completion, or preference "
-                          "(prompt, chosen, rejected; for DPO)",
-                  choices=("text", "chat", "prompt_completion", "preference")),
+    "format": Key("text", "what a JSON line holds: text, chat (messages), prompt_completion, preference "
+                          "(prompt, chosen, rejected; for DPO) or prompt (a prompt and what its rewards read; "
+                          "for GRPO)",
+                  choices=("text", "chat", "prompt_completion", "preference", "prompt")),
     "chat_template": Key("", "the Jinja template chats render with: '' the tokenizer's own, a file, llama3 or qwen3"),
     "train_on_prompt": Key(False, "chat/prompt_completion: train every token, not only the assistant's"),
     "add_bos": Key(True, "a beginning-of-sequence token before each document, where the tokenizer has one"),
@@ -77,8 +78,9 @@ TRAIN = Group("The loop: steps, batch, sequence, objective, evaluation and what 
                                "exit 4; 0: off", at_least=0),
     "startup_timeout_s": Key(0.0, "the watchdog's limit from launch to the end of the first step; 0: 10 x "
                                   "hang_timeout_s", at_least=0),
-    "objective": Key("lm", "what the step minimises: lm (next-token cross-entropy) or dpo (preference pairs "
-                           "against a frozen reference)", choices=("lm", "dpo")),
+    "objective": Key("lm", "what the step minimises: lm (next-token cross-entropy), dpo (preference pairs "
+                           "against a frozen reference) or grpo (rewards of sampled completions)",
+                     choices=("lm", "dpo", "grpo")),
 }, page="configs.md")
 
 DPO = Group("Direct Preference Optimization (train.objective=dpo; TRL's sigmoid loss).", {
@@ -86,6 +88,34 @@ DPO = Group("Direct Preference Optimization (train.objective=dpo; TRL's sigmoid 
     "label_smoothing": Key(0.0, "conservative DPO: the share of pairs assumed mislabelled; 0: plain DPO "
                                 "(at 0.5 the loss prefers neither response)", at_least=0, below=0.5),
 }, page="dpo.md")
+
+GRPO = Group("Group Relative Policy Optimization (train.objective=grpo): completions sampled from the policy, "
+             "scored by rewards, each against its group's mean.", {
+                 "group_size": Key(8, "completions sampled per prompt; the batch holds whole groups", at_least=2),
+                 "max_new_tokens": Key(256, "the longest completion; prompts may take train.seq_len less this",
+                                       at_least=1),
+                 "temperature": Key(1.0, "the sampler's temperature", above=0),
+                 "top_p": Key(1.0, "the sampler's nucleus: the smallest set of tokens holding this probability",
+                              above=0, at_most=1),
+                 "top_k": Key(0, "the sampler's k most likely tokens; 0: all", at_least=0),
+                 "rewards": Key(("answer",), "reward functions: built-in answer, format or length, or "
+                                             "module:function importable from the working directory"),
+                 "reward_weights": Key((), "each reward's weight in the total, in the order of grpo.rewards; "
+                                           "empty: every weight 1"),
+                 "format_pattern": Key(r"<answer>.*</answer>", "the built-in format reward: 1 when the whole "
+                                                               "completion (stripped) matches this regex, else 0"),
+                 "scale_rewards": Key(True, "divide each advantage by its group's reward standard deviation "
+                                            "(DeepSeekMath, TRL); false: mean-centred only (Dr. GRPO)"),
+                 "epsilon": Key(0.2, "the clip range of the probability ratio: 1 - epsilon to 1 + epsilon", above=0,
+                                below=1),
+                 "beta": Key(0.0, "the KL penalty's weight against the starting policy; 0: no reference at all "
+                                  "(no copy in memory, no pass over it)", at_least=0),
+                 "normalization": Key("token", "token: the loss is a mean over every completion token of the "
+                                               "batch (DAPO); sequence: over each completion's tokens, then over "
+                                               "completions (GRPO's paper)", choices=("token", "sequence")),
+                 "updates_per_batch": Key(1, "optimizer updates per batch of samples (mu), the sampling policy's "
+                                             "log-probabilities kept for the ratio", at_least=1),
+             }, page="grpo.md")
 
 CHECKPOINT = Group("Saving and resuming through orbax.", {
     "enabled": Key(True, "save checkpoints at all"),

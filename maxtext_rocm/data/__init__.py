@@ -17,6 +17,8 @@ def batch_spec(data_cfg) -> dict[str, np.dtype]:
     spec = {"inputs": np.dtype(np.int32), "targets": np.dtype(np.int32), "weights": np.dtype(np.float32)}
     if data_cfg.source == "files":  # packed documents: per-document positions and segment ids
         spec.update(positions=np.dtype(np.int32), segment_ids=np.dtype(np.int32))
+    if data_cfg.get("format") == "prompt":  # GRPO's scored samples: each row's advantage on its positions
+        spec["advantages"] = np.dtype(np.float32)
     return spec
 
 

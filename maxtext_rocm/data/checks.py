@@ -30,7 +30,7 @@ def json_record(line: bytes, path, number: int):
 # The fields each data.format other than text reads from a JSON line (data/records.py), most
 # specific first: a line's fields name the format it was written for.
 FORMAT_FIELDS = {"preference": ("prompt", "chosen", "rejected"), "prompt_completion": ("prompt", "completion"),
-                 "chat": ("messages",)}
+                 "chat": ("messages",), "prompt": ("prompt",)}
 
 
 def format_hint(record, given: str, text_field: str = "text") -> str:

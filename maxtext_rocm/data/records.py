@@ -5,6 +5,7 @@ sentence naming its file and line, not a failure at the step that reaches it.
     chat               {"messages": [{"role": "user", "content": "..."}, {"role": "assistant", ...}]}
     prompt_completion  {"prompt": "..." or messages, "completion": "..."}
     preference         {"prompt": "..." or messages, "chosen": "...", "rejected": "..."}
+    prompt             {"prompt": "..." or messages, ...any fields a reward reads}  (GRPO)
 
 (Documents in data/documents.py reads text; when it gives whole records, this can read through it.)
 """
@@ -20,7 +21,7 @@ from maxtext_rocm.data.chat_template import ROLES
 from maxtext_rocm.data.checks import FORMAT_FIELDS, DataError, _version, format_hint, json_record
 from maxtext_rocm.data.documents import JSONL, file_format
 
-FORMATS = ("text", "chat", "prompt_completion", "preference")
+FORMATS = ("text", "chat", "prompt_completion", "preference", "prompt")
 # File versions whose every line passed, per format -> whether some prompt is a list of messages.
 _CHECKED: dict[tuple, bool] = {}
 

@@ -22,7 +22,7 @@ import ml_collections
 import numpy as np
 from flax import linen as nn
 
-from maxtext_rocm.generate import _decoding_model_cfg
+from maxtext_rocm.models.decoding import decoding_model_cfg
 from maxtext_rocm.models import build_model
 from maxtext_rocm.numerics.precision import policy_from_config
 from maxtext_rocm.resolve import resolve_here
@@ -85,7 +85,7 @@ class Scorer:
     def _program(self, length: int):
         cfg = resolve_here(self.cfg, seq_len=length)
         # A mixture of experts must not drop tokens by capacity: a row's score would depend on its batch.
-        return _scoring_program(_decoding_model_cfg(cfg.model), policy_from_config(cfg.precision))
+        return _scoring_program(decoding_model_cfg(cfg.model), policy_from_config(cfg.precision))
 
     def __call__(self, rows: Sequence[ScoredRow]) -> list[Score]:
         """Scores in the order of `rows`; rows of one call are batched longest first."""

@@ -157,6 +157,26 @@ def head_loss(hidden: Array, weight: Array, targets: Array, weights: Array, *, v
     return objective, {"ce": jax.lax.stop_gradient(ce), "z_loss": jax.lax.stop_gradient(z)}
 
 
+def token_losses(hidden: Array, weight: Array, targets: Array, *, vocab_axis: int, chunk: int,
+                 vocab_start: Array | int = 0, tensor_axes: tuple[str, ...] = ()) -> Array:
+    """[batch, seq] fp32: each position's cross-entropy, chunk by chunk (no [tokens, vocab] buffer)
+    and without a gradient (parallel/loss.py's token_logprobs differentiates it through head_loss).
+    The per-token log-probabilities of a policy-gradient objective (finetune/grpo/) are its
+    negation. Arguments as head_loss's."""
+    if hidden.shape[1] % chunk:
+        raise ValueError(f"chunk {chunk} does not divide the sequence length {hidden.shape[1]}")
+    w = weight.astype(hidden.dtype)
+    vocab_start = jnp.asarray(vocab_start, jnp.int32)
+
+    def body(_, xs):
+        h, t = xs
+        _, log_z, target_logit = _chunk_statistics(h, w, t, vocab_axis, vocab_start, tensor_axes)
+        return None, log_z - target_logit
+
+    _, per_chunk = jax.lax.scan(body, None, (_chunks(hidden, chunk), _chunks(targets, chunk)))
+    return jax.lax.stop_gradient(_unchunk(per_chunk))
+
+
 def row_sums(hidden: Array, weight: Array, targets: Array, weights: Array, *, vocab_axis: int, chunk: int,
              vocab_start: Array | int = 0, tensor_axes: tuple[str, ...] = ()) -> Array:
     """[batch] fp32: each row's sum of weights x cross-entropy, the chunked forward pass alone (no

@@ -147,3 +147,52 @@ def _sequence_logprobs_backward(vocab_axis, chunk, residuals, g):
 
 
 sequence_logprobs.defvjp(_sequence_logprobs_forward, _sequence_logprobs_backward)
+
+
+def token_losses(hidden: Array, weight: Array, targets: Array, *, vocab_axis: int, chunk: int) -> Array:
+    """cross_entropy.token_losses on a mesh: [batch, seq] cross-entropy of each position, computed
+    where its token lives (reduced over the vocabulary's slices), sharded like the tokens. No
+    gradient: see token_logprobs."""
+    mesh = _ambient_mesh()
+    if mesh is None:
+        return cross_entropy.token_losses(hidden, weight, targets, vocab_axis=vocab_axis, chunk=chunk)
+    axes = functools.partial(_axes_of, mesh)
+    batch, length, embed, vocab = axes("activation_batch"), axes("activation_length"), axes("embed"), axes("vocab")
+    tokens = PartitionSpec(batch, length)
+    head = PartitionSpec(embed, vocab) if vocab_axis == 1 else PartitionSpec(vocab, embed)
+
+    def local(hidden, weight, targets):
+        weight = weight.astype(hidden.dtype)
+        if embed:
+            weight = jax.lax.all_gather(weight, embed, axis=1 - vocab_axis, tiled=True)
+        vocab_start = jax.lax.axis_index(vocab) * weight.shape[vocab_axis] if vocab else 0
+        return cross_entropy.token_losses(hidden, weight, targets, vocab_axis=vocab_axis,
+                                          chunk=cross_entropy.chunk_length(hidden.shape[1], chunk),
+                                          vocab_start=vocab_start, tensor_axes=vocab)
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(PartitionSpec(batch, length, None), head, tokens),
+                         out_specs=tokens, axis_names=_auto_axes(mesh))(hidden, weight, targets)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def token_logprobs(hidden: Array, weight: Array, targets: Array, vocab_axis: int, chunk: int) -> Array:
+    """[batch, seq] fp32: log p(target) at each position through the fused LM head, with a
+    gradient, as sequence_logprobs does for row sums: the forward pass runs the head without
+    gradients (token_losses) and the backward pass runs head_loss with each position's cotangent as
+    its weight, the objective sum_bt g_bt logp_bt, whose gradient is the chain rule's."""
+    return -token_losses(hidden, weight, targets, vocab_axis=vocab_axis, chunk=chunk)
+
+
+def _token_logprobs_forward(hidden, weight, targets, vocab_axis, chunk):
+    return token_logprobs(hidden, weight, targets, vocab_axis, chunk), (hidden, weight, targets)
+
+
+def _token_logprobs_backward(vocab_axis, chunk, residuals, g):
+    hidden, weight, targets = residuals
+    d_hidden, d_weight = jax.grad(
+        lambda h, w: head_loss(h, w, targets, -g.astype(jax.numpy.float32), vocab_axis=vocab_axis, chunk=chunk)[0],
+        argnums=(0, 1))(hidden, weight)
+    return d_hidden, d_weight, None
+
+
+token_logprobs.defvjp(_token_logprobs_forward, _token_logprobs_backward)

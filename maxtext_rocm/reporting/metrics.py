@@ -247,6 +247,9 @@ def format_line(step: int, total_steps: int, metrics: Mapping[str, Any]) -> str:
         parts.append(f"loss {loss:.4f}")
     if metrics.get("dpo_accuracy") is not None:  # a DPO run's (reporting/run_report.py)
         parts.append(f"acc {get('dpo_accuracy'):.3f} margin {get('dpo_reward_margin'):.4f}")
+    if metrics.get("grpo_reward") is not None:  # a GRPO run's samples (finetune/grpo/rollout.py)
+        parts.append(f"reward {get('grpo_reward'):.3f} len {get('grpo_completion_length'):.1f} "
+                     f"sample {get('grpo_sampling_s'):.2f}s")
     if lr is not None:
         parts.append(f"lr {lr:.2e}")
     if gnorm is not None:

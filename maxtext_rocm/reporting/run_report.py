@@ -17,6 +17,12 @@ DPO_METRICS = ("dpo_reward_margin", "dpo_accuracy", "dpo_chosen_reward", "dpo_re
 
 def objective_description(cfg) -> str:
     """What the run minimises, for its first line."""
+    if cfg.train.objective == "grpo":
+        g = cfg.grpo
+        reference = ("none (beta 0)" if not g.beta else
+                     "the frozen base without its adapters" if cfg.lora.rank else "frozen copy of the starting parameters")
+        return (f"objective grpo (group {g.group_size}, epsilon {g.epsilon:g}, beta {g.beta:g}, {g.normalization} "
+                f"normalization, {g.updates_per_batch} update(s) per batch; reference: {reference})")
     if cfg.train.objective != "dpo":
         return "objective lm"
     smoothing = f", label_smoothing {cfg.dpo.label_smoothing:g}" if cfg.dpo.label_smoothing else ""
@@ -71,6 +77,8 @@ def logged_row(cfg, step_metrics: dict, step_time: float | None, global_batch: i
         row["z_loss"] = float(step_metrics["z_loss"])
     if cfg.train.objective == "dpo":  # "loss" is the DPO loss; its rewards (finetune/dpo.py's metrics)
         row.update({key: float(step_metrics[key]) for key in DPO_METRICS})
+    if cfg.train.objective == "grpo":  # "loss" is GRPO's; its samples' rewards, lengths and times
+        row.update({key: float(value) for key, value in step_metrics.items() if key.startswith("grpo_")})
     if cfg.model.n_experts > 1:  # router losses, unweighted (a dense model has none)
         row["moe_aux_loss"] = float(step_metrics["moe_aux_loss"])
         row["moe_z_loss"] = float(step_metrics["moe_z_loss"])

@@ -78,8 +78,7 @@ def stored_state(cfg, model, mesh) -> StateLayout:
     # The optimizer state's layout depends on whether it clips, not on the numbers (trainer/optimizer.py).
     tx = optim.build_optimizer(optim.hyperparameters(cfg.optimizer, cfg.train.steps), optim.clips(cfg.optimizer))
     create = functools.partial(create_state, model=model, tx=tx, batch_shape=(1, min(cfg.train.seq_len, 8)),
-                               # DPO's reference: a frozen copy, unless LoRA's frozen base serves as one
-                               reference=cfg.train.objective == "dpo" and cfg.lora.rank == 0)
+                               reference=needs_reference_copy(cfg))
     key = jax.random.key(cfg.train.seed)
     # Flax traces the model's init once, here; `init` replays the recorded program (re-tracing the
     # model cost 0.3-0.5 s of launch at the reference comparison's size).
@@ -107,13 +106,27 @@ def stored_state(cfg, model, mesh) -> StateLayout:
     return StateLayout(init, key, abstract, state_sharding, storage_order)
 
 
+def needs_reference_copy(cfg) -> bool:
+    """Whether the state holds a frozen copy of the starting parameters: DPO's reference, and
+    GRPO's where its KL term is on (grpo.beta > 0); a LoRA run's frozen base serves as one."""
+    wanted = cfg.train.objective == "dpo" or (cfg.train.objective == "grpo" and cfg.grpo.beta > 0)
+    return wanted and cfg.lora.rank == 0
+
+
 def jit_train_step(cfg, model, mesh, state_sharding, batch_sharding):
     """The jitted train step, state donated. Called as step(state, batch, hyperparameters): see
-    `optimizer_hyperparameters`."""
+    `optimizer_hyperparameters`. A GRPO run's is trainer/grpo_step.py's, around the same step."""
+    frozen = ml_collections.FrozenConfigDict
+    if cfg.train.objective == "grpo":
+        from maxtext_rocm.trainer.grpo_step import grpo_train_step
+
+        step = functools.partial(grpo_train_step, model=model, clip=optim.clips(cfg.optimizer),
+                                 train_cfg=frozen(cfg.train), grpo_cfg=frozen(cfg.grpo))
+    else:
+        step = functools.partial(train_step, model=model, clip=optim.clips(cfg.optimizer),
+                                 train_cfg=frozen(cfg.train), dpo_cfg=frozen(cfg.dpo))
     return jax.jit(
-        functools.partial(train_step, model=model, clip=optim.clips(cfg.optimizer),
-                          train_cfg=ml_collections.FrozenConfigDict(cfg.train),
-                          dpo_cfg=ml_collections.FrozenConfigDict(cfg.dpo)),
+        step,
         in_shardings=(state_sharding, batch_sharding, sharding.replicated(mesh)),
         out_shardings=(state_sharding, sharding.replicated(mesh)),
         donate_argnums=0,
@@ -124,11 +137,16 @@ def optimizer_hyperparameters(cfg, mesh, abstract: bool = False) -> dict:
     """The train step's third argument, optim.hyperparameters of the run: fp32 scalars replicated
     over the mesh, made once (every process holds the same values); `abstract`: their shapes only."""
     replicated = sharding.replicated(mesh)
-    values = optim.hyperparameters(cfg.optimizer, cfg.train.steps)
+    values = optim.hyperparameters(cfg.optimizer, cfg.train.steps, updates_per_step(cfg))
     if abstract:
         return {name: jax.ShapeDtypeStruct((), np.float32, sharding=replicated) for name in values}
     return {name: jax.make_array_from_callback((), replicated, lambda _, v=value: v)
             for name, value in values.items()}
+
+
+def updates_per_step(cfg) -> int:
+    """Optimizer updates per train step: GRPO's grpo.updates_per_batch, else one."""
+    return cfg.grpo.updates_per_batch if cfg.train.objective == "grpo" else 1
 
 
 @dataclasses.dataclass

@@ -25,11 +25,14 @@ HYPERPARAMETERS = ("lr", "warmup_steps", "decay_steps", "min_lr_ratio", "b1", "b
                    "clip_norm")
 
 
-def hyperparameters(opt_cfg, total_steps: int) -> dict[str, np.ndarray]:
+def hyperparameters(opt_cfg, total_steps: int, updates_per_step: int = 1) -> dict[str, np.ndarray]:
     """The train step's optimizer argument: each number as an fp32 scalar. Warmup is cut to the
     run's length; the cosine decays over the steps after it, and a constant schedule is a cosine
-    whose floor is the learning rate itself."""
-    warmup = min(opt_cfg.warmup_steps, total_steps)
+    whose floor is the learning rate itself. `updates_per_step`: optimizer updates per train step
+    (GRPO's grpo.updates_per_batch), which stretch the schedule, counted in updates, so that it
+    still spans the run's steps: warmup_steps stays a number of train steps."""
+    warmup = min(opt_cfg.warmup_steps, total_steps) * updates_per_step
+    total_steps *= updates_per_step
     values = dict(lr=opt_cfg.lr, warmup_steps=warmup, decay_steps=max(total_steps - warmup, 1),
                   min_lr_ratio=1.0 if opt_cfg.schedule == "constant" else opt_cfg.min_lr_ratio,
                   b1=opt_cfg.b1, b2=opt_cfg.b2, eps=opt_cfg.eps, weight_decay=opt_cfg.weight_decay,

@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 
 from maxtext_rocm.config.checks import (_require, axis_sizes, built_in_template, dpo_batch_problem, global_batch_size,
-                                        interleaved, pipeline_microbatches, validate)
+                                        grpo_batch_problem, interleaved, pipeline_microbatches, validate)
 from maxtext_rocm.errors import ConfigError
 from maxtext_rocm.config.mesh_sizes import mesh_shape
 
@@ -53,7 +53,9 @@ def check_inputs(cfg) -> None:
     _require(built_in_template(template) or Path(template).expanduser().is_file(),
              f"data.chat_template={template!r} is neither a file nor a built-in template; use a Jinja file, "
              "'llama3', or '' for the tokenizer's own")
-    if cfg.data.source == "files":
+    if cfg.train.objective == "grpo":  # the prompts fit their rows, the rewards import
+        _check_grpo_inputs(cfg)
+    elif cfg.data.source == "files":
         from maxtext_rocm.data.files import check_inputs as check_data_files
 
         check_data_files(cfg.data, cfg.model.vocab_size, cfg.train.seq_len)  # files exist, read, fit the model
@@ -61,6 +63,19 @@ def check_inputs(cfg) -> None:
         from maxtext_rocm.data.tokenizer import check_vocab, load_tokenizer
 
         check_vocab(load_tokenizer(cfg.data.tokenizer), cfg.model.vocab_size, cfg.data.tokenizer)
+
+
+def _check_grpo_inputs(cfg) -> None:
+    """GRPO's inputs: the tokenizer fits the model, every prompt fits train.seq_len less
+    grpo.max_new_tokens (loaded once: the trainer takes what this read), every reward imports."""
+    from maxtext_rocm.data.prompts import load_prompts
+    from maxtext_rocm.data.tokenizer import check_vocab, load_tokenizer
+    from maxtext_rocm.finetune.grpo.rewards import load_rewards
+
+    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    check_vocab(tokenizer, cfg.model.vocab_size, cfg.data.tokenizer or "byte")
+    load_prompts(cfg.data, tokenizer, cfg.train.seq_len - cfg.grpo.max_new_tokens)
+    load_rewards(cfg.grpo)
 
 
 def _check_output_dir(output_dir: str) -> None:
@@ -92,6 +107,9 @@ def _validate_against_mesh(cfg, shape, device_count: int, process_count: int = 1
     _require(batch % t.grad_accum == 0,
              f"the global batch of {batch} sequences (train.per_device_batch_size={t.per_device_batch_size} "
              f"x {device_count} devices) does not split into train.grad_accum={t.grad_accum} micro-batches")
+    if t.objective == "grpo":
+        problem = grpo_batch_problem(batch, cfg.grpo.group_size)
+        _require(problem is None, problem or "")
     if t.objective == "dpo":  # processes that differ only in pipeline stage load the same rows
         problem = dpo_batch_problem(batch, t.grad_accum, max(1, process_count // cfg.mesh.dcn.stage))
         _require(problem is None, problem or "")

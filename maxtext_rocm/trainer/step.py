@@ -6,7 +6,8 @@ fused head loss asks for the ambient mesh itself, maxtext_rocm/parallel/loss.py)
 The loss is summed over tokens and divided by the token count of the whole global batch once,
 after gradient accumulation, so `grad_accum=4` computes exactly the gradient of one 4x batch.
 Under train.objective="dpo" (maxtext_rocm/finetune/dpo.py) the unit is the preference pair
-instead of the token: summed over pairs, divided by the global pair count once (`Objective`).
+instead of the token: summed over pairs, divided by the global pair count once (`Objective`);
+under "grpo" (finetune/grpo/) the completion token or the completion.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from flax import linen as nn
 from flax import struct
 
 from maxtext_rocm.finetune import dpo, lora
+from maxtext_rocm.finetune.grpo import objective as grpo
 from maxtext_rocm.numerics import cross_entropy, fp8
 from maxtext_rocm.numerics.fp8 import FP8_COLLECTION
 from maxtext_rocm.models import moe
@@ -188,8 +190,20 @@ def dpo_objective(model: nn.Module, reference, dpo_cfg, frozen=None) -> Objectiv
                      dpo.SUM_KEYS, "pairs", 2, dpo.metrics)
 
 
-def step_objective(state: TrainState, model: nn.Module, train_cfg, dpo_cfg=None) -> Objective:
+def grpo_objective(model: nn.Module, grpo_cfg, frozen=None) -> Objective:
+    """GRPO's clipped surrogate on a batch of scored samples (finetune/grpo/objective.py), a mean
+    over completion tokens or over completions (grpo.normalization); `frozen`: a LoRA run's base."""
+    fused = fused_head_loss(model.cfg, model.policy.fp8_lm_head)
+    count_key = "sequences" if grpo_cfg.normalization == "sequence" else "tokens"
+    return Objective(lambda p, b, f, k: grpo.summed_loss(p, model, b, grpo_cfg, fused=fused, fp8_state=f,
+                                                         frozen=frozen, dropout_key=k),
+                     grpo.SUM_KEYS, count_key, 1, lambda sums: grpo.metrics(sums, count_key))
+
+
+def step_objective(state: TrainState, model: nn.Module, train_cfg, dpo_cfg=None, grpo_cfg=None) -> Objective:
     """train.objective's Objective for this state."""
+    if train_cfg.get("objective", "lm") == "grpo":
+        return grpo_objective(model, grpo_cfg, frozen_base(state))
     if train_cfg.get("objective", "lm") == "dpo":
         return dpo_objective(model, dpo.reference_params(state), dpo_cfg, frozen_base(state))
     return lm_objective(model, train_cfg.z_loss_weight, frozen_base(state))
@@ -307,12 +321,13 @@ def decide_step(finite: Array, *, halting: bool, nonfinite_steps: Array, skipped
 
 
 def train_step(state: TrainState, batch: Batch, hyperparameters: dict[str, Array], *, model: nn.Module,
-               clip: bool, train_cfg, dpo_cfg=None):
+               clip: bool, train_cfg, dpo_cfg=None, grpo_cfg=None):
     """One optimizer step. `hyperparameters` (optim.hyperparameters) are arrays, not constants of
     the compiled program, so runs that differ only in them share it; `clip`: whether the optimizer
-    clips (its state's layout depends on it); `dpo_cfg`: the dpo group, read under train.objective="dpo"."""
+    clips (its state's layout depends on it); `dpo_cfg`, `grpo_cfg`: the dpo and grpo groups, read
+    under train.objective="dpo" and "grpo" (whose step is finetune/grpo/step.py's, around this one)."""
     tx = build_optimizer(hyperparameters, clip)
-    objective = step_objective(state, model, train_cfg, dpo_cfg)
+    objective = step_objective(state, model, train_cfg, dpo_cfg, grpo_cfg)
     summed = summed_gradients(state.params, model, batch, train_cfg.grad_accum, train_cfg.z_loss_weight,
                               state.fp8, objective, lora_dropout_key(model, train_cfg.seed, state.step))
     metrics = objective.metrics(summed.sums)

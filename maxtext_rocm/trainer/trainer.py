@@ -83,8 +83,13 @@ class Trainer:
     def step(self):
         """One optimizer step. Returns the step's metrics as device arrays (no host sync)."""
         self.profiler.before_step(self.step_count)
-        batch = self.device_batch(self.step_count)
+        sampled = {}
+        if self.rollouts is not None:  # GRPO: this step's completions, sampled from the state and scored
+            batch, sampled = self.rollouts.batch(self.step_count, self.state)
+        else:
+            batch = self.device_batch(self.step_count)
         self.state, step_metrics = self.compiled_step(self.state, batch, self.hyperparameters)
+        step_metrics = {**step_metrics, **sampled}
         self.step_count += 1
         if self.on_step is not None:
             self.on_step(self.step_count, step_metrics)
@@ -255,7 +260,16 @@ class Trainer:
         self.state_sharding = launched.state_sharding
         # A pipeline's own layer order (parallel/pipeline/layout.py) <-> the model's, or None.
         self.storage_order = launched.storage_order
-        self.data, self.eval_data = data_sources(cfg, self.global_batch, launched.data_state, self.mesh)
+        self.rollouts = None
+        if cfg.train.objective == "grpo":  # samples of the policy, not a data source (trainer/grpo_rollouts.py)
+            from maxtext_rocm.trainer.grpo_rollouts import Rollouts
+
+            rows = sharding.batch_rows_of_process(self.mesh, self.global_batch, cfg.train.seq_len)
+            self.rollouts = Rollouts(cfg, self.policy, self.mesh, self.state_sharding, self.global_batch, rows,
+                                     self._to_device)
+            self.data, self.eval_data = self.rollouts, None
+        else:
+            self.data, self.eval_data = data_sources(cfg, self.global_batch, launched.data_state, self.mesh)
         self._eval_step = (jit_eval_step(self.model, self.mesh, self.state_sharding, self.batch_sharding,
                                          cfg.dpo if cfg.train.objective == "dpo" else None)
                            if self.eval_data is not None else None)
