@@ -83,6 +83,16 @@ def token_terms(logps: Array, old_logps: Array, advantages: Array, epsilon: floa
     return TokenTerms(losses, kl, was_clipped.astype(jnp.float32), ratio)
 
 
+def summed_and_count(losses: Array, mask: Array, normalization: str) -> tuple[Array, Array]:
+    """(the batch's sum, the count it is a mean over): the masked token losses summed ("token", over
+    the completion tokens) or each row's token mean summed ("sequence", over the rows). The step
+    divides the sum, accumulated over micro-batches and devices, by the global count once."""
+    if normalization == "sequence":
+        per_row = jnp.sum(losses * mask, axis=1) / jnp.maximum(jnp.sum(mask, axis=1), 1.0)
+        return jnp.sum(per_row), jnp.asarray(mask.shape[0], jnp.float32)
+    return jnp.sum(losses * mask), jnp.sum(mask)
+
+
 def summed_loss(params, model, batch: dict, grpo_cfg, *, fused: bool, fp8_state=None, frozen=None,
                 dropout_key=None):
     """(objective, sums): GRPO's loss summed over the batch's completion tokens ("token") or rows
@@ -92,12 +102,8 @@ def summed_loss(params, model, batch: dict, grpo_cfg, *, fused: bool, fp8_state=
     mask = batch["weights"].astype(jnp.float32)
     old = batch[OLD_LOGPS] if OLD_LOGPS in batch else jax.lax.stop_gradient(logps)
     terms = token_terms(logps, old, batch[ADVANTAGES], grpo_cfg.epsilon, grpo_cfg.beta, batch.get(REF_LOGPS))
-    tokens_per_row = jnp.sum(mask, axis=1)
-    tokens, rows = jnp.sum(tokens_per_row), jnp.asarray(mask.shape[0], jnp.float32)
-    if grpo_cfg.normalization == "sequence":
-        objective, count = jnp.sum(jnp.sum(terms.losses * mask, axis=1) / jnp.maximum(tokens_per_row, 1.0)), rows
-    else:
-        objective, count = jnp.sum(terms.losses * mask), tokens
+    objective, count = summed_and_count(terms.losses, mask, grpo_cfg.normalization)
+    tokens, rows = jnp.sum(mask), jnp.asarray(mask.shape[0], jnp.float32)
     # Router losses are batch means: times the count they average like the loss once divided by it.
     router = {name: value * count for name, value in router.items()}
     sums = {"grpo_loss": objective, "kl": jnp.sum(terms.kl * mask), "clipped": jnp.sum(terms.clipped * mask),
