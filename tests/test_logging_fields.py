@@ -75,6 +75,18 @@ def test_a_dpo_run_writes_the_documented_fields(tmp_path, devices):
         assert row["real_tokens_per_s_per_device"] < 0.8 * row["tokens_per_s_per_device"]
 
 
+def test_a_grpo_run_writes_the_documented_fields(tmp_path, devices):
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": f"Q{i}:", "answer": "7"} for i in range(8)])
+    cfg = small_config(**{**RUN, "train.eval_every": 0}, output_dir=str(tmp_path / "run"), **{
+        "data.source": "files", "data.format": "prompt", "data.paths": str(prompts), "model.vocab_size": 320,
+        "train.objective": "grpo", "grpo.group_size": 4, "grpo.max_new_tokens": 4, "grpo.rewards": ("answer", "length")})
+    run(cfg, devices)
+    train, _ = rows_of(tmp_path / "run")
+    per_reward = {f"grpo_reward{kind}/{name}" for kind in ("", "_std") for name in ("answer", "length")}
+    assert all(set(row) == fields_written_when("every row", "`train.objective='grpo'`") | per_reward for row in train)
+    assert "| `grpo_reward/NAME`, `grpo_reward_std/NAME` |" in DOC.read_text()
+
+
 FETCHED = {"loss": 2.0, "lr": 1e-3, "grad_norm": 1.0, "nonfinite_steps": 0, "padding": 0.5, "z_loss": 3.0,
            "moe_aux_loss": 1.0, "moe_z_loss": 0.1}
 
@@ -86,6 +98,7 @@ def test_z_loss_and_moe_rows_and_that_the_table_lists_nothing_else():
     assert set(row) | {"step"} == fields_written_when("every row", "`train.z_loss_weight` > 0",
                                                       "`model.n_experts` > 1")
     conditions = {"every row", "`train.z_loss_weight` > 0", "`model.n_experts` > 1", "`train.objective='dpo'`",
+                  "`train.objective='grpo'`",
                   "evaluation rows", "evaluation rows, objective lm", "evaluation rows, objective dpo"}
     assert set(documented().values()) == conditions  # each field is written under one of the cases above
 

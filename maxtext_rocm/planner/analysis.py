@@ -122,6 +122,8 @@ def analyse(cfg, kind: str, n_devices: int, usable: float = 0.92, compile_it: bo
     if cfg.model.attention in ("cudnn", "pallas"):  # the CPU cannot lower these GPU kernels
         note = f"XLA (CPU) compiled model.attention={cpu_model_cfg.attention!r} in place of {cfg.model.attention!r}"
     batch_dtypes = {"inputs": jnp.int32, "targets": jnp.int32, "weights": jnp.float32}
+    if cfg.train.objective == "grpo":  # scored samples: each row's advantage (data.batch_spec)
+        batch_dtypes["advantages"] = jnp.float32
     batch_dtypes = context.mesh_layout(cfg.model, mesh).batch_dtypes(batch_dtypes)  # + positions if balanced
     batch = {name: jax.ShapeDtypeStruct((global_batch, cfg.train.seq_len), dtype, sharding=batch_sharding)
              for name, dtype in batch_dtypes.items()}
