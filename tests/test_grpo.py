@@ -155,10 +155,13 @@ def test_sampler_equals_generate_and_its_logprobs_equal_a_forward_pass(mesh, dev
     prompts, (tokens, positions) = prompt_rows(cfg, rows)
     stop = (7,)
     policy = policy_from_config(cfg.precision)
-    # Greedy on any mesh, and sampled (temperature 1, the same key) on one device, as generate does.
-    for temperature in (0.0, 1.0) if mesh == "one device" else (0.0,):
+    # Greedy on any mesh (the weights gathered once, or read where training keeps them), and sampled
+    # (temperature 1, the same key) on one device, as generate does.
+    settings = [(0.0, "gathered"), (1.0, "gathered")] if mesh == "one device" else [(0.0, "training"),
+                                                                                   (0.0, "gathered")]
+    for temperature, weights in settings:
         c = ml_collections.ConfigDict(cfg)
-        c.grpo.temperature = temperature
+        c.grpo.temperature, c.grpo.sampler_weights = temperature, weights
         sampler = Sampler(ml_collections.FrozenConfigDict(c), policy, run.mesh, state_sharding, rows, stop)
         out, _, logps = sampler(run.state, tokens, positions, jax.random.key(3))
         want = generate(cfg, run.state.params, [p.tokens for p in prompts], max_new_tokens=6,

@@ -98,6 +98,11 @@ GRPO = Group("Group Relative Policy Optimization (train.objective=grpo): complet
                  "top_p": Key(1.0, "the sampler's nucleus: the smallest set of tokens holding this probability",
                               above=0, at_most=1),
                  "top_k": Key(0, "the sampler's k most likely tokens; 0: all", at_least=0),
+                 "sampler_weights": Key("gathered", "gathered: the sampler gathers the policy's weights over "
+                                                    "fsdp and data once per step, in the compute dtype (a copy per "
+                                                    "device); training: it decodes from the training layout, "
+                                                    "gathering every layer's weights at every token",
+                                        choices=("gathered", "training")),
                  "rewards": Key(("answer",), "reward functions: built-in answer, format or length, or "
                                              "module:function importable from the working directory"),
                  "reward_weights": Key((), "each reward's weight in the total, in the order of grpo.rewards; "

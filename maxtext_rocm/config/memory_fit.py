@@ -8,7 +8,8 @@ run that passes it fits a target node exactly is `python -m maxtext_rocm.compile
 
 - state: parameters, Adam's two moments, all fp32 (12 bytes per parameter), counting the matmul
   weights and the embedding table (every expert included; norm scales left out); under
-  train.objective="dpo" plus the frozen reference, those weights in the compute dtype; under
+  train.objective="dpo" (and "grpo" with grpo.beta > 0) plus the frozen reference, those weights
+  in the compute dtype; under
   LoRA (lora.rank > 0) only the frozen base in the compute dtype (the adapters are too small to
   count), which is also DPO's reference there;
 - activations: the block input of every layer for the backward pass, which every remat policy
@@ -63,10 +64,11 @@ def stored_params(m) -> int:
 
 
 def state_bytes_per_param(cfg, compute_bytes: int) -> int:
-    """fp32 parameters and Adam's two moments, plus a DPO reference; a LoRA base alone."""
+    """fp32 parameters and Adam's two moments, plus a DPO or GRPO reference; a LoRA base alone."""
     if cfg.get("lora") is not None and cfg.lora.rank > 0:
         return compute_bytes
-    return 12 + (compute_bytes if cfg.train.objective == "dpo" else 0)
+    grpo_reference = cfg.train.objective == "grpo" and cfg.grpo.beta > 0
+    return 12 + (compute_bytes if cfg.train.objective == "dpo" or grpo_reference else 0)
 
 
 def lower_bounds(cfg, n_devices: int, n_processes: int = 1) -> dict[str, int]:
