@@ -69,13 +69,16 @@ class Walk:
     page: str
     cwd: Path
     steps: list[Step] = field(default_factory=list)
+    # Training commands as the page writes them, without TINY_TRAINING: for a page whose run is
+    # tiny already and whose promise is its result (docs/grpo.md: the reward it learns).
+    as_written: bool = False
 
     def run(self, line: str, timeout: float = 300) -> Step:
         argv = forms(line)[-1]  # with its optional `[...]` parts, unless they hold a placeholder
         if argv[:2] not in (["python", "-m"], ["python3", "-m"]):
             raise AssertionError(f"{self.page}: {line!r} is not a `python -m` command; teach doc_walk.py to run it")
         argv = [sys.executable, *argv[1:]]
-        if argv[2] == "maxtext_rocm.train" and not {"-h", "--help"} & set(argv):  # a run, not its help
+        if argv[2] == "maxtext_rocm.train" and not self.as_written and not {"-h", "--help"} & set(argv):  # a run
             argv = [*argv, *TINY_TRAINING]
         start = time.perf_counter()
         out = subprocess.run(argv, cwd=self.cwd, env=walk_env(), capture_output=True, text=True, timeout=timeout)

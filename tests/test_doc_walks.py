@@ -67,10 +67,11 @@ NOT_WALKED = {
 }
 
 
-def walk(page: str, cwd: Path, section: str | None = None) -> Walk:
-    """Every command of `page` (of its `section`) in order, in `cwd`, but NOT_WALKED's."""
+def walk(page: str, cwd: Path, section: str | None = None, as_written: bool = False) -> Walk:
+    """Every command of `page` (of its `section`) in order, in `cwd`, but NOT_WALKED's;
+    `as_written`: training commands without TINY_TRAINING (doc_walk.Walk)."""
     lines = page_commands(page, section)
-    walked = Walk(page, cwd)
+    walked = Walk(page, cwd, as_written=as_written)
     for number, line in enumerate(lines, 1):
         if line in NOT_WALKED:
             continue
@@ -305,3 +306,27 @@ def test_evaluation(tmp_path, hf_model):
     assert set(json.loads(results.read_text())["results"]) == {"tiny_choice", "tiny_text", "tiny_gen"}
     assert len(list((cwd / "results" / "llama31_8b").glob("samples_*.jsonl"))) == 3
     assert "acc" in walked.steps[2].stdout  # lm-eval's own command line, our model registered
+
+
+def test_grpo(tmp_path):
+    """docs/grpo.md's worked example as written (its run is tiny already, and what the page
+    promises is what it learns): the reward file and the prompts from the page's Python blocks,
+    then its commands; the reward rises from near 0 to at least 0.8 and the model answers with a
+    digit."""
+    section = "A tiny model learns a reward on the CPU"
+    cwd = fresh_directory(tmp_path / "clone")
+    reward_file, make_prompts = python_blocks("docs/grpo.md", section)
+    name = reward_file.splitlines()[0].removeprefix("# ")
+    (cwd / name).write_text(reward_file)
+    walked = Walk("docs/grpo.md", cwd, as_written=True)
+    step = walked.run_python(make_prompts)
+    assert step.returncode == 0, described(step)
+    for line in page_commands("docs/grpo.md", section):
+        step = walked.run(line)
+        assert step.returncode == 0, described(step)
+    print(walked.timings())
+    rewards = [m["grpo_reward"] for m in metrics(cwd / "runs" / "grpo_digits") if "grpo_reward" in m]
+    assert rewards[0] < 0.3 and rewards[-1] >= 0.8, rewards
+    answer = walked.steps[-1].stdout.strip().split("A:", 1)[1]
+    assert answer[:1].isdigit(), walked.steps[-1].stdout
+
