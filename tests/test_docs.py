@@ -46,6 +46,7 @@ STAND_IN_RECORDS = {
     "chat": {"messages": [{"role": "user", "content": "a question"}, {"role": "assistant", "content": "an answer"}]},
     "prompt_completion": {"prompt": "a question", "completion": "an answer"},
     "preference": {"prompt": "a question", "chosen": "a good answer", "rejected": "a bad one"},
+    "prompt": {"prompt": "a question", "answer": "42"},
 }
 
 
@@ -126,8 +127,17 @@ def check_config(spec: str | None, overrides: list[str], tmp_path: Path, shape: 
         value = cfg[group][name]
         if value and not all(Path(REPO, p).exists() for p in str(value).split(",")):
             cfg[group][name] = str(stand_in if key.startswith("checkpoint") else stand_in / "docs.jsonl")
+    # GRPO's own reward functions (module:function) are the reader's files too: stand-ins of the names.
+    for name in (cfg.grpo.rewards if cfg.train.objective == "grpo" else ()):
+        if ":" in name:
+            module, function = name.split(":")
+            (stand_in / f"{module}.py").write_text(f"def {function}(record, completion):\n    return 0.0\n")
     devices, processes = shape or _mesh_counts(cfg)
-    check_run(cfg, devices, processes)
+    sys.path.insert(0, str(stand_in))
+    try:
+        check_run(cfg, devices, processes)
+    finally:
+        sys.path.remove(str(stand_in))
     return cfg
 
 
