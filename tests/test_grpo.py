@@ -211,10 +211,12 @@ def test_loss_is_the_same_fused_unfused_sharded_and_accumulated(normalization, d
     batch = grpo_batch(single.cfg, 8)
     want_grads, _, want = grpo_gradients(single, batch, 1, g, fused=False)
     assert float(want["grpo_clip_fraction"]) > 0  # the ratios of this batch reach the clip
-    for run, accum, fused in [(single, 1, True), (single, 2, True),
-                              (sampler_run(devices, **{"mesh.ici.fsdp": 4, "mesh.ici.tensor": 2,
-                                                       "model.loss_chunk_len": 8})[0], 2, True)]:
-        grads, _, got = grpo_gradients(run, batch, accum, g, fused)
+    cases = [(single, 1), (single, 2)]
+    if normalization == "token":  # the mesh is the same for both: one normalisation is enough there
+        cases.append((sampler_run(devices, **{"mesh.ici.fsdp": 4, "mesh.ici.tensor": 2,
+                                              "model.loss_chunk_len": 8})[0], 2))
+    for run, accum in cases:
+        grads, _, got = grpo_gradients(run, batch, accum, g)
         for key in ("loss", "grpo_kl", "grpo_clip_fraction", "grpo_ratio"):
             assert_close(float(got[key]), float(want[key]), scale=1e-5, err_msg=key)
         assert_close(jax.tree_util.tree_map(np.asarray, grads), jax.tree_util.tree_map(np.asarray, want_grads),
