@@ -289,3 +289,42 @@ def test_a_resumed_run_equals_the_uninterrupted_one_bit_for_bit(tmp_path):
     for got, want in zip(resumed, whole):
         assert {k: got[k] for k in keys} == {k: want[k] for k in keys}
     assert whole[-1]["grpo_kl"] > 0 and whole[-1]["grpo_ratio"] != 1.0  # the reference and the old policy acted
+
+
+def test_prompts_render_with_the_chat_template_and_stop_at_its_end_of_turn(tmp_path):
+    """Messages and plain strings both become the template's rendering with its generation prompt,
+    as transformers' apply_chat_template(add_generation_prompt=True) tokenizes it; completions stop
+    at <|eot_id|> and EOS. The byte tokenizer, which has no template, takes the string as text."""
+    pytest.importorskip("tokenizers")
+    transformers = pytest.importorskip("transformers")
+    from chat_helpers import make_chat_tokenizer, write_jsonl
+    from maxtext_rocm.data.prompts import load_prompts
+    from maxtext_rocm.data.tokenizer import ByteTokenizer, load_tokenizer
+
+    folder = make_chat_tokenizer(tmp_path / "tok")
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"}]
+    path = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": messages, "answer": "4"}, {"prompt": "Say hi."}])
+    data = ml_collections.ConfigDict({"paths": str(path), "chat_template": "", "add_bos": True, "seed": 0})
+    tokenizer = load_tokenizer(str(folder / "tokenizer.json"))
+    prompts = load_prompts(data, tokenizer, max_prompt_len=200)
+    reference = transformers.AutoTokenizer.from_pretrained(str(folder))
+    for prompt, conversation in zip(prompts.prompts, (messages, [{"role": "user", "content": "Say hi."}])):
+        want = reference.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True)
+        want = want["input_ids"] if isinstance(want, dict) or hasattr(want, "keys") else want
+        assert list(prompt.tokens) == list(want)
+    assert prompts.prompts[0].record["answer"] == "4"
+    assert prompts.stop_ids == (reference.convert_tokens_to_ids("<|eot_id|>"), tokenizer.eos_id)
+    plain = load_prompts(ml_collections.ConfigDict(dict(data, paths=str(write_jsonl(
+        tmp_path / "plain.jsonl", [{"prompt": "Say hi."}])))), ByteTokenizer(), max_prompt_len=200)
+    assert list(plain.prompts[0].tokens) == list(ByteTokenizer().encode("Say hi.", bos=True))
+    assert plain.stop_ids == (ByteTokenizer.eos_id,)
+
+
+def test_each_step_takes_its_own_prompts_in_an_order_of_its_pass():
+    from maxtext_rocm.data.prompts import Prompts
+
+    prompts = Prompts(tuple(Prompt({"i": i}, str(i), np.asarray([i], np.int32)) for i in range(10)), (), seed=3)
+    steps = [[p.record["i"] for p in prompts.for_step(s, 4)] for s in range(5)]
+    assert sorted(sum(steps[:2], []) + steps[2][:2]) == list(range(10))  # the first pass: every prompt once
+    assert steps[2][:2] + steps[3] != steps[0] + steps[1][:2]  # the second pass in another order
+    assert steps == [[p.record["i"] for p in prompts.for_step(s, 4)] for s in range(5)]  # a function of the step
