@@ -97,13 +97,14 @@ def read_generation_config(hf_dir: Path) -> dict[str, Any] | None:
 def chat_stop_ids(cfg) -> tuple[int, ...]:
     """The token ids a reply of a run that trains chats ends with: its chat template's end-of-turn
     token (Llama 3: <|eot_id|>) and the tokenizer's EOS, found as `generate --chat` finds them; ()
-    for a run on plain text. Preference data is rendered with the template where there is one."""
+    for a run on plain text. Preference data and GRPO's prompts are rendered with the template
+    where there is one."""
     from maxtext_rocm.config import UserError
     from maxtext_rocm.data.chat_template import end_of_turn, load_chat_template
     from maxtext_rocm.data.tokenizer import load_tokenizer
 
     data = cfg.get("data")
-    if data is None or data.get("format") not in ("chat", "preference"):
+    if data is None or data.get("format") not in ("chat", "preference", "prompt"):
         return ()
     try:
         tokenizer = load_tokenizer(data.tokenizer)
