@@ -13,7 +13,9 @@ run that passes it fits a target node exactly is `python -m maxtext_rocm.compile
   LoRA (lora.rank > 0) only the frozen base in the compute dtype (the adapters are too small to
   count), which is also DPO's reference there;
 - activations: the block input of every layer for the backward pass, which every remat policy
-  keeps (`full` keeps only that), in the compute dtype, for one micro-batch;
+  keeps (`full` keeps only that), in the compute dtype, for one micro-batch; under
+  train.objective="grpo" at least the sampler's KV cache (keys and values of every layer for every
+  row and position), which it holds before the step runs;
 - batches (host memory): the int32/fp32 [rows, seq_len] arrays of a batch (`data.batch_spec`),
   for files times the batches the loader builds ahead (`data.prefetch`) plus the one in use.
 
@@ -81,9 +83,13 @@ def lower_bounds(cfg, n_devices: int, n_processes: int = 1) -> dict[str, int]:
     global_rows = t.per_device_batch_size * n_devices
     micro_tokens = global_rows // max(t.grad_accum, 1) * t.seq_len
     in_flight = cfg.data.prefetch + 1 if cfg.data.source == "files" else 1  # only files prefetch
+    activations = m.n_layers * micro_tokens * m.d_model * compute_bytes
+    if t.objective == "grpo":  # the sampler's KV cache, before the step: whichever is larger is certain
+        activations = max(activations, global_rows * t.seq_len * m.n_layers * 2 * m.n_kv_heads * m.head_dim
+                          * compute_bytes)
     return {
         "state": state_bytes_per_param(cfg, compute_bytes) * stored_params(m),
-        "activations": m.n_layers * micro_tokens * m.d_model * compute_bytes,
+        "activations": activations,
         "batches": len(batch_spec(cfg.data)) * 4 * (global_rows // n_processes) * t.seq_len * in_flight,
     }
 
