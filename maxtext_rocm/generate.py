@@ -31,7 +31,7 @@ from flax import linen as nn
 from maxtext_rocm.config import UserError
 from maxtext_rocm.models import build_model
 # `sample` stays importable from here, where notebooks and tests found it before models/decoding.py.
-from maxtext_rocm.models.decoding import decode_loop, decoding_model_cfg, sample  # noqa: F401
+from maxtext_rocm.models.decoding import decode_loop, decoding_model_cfg, left_pad, sample  # noqa: F401
 from maxtext_rocm.numerics.precision import policy_from_config
 from maxtext_rocm.resolve import resolve_here
 
@@ -46,19 +46,6 @@ def _decoder(model_cfg, policy, batch: int, prompt_len: int, max_new: int, tempe
     model = build_model(model_cfg, policy, decode=True)
     run = decode_loop(model, batch, prompt_len, max_new, temperature, top_k, top_p, stop_ids)
     return jax.jit(lambda params, tokens, positions, key: run({"params": params}, tokens, positions, key)[:2])
-
-
-def _left_pad(prompts, pad_to: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """(tokens, positions) [batch, max(longest, pad_to)]: prompts aligned to the right, padding at
-    position -1."""
-    longest = max(max(len(p) for p in prompts), pad_to)
-    tokens = np.zeros((len(prompts), longest), np.int32)
-    positions = np.full((len(prompts), longest), -1, np.int32)
-    for row, prompt in enumerate(prompts):
-        if len(prompt):
-            tokens[row, longest - len(prompt):] = prompt
-            positions[row, longest - len(prompt):] = np.arange(len(prompt))
-    return tokens, positions
 
 
 def generate(cfg, params, prompt_tokens, max_new_tokens: int = 64, temperature: float = 0.0,
@@ -85,7 +72,7 @@ def generate(cfg, params, prompt_tokens, max_new_tokens: int = 64, temperature: 
     if set(params) == {"params"}:
         params = params["params"]
     stop_ids = tuple(int(i) for i in np.atleast_1d(np.asarray([] if eos_id is None else eos_id, np.int64)))
-    tokens, positions = _left_pad(prompts, pad_to)
+    tokens, positions = left_pad(prompts, pad_to)
     cfg = resolve_here(cfg, seq_len=tokens.shape[1])
     run = _decoder(decoding_model_cfg(cfg.model), policy_from_config(cfg.precision), len(prompts),
                    tokens.shape[1], int(max_new_tokens), float(temperature), int(min(top_k, vocab)),

@@ -9,9 +9,8 @@ run that passes it fits a target node exactly is `python -m maxtext_rocm.compile
 - state: parameters, Adam's two moments, all fp32 (12 bytes per parameter), counting the matmul
   weights and the embedding table (every expert included; norm scales left out); under
   train.objective="dpo" (and "grpo" with grpo.beta > 0) plus the frozen reference, those weights
-  in the compute dtype; under
-  LoRA (lora.rank > 0) only the frozen base in the compute dtype (the adapters are too small to
-  count), which is also DPO's reference there;
+  in the compute dtype; under LoRA (lora.rank > 0) only the frozen base in the compute dtype (the
+  adapters are too small to count), which is also the reference there;
 - activations: the block input of every layer for the backward pass, which every remat policy
   keeps (`full` keeps only that), in the compute dtype, for one micro-batch; under
   train.objective="grpo" at least the sampler's KV cache (keys and values of every layer for every

@@ -10,6 +10,7 @@ import flax.core
 import jax
 import jax.numpy as jnp
 import ml_collections
+import numpy as np
 
 from maxtext_rocm.models.attention import CACHE
 
@@ -88,3 +89,16 @@ def decode_loop(model, batch: int, prompt_len: int, max_new: int, temperature: f
         return out, steps, logps
 
     return run
+
+
+def left_pad(prompts, pad_to: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens, positions) [batch, max(longest, pad_to)]: prompts aligned to the right, padding at
+    position -1."""
+    longest = max(max(len(p) for p in prompts), pad_to)
+    tokens = np.zeros((len(prompts), longest), np.int32)
+    positions = np.full((len(prompts), longest), -1, np.int32)
+    for row, prompt in enumerate(prompts):
+        if len(prompt):
+            tokens[row, longest - len(prompt):] = prompt
+            positions[row, longest - len(prompt):] = np.arange(len(prompt))
+    return tokens, positions

@@ -24,6 +24,8 @@ _SAMPLER_STREAM = 0x6772706F  # folded into train.seed's key: the sampler's draw
 
 
 class Rollouts:
+    """The prompts, the rewards and the compiled sampler of a GRPO run, and each step's batch."""
+
     def __init__(self, cfg, policy, mesh, state_sharding, global_batch: int, rows: tuple[int, int], to_device):
         self.cfg, self.to_device = cfg, to_device
         self.tokenizer = load_tokenizer(cfg.data.tokenizer)

@@ -30,6 +30,7 @@ import numpy as np
 from maxtext_rocm.data.prompts import Prompt
 from maxtext_rocm.finetune.grpo import rewards as rewards_lib
 from maxtext_rocm.finetune.grpo.objective import ADVANTAGES
+from maxtext_rocm.models.decoding import left_pad
 
 
 class Completions(NamedTuple):
@@ -38,16 +39,9 @@ class Completions(NamedTuple):
 
 
 def left_padded(prompts: list[Prompt], group_size: int, length: int) -> tuple[np.ndarray, np.ndarray]:
-    """(tokens, positions) [prompts x group_size, length]: each prompt repeated for its group,
-    aligned to the right, padding at position -1 (generate.py's layout)."""
-    rows = len(prompts) * group_size
-    tokens, positions = np.zeros((rows, length), np.int32), np.full((rows, length), -1, np.int32)
-    for p, prompt in enumerate(prompts):
-        n = len(prompt.tokens)
-        for row in range(p * group_size, (p + 1) * group_size):
-            tokens[row, length - n:] = prompt.tokens
-            positions[row, length - n:] = np.arange(n)
-    return tokens, positions
+    """(tokens, positions) [prompts x group_size, length]: each prompt repeated for its group, laid
+    out as generate lays out prompts (aligned to the right, padding at position -1)."""
+    return left_pad([prompt.tokens for prompt in prompts for _ in range(group_size)], pad_to=length)
 
 
 def completions(sampled: np.ndarray, stop_ids: tuple[int, ...]) -> Completions:

@@ -17,7 +17,6 @@ grpo.max_new_tokens), padding at position -1, so every step runs the same progra
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
