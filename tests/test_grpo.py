@@ -328,3 +328,50 @@ def test_each_step_takes_its_own_prompts_in_an_order_of_its_pass():
     assert sorted(sum(steps[:2], []) + steps[2][:2]) == list(range(10))  # the first pass: every prompt once
     assert steps[2][:2] + steps[3] != steps[0] + steps[1][:2]  # the second pass in another order
     assert steps == [[p.record["i"] for p in prompts.for_step(s, 4)] for s in range(5)]  # a function of the step
+
+
+def test_bucket_lengths_are_quarters_of_the_row_rounded_to_tiles():
+    from maxtext_rocm.data.buckets import bucket_lengths, bucket_of
+
+    assert bucket_lengths(2048) == (512, 1024, 1536, 2048)
+    assert bucket_lengths(1000) == (256, 504, 752, 1000)  # not a multiple of 128: multiples of 8
+    assert bucket_lengths(32) == (8, 16, 24, 32)
+    assert [bucket_of(n, 2048) for n in (1, 512, 513, 2048)] == [512, 512, 1024, 2048]
+
+
+def test_a_bucket_gives_the_loss_and_gradient_of_rows_padded_to_seq_len(devices):
+    """The same scored samples laid out at their bucket's length and at train.seq_len: the padding
+    after every row is never attended to and weighs 0, so loss and gradient agree to fp32."""
+    g = grpo_cfg(beta=0.04)
+    single, _ = sampler_run(devices[:1], **ONE_DEVICE, **{"model.loss_chunk_len": 8, "train.seq_len": 32})
+    rng = np.random.default_rng(2)
+    prompts, _ = prompt_rows(single.cfg, 2)
+    sampled = rng.integers(3, single.cfg.model.vocab_size, (8, single.cfg.grpo.max_new_tokens)).astype(np.int32)
+    done = rollout.completions(sampled, ())
+    longest = rollout.longest_row(prompts, done, 4)
+    short = rollout.training_rows(prompts, done, rng.normal(0, 1, 8).astype(np.float32), 4, 16)
+    assert longest <= 16
+    full = {k: np.pad(v, ((0, 0), (0, 32 - 16))) for k, v in short.items()}
+    for batch in (short, full):
+        batch[objective.REF_LOGPS] = np.full(batch["inputs"].shape, -5.0, np.float32)
+    want_grads, _, want = grpo_gradients(single, full, 1, g)
+    grads, _, got = grpo_gradients(single, short, 1, g)
+    for key in ("loss", "grpo_kl", "tokens"):
+        assert_close(float(got[key]), float(want[key]), scale=1e-6, err_msg=key)
+    assert_close(jax.tree_util.tree_map(np.asarray, grads), jax.tree_util.tree_map(np.asarray, want_grads),
+                 scale=1e-6)
+
+
+def test_a_run_compiles_one_step_per_bucket_its_rows_need(tmp_path):
+    """Rows of 29 positions in a run of train.seq_len=128: every step in the 32 bucket, one program,
+    and the full-length step never compiled."""
+    from maxtext_rocm.train import Trainer
+
+    cfg = grpo_run_config(tmp_path, **{"train.steps": 3, "train.seq_len": 128})
+    trainer = Trainer(cfg, devices=jax.devices()[:1], log=lambda *_: None)
+    trainer.run()
+    trainer.close()
+    assert sorted(trainer._steps_by_length) == [32] and not trainer._compiled_step.done()
+    rows = [json.loads(line) for line in open(f"{cfg.output_dir}/metrics.jsonl")]
+    # Positions per second count the bucket's 32 a row, not 128: padding is what the bucket left.
+    assert all(row["padding_fraction"] < 0.2 for row in rows)

@@ -161,6 +161,8 @@ class Launched:
     state_sharding: object
     # Storage <-> model order of a pipeline's layer stack (parallel/pipeline/layout.py), or None.
     storage_order: object = None
+    # The jitted step that `compiled_step` is compiled from: another row length lowers it again.
+    jitted_step: object = None
 
 
 def launch(cfg, model, mesh, batch_sharding, batch_dtypes, checkpointer, sharding_rules, log) -> Launched:
@@ -201,7 +203,9 @@ def launch(cfg, model, mesh, batch_sharding, batch_dtypes, checkpointer, shardin
         with sharding_rules():
             return lower_step(step, cfg, mesh, layout.abstract, batch_sharding, batch_dtypes)
 
-    if resume and resume.steps[0] == cfg.train.steps:  # a finished run relaunched: compiled only if a step runs
+    if (resume and resume.steps[0] == cfg.train.steps) or cfg.train.objective == "grpo":
+        # A finished run relaunched: compiled only if a step runs. GRPO's rows come in buckets
+        # (data/buckets.py): its full-length step is compiled only if a batch needs it.
         compiled = CompiledOnFirstUse(lowered)
         state, step_count, data_state = made.result()
     elif compilation.compile_overlaps_init():
@@ -217,13 +221,14 @@ def launch(cfg, model, mesh, batch_sharding, batch_dtypes, checkpointer, shardin
         if moved:
             log(f"checkpoints newer than step {step_count} moved to {moved[0].parent}: "
                 + ", ".join(p.name for p in moved))
-    return Launched(state, step_count, data_state, compiled, layout.sharding, layout.storage_order)
+    return Launched(state, step_count, data_state, compiled, layout.sharding, layout.storage_order, step)
 
 
 class CompiledOnFirstUse(Future):
-    """The train step of a run whose checkpoint is at train.steps already: compiled when it is first
-    asked for (`Trainer.run(n)` past the end, a notebook's `step()`), never for a relaunch that
-    only says the run is done (an 8B step takes minutes to compile)."""
+    """A train step compiled when it is first asked for: a run whose checkpoint is at train.steps
+    already (`Trainer.run(n)` past the end, a notebook's `step()`), never for a relaunch that only
+    says the run is done (an 8B step takes minutes to compile); and GRPO's full-length step, which
+    only a batch whose longest row needs the last bucket asks for."""
 
     def __init__(self, lowered: Callable[[], jax.stages.Lowered]):
         super().__init__()
@@ -235,11 +240,13 @@ class CompiledOnFirstUse(Future):
         return super().result(timeout)
 
 
-def lower_step(step, cfg, mesh, abstract, batch_sharding, batch_dtypes) -> jax.stages.Lowered:
-    """The train step lowered from shapes alone (no state needed yet)."""
+def lower_step(step, cfg, mesh, abstract, batch_sharding, batch_dtypes, row_length: int | None = None
+               ) -> jax.stages.Lowered:
+    """The train step lowered from shapes alone (no state needed yet), for rows of train.seq_len
+    positions or of `row_length` (a bucket's: data/buckets.py)."""
     from maxtext_rocm.config import global_batch_size
 
-    shape = (global_batch_size(cfg, mesh.size), cfg.train.seq_len)
+    shape = (global_batch_size(cfg, mesh.size), row_length or cfg.train.seq_len)
     batch = {k: jax.ShapeDtypeStruct(shape, dtype, sharding=batch_sharding) for k, dtype in batch_dtypes.items()}
     return step.lower(abstract, batch, optimizer_hyperparameters(cfg, mesh, abstract=True))
 

@@ -1,6 +1,6 @@
 """The Trainer's clocks: how long a launch took to its first finished step (said once), and the
-step time of the logged rows (measured between marks, evaluations left out) with the padding of
-the steps it timed (for the rows' real tokens per second)."""
+step time of the logged rows (measured between marks, evaluations left out) with the padding and
+the row length of the steps it timed (for the rows' tokens per second)."""
 
 from __future__ import annotations
 
@@ -40,6 +40,7 @@ class StepClock:
         self.mark: tuple[float, int] | None = None
         self.logged_at: int | None = None
         self.paddings: list = []
+        self.row_lengths: list[int] = []
 
     @property
     def started(self) -> bool:
@@ -47,11 +48,13 @@ class StepClock:
 
     def start(self, step_count: int) -> None:
         self.mark = (time.perf_counter(), step_count)
-        self.paddings = []
+        self.paddings, self.row_lengths = [], []
 
     def timed(self, step_metrics: dict) -> None:
-        """A step taken after the mark: its padding counts in the next row's real tokens."""
+        """A step taken after the mark: its padding counts in the next row's real tokens, its row
+        length (train.seq_len, or a bucket's) in the positions it computed."""
         self.paddings.append(step_metrics["padding"])
+        self.row_lengths.append(step_metrics["row_length"])
 
     def step_time(self, step_count: int) -> float | None:
         """Seconds per step since the mark (None when no step was taken since)."""

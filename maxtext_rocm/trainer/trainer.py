@@ -88,8 +88,9 @@ class Trainer:
             batch, sampled = self.rollouts.batch(self.step_count, self.state)
         else:
             batch = self.device_batch(self.step_count)
-        self.state, step_metrics = self.compiled_step(self.state, batch, self.hyperparameters)
-        step_metrics = {**step_metrics, **sampled}
+        row_length = batch["inputs"].shape[1]  # train.seq_len, or a bucket's (GRPO: data/buckets.py)
+        self.state, step_metrics = self.compiled_step_for(row_length)(self.state, batch, self.hyperparameters)
+        step_metrics = {**step_metrics, **sampled, "row_length": row_length}
         self.step_count += 1
         if self.on_step is not None:
             self.on_step(self.step_count, step_metrics)
@@ -165,9 +166,14 @@ class Trainer:
         """Fetches the step's metrics (the loop's only host sync), writes and prints its row and
         marks the step clock. Returns (the fetched metrics, the row)."""
         fetched, paddings = jax.device_get((step_metrics, clock.paddings))
+        timed_padding = timed_length = None
+        if paddings:  # over the timed steps' positions, whose rows may differ in length (buckets)
+            lengths = np.asarray(clock.row_lengths, np.float64)
+            timed_length = float(np.mean(lengths))
+            timed_padding = 1.0 - float(np.mean(lengths * (1.0 - np.asarray(paddings, np.float64)))) / timed_length
         logged = run_report.logged_row(self.cfg, fetched, clock.step_time(self.step_count), self.global_batch,
                                        self.n_devices, self.flops_per_token, self.peak_tflops,
-                                       timed_padding=float(np.mean(paddings)) if paddings else None)
+                                       timed_padding=timed_padding, timed_row_length=timed_length)
         self.writer.write(self.step_count, logged)
         self.last_logged = (self.step_count, logged)
         if self.is_logger:
@@ -254,6 +260,7 @@ class Trainer:
         launched = launch(cfg, self.model, self.mesh, self.batch_sharding, self._batch_dtypes,
                           self.checkpointer, self.sharding_rules, self.log)
         self.state, self.step_count, self._compiled_step = launched.state, launched.step_count, launched.compiled_step
+        self._jitted_step, self._steps_by_length = launched.jitted_step, {}  # other row lengths' steps
         self.launched_at_step = launched.step_count  # where this launch began: 0, or the step it resumed from
         self.last_logged = self.last_eval = None  # (step, row) of the newest logged row and evaluation
         self._schedule_said = False  # run_report.warmup_warning, said by the first run() that trains
@@ -328,6 +335,22 @@ class Trainer:
             self._compiled_step = self._compiled_step.result()
             compilation.release_freed_host_memory()
         return self._compiled_step
+
+    def compiled_step_for(self, row_length: int) -> jax.stages.Compiled:
+        """The train step compiled for rows of `row_length` positions: `compiled_step` for
+        train.seq_len, else compiled on first use (once per bucket; data/buckets.py)."""
+        if row_length == self.cfg.train.seq_len:
+            return self.compiled_step
+        if row_length not in self._steps_by_length:
+            from maxtext_rocm.trainer.launch import lower_step
+
+            abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                                              self.state)
+            with self.sharding_rules():
+                lowered = lower_step(self._jitted_step, self.cfg, self.mesh, abstract, self.batch_sharding,
+                                     self._batch_dtypes, row_length)
+            self._steps_by_length[row_length] = lowered.compile()
+        return self._steps_by_length[row_length]
 
     def describe(self) -> str:
         return run_report.describe(self)

@@ -2,7 +2,8 @@
 host, advantages per group, rows laid out for the train step.
 
 Rows: prompt p's grpo.group_size completions are rows p*G .. p*G + G - 1. A row holds its prompt
-(unpadded) then its completion, right-padded to train.seq_len: inputs are the sequence, targets
+(unpadded) then its completion, right-padded to the step's row length (the bucket of its longest
+row, data/buckets.py: at most train.seq_len): inputs are the sequence, targets
 the sequence one token on, weights 1 on the targets that are completion tokens (through the
 end-of-turn token where the completion reached it: training to stop is part of the policy).
 Positions count from 0 and segment ids are 1 on tokens, 0 on padding, as packed rows have them.
@@ -27,6 +28,7 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
+from maxtext_rocm.data.buckets import bucket_of
 from maxtext_rocm.data.prompts import Prompt
 from maxtext_rocm.finetune.grpo import rewards as rewards_lib
 from maxtext_rocm.finetune.grpo.objective import ADVANTAGES
@@ -63,9 +65,16 @@ def group_advantages(totals: np.ndarray, group_size: int, scale: bool) -> np.nda
     return centred.reshape(-1).astype(np.float32)
 
 
+def longest_row(prompts: list[Prompt], done: Completions, group_size: int) -> int:
+    """The positions the longest row needs: its prompt and completion, less the last token (which
+    is a target only)."""
+    return max(len(prompts[row // group_size].tokens) + len(tokens) - 1 for row, tokens in enumerate(done.tokens))
+
+
 def training_rows(prompts: list[Prompt], done: Completions, advantages: np.ndarray, group_size: int,
                   seq_len: int) -> dict[str, np.ndarray]:
-    """The train step's batch, every row (see the module's doc for the layout)."""
+    """The train step's batch, every row (see the module's doc for the layout), `seq_len` positions
+    a row."""
     rows = len(done.tokens)
     batch = {name: np.zeros((rows, seq_len), np.int32) for name in ("inputs", "targets", "positions", "segment_ids")}
     batch["weights"] = np.zeros((rows, seq_len), np.float32)
@@ -113,7 +122,9 @@ def score_and_lay_out(prompts: list[Prompt], sampled: np.ndarray, tokenizer, rew
     for column, reward in enumerate(rewards):
         metrics[f"grpo_reward/{reward.name}"] = float(table[:, column].mean())
         metrics[f"grpo_reward_std/{reward.name}"] = float(table[:, column].std())
-    return Scored(training_rows(prompts, done, advantages, g, seq_len), metrics)
+    # The rows' length: the bucket of the longest (data/buckets.py), not train.seq_len.
+    return Scored(training_rows(prompts, done, advantages, g, bucket_of(longest_row(prompts, done, g), seq_len)),
+                  metrics)
 
 
 def gathered(array: jax.Array) -> np.ndarray:
