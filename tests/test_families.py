@@ -1,4 +1,4 @@
-"""The families beyond Llama and Mixtral (Qwen2/2.5, Qwen3, Qwen3-MoE, Mistral), each a tiny random
+"""The families beyond Llama and Mixtral (Qwen2/2.5, Qwen3, Qwen3-MoE, Mistral, Gemma 3, gpt-oss), each a tiny random
 model built by transformers itself: logits and greedy KV-cache generation against transformers',
 the round trip back to Hugging Face, export's refusals, a sharded run that resumes and exports,
 and the new weights under every parallel layout."""
@@ -52,6 +52,17 @@ FAMILIES = {
                     rope_theta=100000.0, rope_local_theta=1000.0, rope_linear_factor=4.0, query_pre_attn_scalar=24.0,
                     qk_norm=True, norm_unit_offset=True, post_norms=True, scale_embeddings=True,
                     mlp_activation="gelu_tanh", tie_embeddings=True)),
+    # gpt-oss's alternation over 5 layers (one left over), a window of 6, YaRN whose ramp falls
+    # inside head_dim 16 (original context 16, factor 16), every bias, sinks, the clamped experts
+    "gpt_oss": ("GptOssForCausalLM", "GptOssConfig", dict(
+        num_hidden_layers=5, head_dim=16, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
+        sliding_window=6, rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 16.0, "beta_fast": 32.0,
+                                           "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 16}),
+                dict(family="gpt_oss", attention_kinds=("sliding", "full"), sliding_window=6, n_experts=4,
+                     experts_per_token=2, mlp_dim=32, qkv_bias=True, out_bias=True, attention_sinks=True, moe_bias=True,
+                     moe_router="topk_softmax", mlp_activation="clamped_silu",
+                     rope_yarn={"factor": 16.0, "beta_fast": 32.0, "beta_slow": 1.0, "original_max_position": 16,
+                                "truncate": False, "attention_factor": None})),
 }
 FP32 = {"precision.policy": "fp32"}
 
@@ -65,6 +76,10 @@ def make_family(path, case: str, seed: int = 0, **extra):
     config = getattr(transformers, config_cls)(**{**COMMON, **keys, **extra})
     config._attn_implementation = "eager"
     model = widened(getattr(transformers, model_cls)(config)).eval()
+    if case == "gpt_oss":  # gate and up projections wide enough that the clamp at 7 bites
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.mlp.experts.gate_up_proj.mul_(5.0)
     model.generation_config.eos_token_id = None  # generations run their full length on both sides
     model.save_pretrained(path)
     return model
@@ -89,7 +104,8 @@ def test_logits_and_greedy_generation_match_transformers(case, tmp_path):
     model = make_family(tmp_path / "hf", case)
     cfg, params = from_hf(tmp_path / "hf", FP32)
     for key, value in FAMILIES[case][3].items():
-        assert cfg.model[key] == value, key
+        ours = cfg.model[key]
+        assert (ours.to_dict() if hasattr(ours, "to_dict") else ours) == value, key
     tokens = tokens_for()
     expected = hf_logits(model, tokens)
     assert np.abs(expected).max() > 1.0  # the comparison is not between near-zero numbers
