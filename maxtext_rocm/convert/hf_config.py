@@ -3,9 +3,9 @@ Qwen2/2.5, Qwen3, Gemma 3, Mixtral, Qwen3-MoE, gpt-oss).
 
 Published checkpoints say `rope_theta` + `rope_scaling` (Llama 3.1: `rope_type: "llama3"`);
 files written by transformers 5 say `rope_parameters` (with `rope_theta` inside). Both are read.
-Anything this code base cannot represent (another activation or rope type, an output bias, layers
-of different attention kinds, dense layers between sparse ones) is refused with one sentence naming
-the key.
+Anything this code base cannot represent (another activation or rope type, an output bias outside
+gpt-oss, layers of different attention kinds outside Gemma 3 and gpt-oss, dense layers between
+sparse ones) is refused with one sentence naming the key.
 """
 
 from __future__ import annotations
@@ -45,7 +45,8 @@ def model_updates(hf: Mapping[str, Any], where: str) -> dict[str, Any]:
     for key in ("attention_bias", "mlp_bias"):
         if hf.get(key) and not (family == "gpt_oss" and key == "attention_bias"):
             raise ConvertError(f"{where} sets {key}=true; this code base's layers have biases only on q, k and v "
-                               "(Qwen2's), not on the attention output or the MLP")
+                               "(Qwen2's) and, in gpt-oss alone, on the attention output and the experts, never on "
+                               "a dense MLP")
     act_key = "hidden_activation" if "hidden_activation" in hf else "hidden_act"
     act = hf.get(act_key) or "silu"
     if act not in ACTIVATIONS:
