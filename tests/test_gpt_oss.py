@@ -306,3 +306,36 @@ def test_export_refuses_gpt_oss_options_under_another_family(tmp_path):
     with pytest.raises(ConvertError, match=r"model.attention_sinks=True cannot be written as a LlamaForCausalLM"):
         to_hf(cfg, {}, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+# ----------------------------------------------------------------------------------------------
+# The new weights under a mesh: sinks and the attention output's bias with the heads and d_model,
+# the router's and experts' biases with their experts
+
+
+GPT_OSS_LIKE = {"model.family": "gpt_oss", "model.n_layers": 3, "model.attention_kinds": ("sliding", "full"),
+                "model.sliding_window": 8, "model.n_experts": 4, "model.experts_per_token": 2, "model.qkv_bias": True,
+                "model.out_bias": True, "model.attention_sinks": True, "model.moe_bias": True,
+                "model.moe_router": "topk_softmax", "model.mlp_activation": "clamped_silu",
+                "model.rope_yarn": dict(YARN, factor=8.0, original_max_position=16)}
+
+
+# CI budget: blockwise by default (the sharded run of tests/test_families.py covers xla on fsdp x expert)
+@pytest.mark.parametrize("attention", [pytest.param("xla", marks=pytest.mark.slow), "blockwise"])
+def test_gpt_oss_options_under_fsdp_tensor_and_expert_match_one_device(attention, devices, tmp_path):
+    """Loss and every gradient (sinks, biases and the router's included) on fsdp 2 x tensor 2 x
+    expert 2 equal one device's."""
+    from conftest import small_config
+    from helpers import assert_close, loss_and_grads
+
+    single = {f"mesh.ici.{axis}": 1 for axis in config_lib.MESH_AXES}
+    options = {**GPT_OSS_LIKE, "model.attention": attention}
+    one = small_config(**options, **single, **{"train.per_device_batch_size": 8, "output_dir": str(tmp_path / "one")})
+    ref_loss, ref_grads, _ = loss_and_grads(one, devices[:1])
+    new = [ref_grads["layers"]["block_0"]["attention"][name] for name in ("sinks", "o_bias")]
+    new += [ref_grads["layers"]["block_1"]["moe"][name] for name in ("router_bias", "gate_bias", "up_bias", "down_bias")]
+    assert all(np.abs(np.asarray(g)).max() > 0 for g in new)  # the comparison covers gradients that are not zero
+    mesh = {**single, "mesh.ici.fsdp": 2, "mesh.ici.tensor": 2, "mesh.ici.expert": 2}
+    loss, grads, _ = loss_and_grads(small_config(**options, **mesh, **{"output_dir": str(tmp_path / "mesh")}), devices)
+    assert_close(loss, ref_loss)
+    assert_close(grads, ref_grads)
