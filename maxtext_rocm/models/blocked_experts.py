@@ -14,16 +14,11 @@ import math
 
 import jax
 import jax.numpy as jnp
-from flax import linen as nn
 
 from maxtext_rocm.models.activations import gated, gated_grads
 from maxtext_rocm.numerics import varying
 
 Array = jax.Array
-
-
-def swiglu(gate: Array, up: Array) -> Array:
-    return nn.silu(gate) * up
 
 
 @jax.custom_vjp
