@@ -69,7 +69,7 @@ def resolve(cfg, mesh: Mesh, target: Target, seq_len: int | None = None) -> ml_c
     out.precision.fp8_format = fp8.format_for(cfg.precision.fp8_format, target.fp8_fnuz)
     m = out.model
     m.attention = attention.implementation_for(m.attention, target.platform, compute_dtype(cfg.precision.policy),
-                                               seq_len or cfg.train.seq_len)
+                                               seq_len or cfg.train.seq_len, sinks=m.attention_sinks)
     m.fuse_projections = projection_fusion(m.fuse_projections, mesh)
     m.moe_impl = moe.resolve_implementation(m.moe_impl)
     m.context_parallel = context.resolve_mode(m.context_parallel)

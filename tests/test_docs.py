@@ -202,6 +202,7 @@ def run_main_with_recorder(monkeypatch, module: str, args: list[str], tmp_path: 
 
         monkeypatch.setattr(convert, "hf_to_export", from_hf)
         monkeypatch.setattr(convert, "import_note", lambda source: None)  # of the import just replaced
+        monkeypatch.setattr(convert, "export_note", lambda source, dtype=None: None)  # of the export just replaced
         monkeypatch.setattr(convert, "checkpoint_to_hf", lambda source, out, **options: done.append(options) or out)
     elif module == "checkpoint":
         from maxtext_rocm.checkpoint import cli

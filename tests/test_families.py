@@ -1,9 +1,10 @@
-"""The families beyond Llama and Mixtral (Qwen2/2.5, Qwen3, Qwen3-MoE, Mistral), each a tiny random
+"""The families beyond Llama and Mixtral (Qwen2/2.5, Qwen3, Qwen3-MoE, Mistral, Gemma 3, gpt-oss), each a tiny random
 model built by transformers itself: logits and greedy KV-cache generation against transformers',
 the round trip back to Hugging Face, export's refusals, a sharded run that resumes and exports,
 and the new weights under every parallel layout."""
 
 import json
+import math
 import re
 
 import numpy as np
@@ -52,6 +53,17 @@ FAMILIES = {
                     rope_theta=100000.0, rope_local_theta=1000.0, rope_linear_factor=4.0, query_pre_attn_scalar=24.0,
                     qk_norm=True, norm_unit_offset=True, post_norms=True, scale_embeddings=True,
                     mlp_activation="gelu_tanh", tie_embeddings=True)),
+    # gpt-oss's alternation over 5 layers (one left over), a window of 6, YaRN whose ramp falls
+    # inside head_dim 16 (original context 16, factor 16), every bias, sinks, the clamped experts
+    "gpt_oss": ("GptOssForCausalLM", "GptOssConfig", dict(
+        num_hidden_layers=5, head_dim=16, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
+        sliding_window=6, rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 16.0, "beta_fast": 32.0,
+                                           "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 16}),
+                dict(family="gpt_oss", attention_kinds=("sliding", "full"), sliding_window=6, n_experts=4,
+                     experts_per_token=2, mlp_dim=32, qkv_bias=True, out_bias=True, attention_sinks=True, moe_bias=True,
+                     moe_router="topk_softmax", mlp_activation="clamped_silu",
+                     rope_yarn={"factor": 16.0, "beta_fast": 32.0, "beta_slow": 1.0, "original_max_position": 16,
+                                "truncate": False, "attention_factor": None})),
 }
 FP32 = {"precision.policy": "fp32"}
 
@@ -65,6 +77,10 @@ def make_family(path, case: str, seed: int = 0, **extra):
     config = getattr(transformers, config_cls)(**{**COMMON, **keys, **extra})
     config._attn_implementation = "eager"
     model = widened(getattr(transformers, model_cls)(config)).eval()
+    if case == "gpt_oss":  # gate and up projections wide enough that the clamp at 7 bites
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.mlp.experts.gate_up_proj.mul_(5.0)
     model.generation_config.eos_token_id = None  # generations run their full length on both sides
     model.save_pretrained(path)
     return model
@@ -89,7 +105,8 @@ def test_logits_and_greedy_generation_match_transformers(case, tmp_path):
     model = make_family(tmp_path / "hf", case)
     cfg, params = from_hf(tmp_path / "hf", FP32)
     for key, value in FAMILIES[case][3].items():
-        assert cfg.model[key] == value, key
+        ours = cfg.model[key]
+        assert (ours.to_dict() if hasattr(ours, "to_dict") else ours) == value, key
     tokens = tokens_for()
     expected = hf_logits(model, tokens)
     assert np.abs(expected).max() > 1.0  # the comparison is not between near-zero numbers
@@ -104,7 +121,7 @@ def test_logits_and_greedy_generation_match_transformers(case, tmp_path):
     np.testing.assert_array_equal(np.stack(ours), theirs[:, prompts.shape[1]:].numpy())
 
 
-@pytest.mark.parametrize("case", ["qwen2", "qwen3", "qwen3_moe", "mistral", "gemma3"])
+@pytest.mark.parametrize("case", ["qwen2", "qwen3", "qwen3_moe", "mistral", "gemma3", "gpt_oss"])
 def test_round_trip_gives_identical_tensors_config_and_logits(case, tmp_path):
     hf_in, export, hf_out = tmp_path / "hf_in", tmp_path / "export", tmp_path / "hf_out"
     model = make_family(hf_in, case)
@@ -153,14 +170,17 @@ SHARDED = {"qwen3": {"mesh.ici.fsdp": 2, "mesh.ici.tensor": 2},
            "qwen3_moe": {"mesh.ici.fsdp": 2, "mesh.ici.expert": 2},
            "gemma3": {"mesh.ici.fsdp": 2, "mesh.ici.tensor": 2},
            "qwen2": {"mesh.ici.fsdp": 2, "mesh.ici.tensor": 2},
-           "mistral": {"mesh.ici.fsdp": 2, "mesh.ici.tensor": 2}}
+           "mistral": {"mesh.ici.fsdp": 2, "mesh.ici.tensor": 2},
+           "gpt_oss": {"mesh.ici.fsdp": 4, "mesh.ici.expert": 2}}
 
 
-# CI budget (~40 s each): Qwen3's dense and MoE and Gemma 3's run by default; Qwen2's and Mistral's in -m slow
-@pytest.mark.parametrize("case", ["qwen3", "qwen3_moe", "gemma3", *(pytest.param(case, marks=pytest.mark.slow)
+# CI budget (~40 s each): Qwen3's dense and MoE, Gemma 3's and gpt-oss's run by default; Qwen2's and
+# Mistral's in -m slow
+@pytest.mark.parametrize("case", ["qwen3", "qwen3_moe", "gemma3", "gpt_oss", *(pytest.param(case, marks=pytest.mark.slow)
                                                            for case in ("qwen2", "mistral"))])
 def test_sharded_run_matches_one_device_resumes_and_exports(case, tmp_path, devices):
-    """from-hf on the command line, then 4 steps on fsdp x tensor (or expert) and on one device:
+    """from-hf on the command line, then 4 steps on fsdp x tensor (or expert; gpt-oss's on all 8
+    devices) and on one device:
     the same losses; 2 + 2 steps across a restart: the same weights, bit for bit; to-hf of the
     sharded run: transformers computes the run's own logits."""
     import jax
@@ -169,24 +189,26 @@ def test_sharded_run_matches_one_device_resumes_and_exports(case, tmp_path, devi
 
     make_family(tmp_path / "hf", case)
     assert convert_main(["from-hf", str(tmp_path / "hf"), str(tmp_path / "export")]) == 0
+    n_sharded = math.prod(SHARDED[case].values())
+    batch = max(4, n_sharded)  # sequences per step, a row per device at least
 
     def trainer(name, n_devices, mesh):
         cfg = config_lib.load(str(tmp_path / "export" / "preset.py"), overrides={
-            **FP32, "data.source": "synthetic", "train.seq_len": 32, "train.per_device_batch_size": 4 // n_devices,
+            **FP32, "data.source": "synthetic", "train.seq_len": 32, "train.per_device_batch_size": batch // n_devices,
             "train.steps": 4, "log.every": 1, "log.tensorboard": False, "checkpoint.every": 2,
             "checkpoint.async_save": False, "output_dir": str(tmp_path / name),
             **{f"mesh.ici.{axis}": 1 for axis in ("fsdp", "tensor", "expert")}, **mesh})
         return Trainer(cfg, devices=devices[:n_devices], log=lambda *_: None)
 
-    one, sharded = trainer("one", 1, {}), trainer("sharded", 4, SHARDED[case])
+    one, sharded = trainer("one", 1, {}), trainer("sharded", n_sharded, SHARDED[case])
     losses = [[float(t.step()["loss"]) for _ in range(4)] for t in (one, sharded)]
     print(f"{case}: one device {losses[0]}, sharded {losses[1]}")
     np.testing.assert_allclose(losses[1], losses[0], rtol=1e-5)
 
-    interrupted = trainer("resumed", 4, SHARDED[case])
+    interrupted = trainer("resumed", n_sharded, SHARDED[case])
     interrupted.run(2)
     interrupted.close()
-    resumed = trainer("resumed", 4, SHARDED[case])
+    resumed = trainer("resumed", n_sharded, SHARDED[case])
     assert resumed.step_count == 2
     resumed.run()
     for a, b in zip(jax.tree_util.tree_leaves(resumed.state.params), jax.tree_util.tree_leaves(sharded.state.params)):

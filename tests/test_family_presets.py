@@ -1,4 +1,4 @@
-"""The Qwen2.5, Qwen3, Qwen3-MoE, Mistral and Gemma 3 presets against transformers' own count of the published
+"""The Qwen2.5, Qwen3, Qwen3-MoE, Mistral, Gemma 3 and gpt-oss presets against transformers' own count of the published
 checkpoints' config.json, each model built on torch's meta device (shapes, no memory).
 
 The published values are written out here, from the Hugging Face repositories' config.json, as a
@@ -22,6 +22,15 @@ _QWEN3 = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size
 _QWEN3_MOE = dict(_QWEN3, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", num_experts=128,
                   num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
                   router_aux_loss_coef=0.001)
+_GPT_OSS = dict(architectures=["GptOssForCausalLM"], model_type="gpt_oss", vocab_size=201088, hidden_size=2880,
+                intermediate_size=2880, num_hidden_layers=24, num_attention_heads=64, num_key_value_heads=8,
+                head_dim=64, num_local_experts=32, num_experts_per_tok=4, experts_per_token=4, hidden_act="silu",
+                rms_norm_eps=1e-5, rope_theta=150000, rope_scaling={
+                    "beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0, "original_max_position_embeddings": 4096,
+                    "rope_type": "yarn", "truncate": False},
+                layer_types=["sliding_attention", "full_attention"] * 12, sliding_window=128, attention_bias=True,
+                swiglu_limit=7.0, router_aux_loss_coef=0.9, tie_word_embeddings=False,
+                max_position_embeddings=131072, initial_context_length=4096)
 PUBLISHED = {  # preset -> the checkpoint's config.json (the keys that describe the model)
     "qwen3_8b": dict(_QWEN3, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                      num_attention_heads=32, num_key_value_heads=8, max_window_layers=36),
@@ -51,11 +60,16 @@ PUBLISHED = {  # preset -> the checkpoint's config.json (the keys that describe 
                        rope_scaling={"factor": 8.0, "rope_type": "linear"}, query_pre_attn_scalar=168,
                        sliding_window=1024, sliding_window_pattern=6, final_logit_softcapping=None,
                        attn_logit_softcapping=None, tie_word_embeddings=True, max_position_embeddings=131072),
+    # openai/gpt-oss-20b's, less its quantization_config (MXFP4 experts; the model is the same)
+    "gpt_oss_20b": _GPT_OSS,
+    "gpt_oss_120b": dict(_GPT_OSS, num_hidden_layers=36, num_local_experts=128,
+                         layer_types=["sliding_attention", "full_attention"] * 18),
 }
-# The published totals and active counts, in Qwen's and Mistral's rounding, for the record; Gemma
-# 3 27B's text model alone (its published 27B counts the vision tower too).
+# The published totals and active counts, in Qwen's, Mistral's and OpenAI's rounding, for the
+# record; Gemma 3 27B's text model alone (its published 27B counts the vision tower too).
 PUBLISHED_BILLIONS = {"qwen3_8b": 8.2, "qwen3_32b": 32.8, "qwen3_30b_a3b": 30.5, "qwen3_235b_a22b": 235,
-                      "qwen2_5_7b": 7.61, "mistral_7b": 7.25, "gemma3_27b": 27.0}
+                      "qwen2_5_7b": 7.61, "mistral_7b": 7.25, "gemma3_27b": 27.0, "gpt_oss_20b": 20.9,
+                      "gpt_oss_120b": 116.8}
 
 
 def meta_model(config):
@@ -99,7 +113,8 @@ def test_preset_is_what_from_hf_reads_from_the_published_config(preset):
     """Every cfg.model key a published config.json sets (convert/hf_config.py), the preset has alike."""
     model = config_lib.load(preset).model
     expected = model_updates(PUBLISHED[preset], f"{preset}'s published config.json")
-    assert {key: model[key] for key in expected} == expected
+    plain = {key: model[key].to_dict() if hasattr(model[key], "to_dict") else model[key] for key in expected}
+    assert plain == expected  # a dict-valued key (model.rope_yarn) as the dict it holds
 
 
 @pytest.mark.parametrize("preset", sorted(PUBLISHED))

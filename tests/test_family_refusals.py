@@ -16,11 +16,11 @@ from maxtext_rocm.convert.__main__ import main as convert_main  # noqa: E402
 
 PAGE = (Path(__file__).resolve().parent.parent / "docs" / "models.md").read_text()
 SUPPORTED = ("LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Gemma3ForCausalLM, "
-             "MixtralForCausalLM, Qwen3MoeForCausalLM, Gemma3ForConditionalGeneration")
+             "MixtralForCausalLM, Qwen3MoeForCausalLM, GptOssForCausalLM, Gemma3ForConditionalGeneration")
 # (the folder it starts from, what config.json gets, what from-hf says; the page quotes it, or for
 # another class or the second key of a row, names it as `shown`)
 ARCHITECTURES = {
-    "Gemma2ForCausalLM": "gemma2", "GptOssForCausalLM": "gpt_oss",
+    "Gemma2ForCausalLM": "gemma2",
     "Llama4ForCausalLM": "llama4_text", "DeepseekV3ForCausalLM": "deepseek_v3", "Qwen2MoeForCausalLM": "qwen2_moe",
 }
 CASES = {
@@ -31,8 +31,8 @@ CASES = {
     "use_sliding_window": ("qwen3", dict(use_sliding_window=True, sliding_window=8),
                            "sets use_sliding_window=true (a window on the layers from max_window_layers on), which is not supported yet"),
     "attention_bias": ("qwen3", dict(attention_bias=True),
-                       "sets attention_bias=true; this code base's layers have biases only on q, k and v (Qwen2's), "
-                       "not on the attention output or the MLP"),
+                       "sets attention_bias=true; this code base's layers have biases only on q, k and v (Qwen2's) "
+                       "and, in gpt-oss alone, on the attention output and the experts, never on a dense MLP"),
     "mlp_bias": ("qwen3", dict(mlp_bias=True), "sets mlp_bias=true; this code base's layers have biases only"),
     "mlp_only_layers": ("qwen3_moe", dict(mlp_only_layers=[1]),
                         "sets mlp_only_layers or decoder_sparse_step, so some layers are dense; a mixture of experts "
@@ -44,10 +44,9 @@ CASES = {
     "final_logit_softcapping": ("qwen3", dict(final_logit_softcapping=30.0),
                                 "sets final_logit_softcapping=30.0: a tanh cap on the logits, which this code base "
                                 "does not have"),
-    "rope_type": ("qwen3", dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6,
-                                                  "original_max_position_embeddings": 32}),
-                  "asks for rope_type 'yarn'; only 'default', 'linear' and Llama 3.1's 'llama3' frequency scaling are "
-                  "supported"),
+    "rope_type": ("qwen3", dict(rope_parameters={"rope_type": "dynamic", "factor": 4.0, "rope_theta": 1e6}),
+                  "asks for rope_type 'dynamic'; only 'default', 'linear', Llama 3.1's 'llama3' and 'yarn' frequency "
+                  "scaling are supported"),
 }
 SHOWN = {**{name: f"`{name}`" for name in ARCHITECTURES}, "mlp_bias": "`mlp_bias: true`",
          "decoder_sparse_step": "`decoder_sparse_step` other than 1"}

@@ -16,6 +16,7 @@ from typing import Mapping
 import ml_collections
 
 from maxtext_rocm.config import declared
+from maxtext_rocm.config.checks_options import check_rope_yarn, check_sinks
 from maxtext_rocm.config.choices import (BUILT_IN_REWARDS, CHAT_TEMPLATES, MESH_AXES, MOE_FAMILIES,
                                          VIRTUAL_STAGE_SCHEDULES)
 from maxtext_rocm.config.mesh_sizes import axis_sizes, mesh_shape  # noqa: F401  (part of this module's interface)
@@ -41,6 +42,7 @@ def validate(cfg: ml_collections.ConfigDict, device_count: int | None = None,
     declared.check_values(cfg)
     _check_model(cfg.model, cfg.train.seq_len)
     _check_layer_kinds(cfg.model, cfg.mesh)
+    check_sinks(cfg.model, cfg.mesh)
     _check_pipeline(cfg.pipeline)
     _validate_1f1b(cfg)  # first: what 1f1b refuses, it refuses on every jax
     _validate_gradient_reduce(cfg)
@@ -84,6 +86,7 @@ def _check_model(m, seq_len: int) -> None:
     _require(m.head_dim % 2 == 0, f"model.head_dim={m.head_dim} must be even for rotary embeddings")
     if m.rope_scaling is not None:
         _validate_rope_scaling(m.rope_scaling)
+    check_rope_yarn(m)
     _check_moe(m, seq_len)
 
 

@@ -12,11 +12,11 @@ POSITIVE = dict(above=0)
 # model.family names the architecture as Hugging Face does (convert/families.py maps each to its
 # classes and the layer options it fixes); these replace the dense feed-forward by a mixture of experts.
 DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
-MOE_FAMILIES = ("mixtral", "qwen3_moe")
+MOE_FAMILIES = ("mixtral", "qwen3_moe", "gpt_oss")
 
 MODEL = Group("The transformer: its family, sizes and how its layers compute.", {
     "family": Key("llama", "the architecture, named as Hugging Face's model_type: dense llama, mistral, "
-                           "qwen2, qwen3; mixtral and qwen3_moe (mixtures of experts)",
+                           "qwen2, qwen3, gemma3; mixtral, qwen3_moe and gpt_oss (mixtures of experts)",
                   choices=DENSE_FAMILIES + MOE_FAMILIES),
     "vocab_size": Key(32000, "rows of the token embedding and the LM head", **POSITIVE),
     "d_model": Key(256, "the hidden size", **POSITIVE),
@@ -29,6 +29,9 @@ MODEL = Group("The transformer: its family, sizes and how its layers compute.", 
     "rope_theta": Key(500000.0, "the rotary embeddings' base frequency", above=0),
     "rope_scaling": Key(None, "None, or Llama 3.1's frequency scaling: {factor, low_freq_factor, "
                               "high_freq_factor, original_max_position}", kind=dict, nullable=True),
+    "rope_yarn": Key(None, "None, or YaRN's frequency scaling (gpt-oss): {factor, beta_fast, beta_slow, "
+                           "original_max_position, truncate, attention_factor}, the last scaling rotated q and k",
+                     kind=dict, nullable=True),
     "norm_eps": Key(1e-5, "RMSNorm's epsilon", above=0),
     "tie_embeddings": Key(False, "the LM head shares the token embedding's weights"),
     "scan_layers": Key(True, "the blocks as one scanned layer (fast compiles; a pipeline needs it)"),
@@ -58,10 +61,14 @@ MODEL = Group("The transformer: its family, sizes and how its layers compute.", 
     "scale_embeddings": Key(False, "the embedding multiplied by sqrt(d_model) (Gemma)"),
     "query_pre_attn_scalar": Key(None, "attention scores scaled by this ** -0.5 (Gemma 3); None: head_dim ** -0.5",
                                  kind=float, nullable=True, above=0, valid="a number > 0, or None for head_dim"),
-    "mlp_activation": Key("silu", "the gated MLP's activation: silu (SwiGLU) or gelu_tanh (GeGLU, Gemma)",
-                          choices=("silu", "gelu_tanh")),
+    "mlp_activation": Key("silu", "the gated MLP's activation: silu (SwiGLU), gelu_tanh (GeGLU, Gemma) or "
+                                  "clamped_silu (gpt-oss: (clip(up, -7, 7) + 1) * g * sigmoid(1.702 g), g = "
+                                  "min(gate, 7))", choices=("silu", "gelu_tanh", "clamped_silu")),
     "qk_norm": Key(False, "an RMSNorm over each head's queries and keys before rope (Qwen3)"),
     "qkv_bias": Key(False, "biases on the query, key and value projections (Qwen2.5)"),
+    "out_bias": Key(False, "a bias on the attention's output projection (gpt-oss)"),
+    "attention_sinks": Key(False, "a learned logit per query head in each softmax's denominator, attending to "
+                                  "nothing (gpt-oss); runs under model.attention xla and blockwise"),
     "fuse_projections": Key("auto", "q/k/v and gate/up as one dot each, so tensor parallelism reduces x's "
                                     "gradient once per group; auto: on when mesh tensor > 1 (fp8 keeps one dot "
                                     "per weight)", choices=("auto", "on", "off")),
@@ -70,12 +77,18 @@ MODEL = Group("The transformer: its family, sizes and how its layers compute.", 
                             choices=("auto", "all_gather", "ring")),
     "context_load_balance": Key(True, "under mesh sequence = S, shard i holds chunks i and 2S-1-i of 2S, so "
                                       "every shard does the same causal attention work"),
-    "n_experts": Key(1, "experts per MoE layer (mixtral, qwen3_moe); 1 for a dense family", at_least=1),
+    "n_experts": Key(1, "experts per MoE layer (mixtral, qwen3_moe, gpt_oss); 1 for a dense family", at_least=1),
     "experts_per_token": Key(1, "experts each token is routed to (top-k)", at_least=1),
     "moe_impl": Key("auto", "dropless (ragged_dot), capacity (drops what overflows), dense (every expert on "
                             "every token); auto: dropless", choices=("auto", "dropless", "capacity", "dense")),
     "moe_renormalize": Key(True, "the chosen experts' router weights rescaled to sum to one (Mixtral; "
                                  "Qwen3-MoE's norm_topk_prob)"),
+    "moe_router": Key("softmax_topk", "softmax_topk: a softmax over every expert, then the top k (Mixtral, "
+                                      "Qwen3-MoE); topk_softmax: the top k logits, then a softmax over them "
+                                      "(gpt-oss; moe_renormalize has nothing left to do)",
+                      choices=("softmax_topk", "topk_softmax")),
+    "moe_bias": Key(False, "biases on the router's logits and on each expert's gate, up and down projections "
+                           "(gpt-oss)"),
     "moe_capacity_factor": Key(1.25, "under capacity: slots per expert = factor x an even share of tokens",
                                above=0),
     "moe_aux_loss_weight": Key(0.02, "the load-balancing loss's weight, scaled as Mixtral's", at_least=0),

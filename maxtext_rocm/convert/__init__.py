@@ -1,5 +1,6 @@
 """Hugging Face <-> maxtext_rocm checkpoints, for the architectures of convert/families.py (Llama,
-Mistral, Qwen2/2.5, Qwen3, Mixtral, Qwen3-MoE).
+Mistral, Qwen2/2.5, Qwen3, Gemma 3, Mixtral, Qwen3-MoE, gpt-oss; gpt-oss's published MXFP4
+experts are dequantized on import, mxfp4.py, and written back in the precision trained in).
 
     python -m maxtext_rocm.convert from-hf HF_DIR OUT_DIR [--config.GROUP.KEY=VALUE ...]
     python -m maxtext_rocm.convert to-hf CHECKPOINT_DIR OUT_DIR [--dtype bfloat16] [--max-shard-size 5GB] [--adapter]
@@ -39,6 +40,7 @@ from maxtext_rocm.convert import files as files_lib
 from maxtext_rocm.convert.families import multimodal_of, text_config
 from maxtext_rocm.convert.hf_config import ConvertError, hf_config, model_updates
 from maxtext_rocm.convert.mapping import IGNORED, aliases, leaf, plan
+from maxtext_rocm.convert.mxfp4 import dequantize, quantized_name
 from maxtext_rocm.convert.origin import find_origin, find_record, generation_config, read_generation_config
 from maxtext_rocm.convert.output import check_output_dir, written_atomically
 from maxtext_rocm.convert.preset import finetune_keys, preset_source, tokenizer_files, validate_without_data
@@ -123,8 +125,10 @@ def from_hf(hf_dir, overrides: Mapping[str, Any] | Iterable[str] | None = None, 
         want = slot.hf_shape(ours)
         if tuple(array.shape) != want:
             raise ConvertError(f"tensor {origin} has shape {tuple(array.shape)}, but {where} implies {want}")
-        target[slot.index] = slot.to_ours(np.asarray(array, dtype=target.dtype), ours)
+        slot.place(params, array)
         filled.add(name)
+
+    quantized: dict[str, dict[str, np.ndarray]] = {}  # MXFP4 tensor -> its blocks and scales read so far
 
     for name, path, shape, dtype, load in files_lib.tensors(weight_files):
         origin = f"{name} in {path.name}"
@@ -133,6 +137,20 @@ def from_hf(hf_dir, overrides: Mapping[str, Any] | Iterable[str] | None = None, 
                 continue
             name = name.removeprefix(multimodal.prefix)
         if IGNORED.match(name) or (name == "lm_head.weight" and m.tie_embeddings):
+            continue
+        part = quantized_name(name)
+        if part is not None and part[0] in slots:  # one half of an MXFP4 tensor: placed once both are read
+            if dtype != "U8":
+                raise ConvertError(f"tensor {origin} is stored as {dtype}; MXFP4 {part[1][1:]} are uint8")
+            halves = quantized.setdefault(part[0], {})
+            halves[part[1]] = load()
+            if len(halves) == 2:
+                try:
+                    array = dequantize(halves["_blocks"], halves["_scales"])
+                except ValueError as error:
+                    raise ConvertError(f"tensor {origin}: {error}") from None
+                place(part[0], array, f"{part[0]} (MXFP4) in {path.name}")
+                del quantized[part[0]]
             continue
         if name not in slots and name not in alias_table:
             raise ConvertError(f"tensor {origin} has no place in a {m.family} model as {where} describes it "
@@ -156,6 +174,11 @@ def from_hf(hf_dir, overrides: Mapping[str, Any] | Iterable[str] | None = None, 
             place(published, cut(array), origin)
         del array
 
+    if quantized:
+        name, halves = next(iter(quantized.items()))
+        other = "_scales" if "_blocks" in halves else "_blocks"
+        raise ConvertError(f"tensor {name}{other} is missing from {hf_dir}; its MXFP4 "
+                           f"{next(iter(halves))[1:]} are there, and need it")
     missing = [name for name in slots if name not in filled]
     if missing:
         raise ConvertError(f"tensor {missing[0]} is missing from {hf_dir}"
@@ -164,14 +187,38 @@ def from_hf(hf_dir, overrides: Mapping[str, Any] | Iterable[str] | None = None, 
     return cfg, params
 
 
+def _quantized(hf: Mapping[str, Any]) -> str | None:
+    """The quantization a config.json declares (gpt-oss: "mxfp4"), or None."""
+    method = (hf.get("quantization_config") or {}).get("quant_method")
+    return str(method) if method else None
+
+
 def import_note(hf_dir) -> str | None:
-    """The line `from-hf` says of a checkpoint whose other towers it leaves out, or None."""
+    """The line `from-hf` says of a checkpoint whose other towers it leaves out, or whose weights
+    it dequantized; None for one imported as it is."""
     hf = read_hf_config(hf_dir)
     multimodal = multimodal_of(hf)
-    if multimodal is None:
+    if multimodal is not None:
+        return (f"note: {hf_dir} holds a {hf['architectures'][0]}; its text model was imported (as a "
+                f"{multimodal.text_architecture}), not its {' or '.join(p.rstrip('.') for p in multimodal.skipped)}")
+    method = _quantized(hf)
+    if method:
+        return (f"note: {hf_dir}'s {method} weights were dequantized to float32, the precision training keeps; "
+                f"to-hf writes them unquantized")
+    return None
+
+
+def export_note(checkpoint_dir, dtype: str | None = None) -> str | None:
+    """The line `to-hf` says where the original was quantized: the export holds what was trained,
+    in `dtype` (default the original's), not the original's quantized format."""
+    record, _ = find_record(Path(checkpoint_dir).absolute())
+    original = find_origin(record).hf_config or {}
+    method = _quantized(original)
+    if not method:
         return None
-    return (f"note: {hf_dir} holds a {hf['architectures'][0]}; its text model was imported (as a "
-            f"{multimodal.text_architecture}), not its {' or '.join(p.rstrip('.') for p in multimodal.skipped)}")
+    dtype = dtype or str(original.get("dtype") or original.get("torch_dtype") or "float32")
+    return (f"note: the original's weights were {method}; this export writes them unquantized, as {dtype} "
+            f"(training kept them in float32)")
 
 
 def hf_to_export(hf_dir, out_dir, overrides=None) -> Path:
@@ -232,7 +279,7 @@ def to_hf(cfg, params, out_dir, *, dtype: str = "float32", max_shard_size: str |
             tensors = {}
             for slot, where in zip(slots, shard_of):
                 if where == shard:
-                    value = slot.to_hf(leaf(params, slot.path)[slot.index])
+                    value = slot.read(params)
                     tensors[slot.hf_name] = np.ascontiguousarray(value.astype(np_dtype))
             total += sum(t.nbytes for t in tensors.values())
             save_file(tensors, str(tmp / filename), metadata={"format": "pt"})

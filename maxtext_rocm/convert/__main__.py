@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE, file=sys.stderr)
         return 2
     from maxtext_rocm.config import UserError
-    from maxtext_rocm.convert import checkpoint_to_hf, hf_to_export, import_note
+    from maxtext_rocm.convert import checkpoint_to_hf, export_note, hf_to_export, import_note
 
     command, source, out, rest = argv[0], argv[1], argv[2], argv[3:]
     try:
@@ -49,6 +49,9 @@ def main(argv: list[str] | None = None) -> int:
             adapter = "--adapter" in rest  # a flag: the LoRA run's PEFT adapter instead of the merged model
             options = _options([a for a in rest if a != "--adapter"], ("--dtype", "--max-shard-size", "--adapter"))
             written = checkpoint_to_hf(source, out, adapter=adapter, **options)
+            note = export_note(source, options.get("dtype"))
+            if note:
+                print(note)
             print(f"wrote {written}")
     except UserError as error:
         print(f"error: {error}", file=sys.stderr)

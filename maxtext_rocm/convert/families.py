@@ -30,9 +30,11 @@ class Family:
     model_type: str = ""
 
 
-# The layer options as Llama has them: every family states where it departs from these.
+# The layer options as Llama has them: every family states where it departs from these. gpt-oss's
+# own (_OFF) are off in every other family.
+_OFF = {"out_bias": False, "attention_sinks": False, "moe_bias": False, "moe_router": "softmax_topk"}
 _PLAIN = {"qk_norm": False, "qkv_bias": False, "norm_unit_offset": False, "post_norms": False,
-          "scale_embeddings": False}
+          "scale_embeddings": False, **_OFF}
 FAMILIES = {
     "llama": Family("LlamaForCausalLM", _PLAIN),
     "mistral": Family("MistralForCausalLM", _PLAIN, windowed=True),
@@ -40,10 +42,15 @@ FAMILIES = {
     "qwen3": Family("Qwen3ForCausalLM", {**_PLAIN, "qk_norm": True}),
     # Gemma 3's text model: its query_pre_attn_scalar, rope bases and layer pattern are read apart
     "gemma3": Family("Gemma3ForCausalLM", {"qk_norm": True, "qkv_bias": False, "norm_unit_offset": True,
-                                           "post_norms": True, "scale_embeddings": True},
+                                           "post_norms": True, "scale_embeddings": True, **_OFF},
                      windowed=True, layered=True, scaled_scores=True, model_type="gemma3_text"),
     "mixtral": Family("MixtralForCausalLM", {**_PLAIN, "moe_renormalize": True}, windowed=True),
     "qwen3_moe": Family("Qwen3MoeForCausalLM", {**_PLAIN, "qk_norm": True}),
+    # biases on every attention projection, the router and the experts; sinks; clamped SwiGLU
+    # experts routed by a softmax over the top logits; sliding and full layers alternating
+    "gpt_oss": Family("GptOssForCausalLM", {**_PLAIN, "qkv_bias": True, "out_bias": True, "attention_sinks": True,
+                                            "moe_bias": True, "moe_router": "topk_softmax",
+                                            "mlp_activation": "clamped_silu"}, windowed=True, layered=True),
 }
 ARCHITECTURES = {family.architecture: name for name, family in FAMILIES.items()}
 MODEL_TYPES = {family.model_type or name: name for name, family in FAMILIES.items()}
@@ -53,6 +60,8 @@ def mismatched_options(model_cfg) -> list[str]:
     """`key=value` for each option of `model_cfg` that its family's class cannot hold."""
     family = FAMILIES[model_cfg.family]
     wrong = [f"model.{key}={model_cfg[key]}" for key, value in family.fixed.items() if model_cfg[key] != value]
+    if model_cfg.mlp_activation == "clamped_silu" and "mlp_activation" not in family.fixed:
+        wrong.append("model.mlp_activation=clamped_silu")
     if model_cfg.sliding_window and not family.windowed:
         wrong.append(f"model.sliding_window={model_cfg.sliding_window}")
     if len(model_cfg.attention_kinds) > 1 and not family.layered:

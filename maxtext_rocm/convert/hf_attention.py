@@ -17,6 +17,12 @@ from maxtext_rocm.errors import UserError
 # Our rope_scaling keys -> Hugging Face's "llama3" rope keys.
 ROPE_KEYS = {"factor": "factor", "low_freq_factor": "low_freq_factor",
              "high_freq_factor": "high_freq_factor", "original_max_position": "original_max_position_embeddings"}
+# Our rope_yarn keys -> Hugging Face's "yarn" rope keys (transformers' defaults where a file leaves
+# one out: beta_fast 32, beta_slow 1, truncate true, the attention factor from the factor).
+YARN_KEYS = {"factor": "factor", "beta_fast": "beta_fast", "beta_slow": "beta_slow",
+             "original_max_position": "original_max_position_embeddings", "truncate": "truncate",
+             "attention_factor": "attention_factor"}
+YARN_DEFAULTS = {"beta_fast": 32.0, "beta_slow": 1.0, "truncate": True, "attention_factor": None}
 KINDS = {"full_attention": "full", "sliding_attention": "sliding"}
 
 
@@ -31,7 +37,7 @@ def rope_keys(hf: Mapping[str, Any], where: str) -> dict[str, Any]:
     full = params["full_attention"] if per_type else params
     scaling = dict(full) if isinstance(full, Mapping) else dict(hf.get("rope_scaling") or {})
     keys = {"rope_theta": float(scaling.get("rope_theta", hf.get("rope_theta", 10000.0))), "rope_scaling": None,
-            "rope_linear_factor": 1.0}
+            "rope_linear_factor": 1.0, "rope_yarn": None}
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "linear":
         keys["rope_linear_factor"] = float(scaling["factor"])
@@ -41,9 +47,11 @@ def rope_keys(hf: Mapping[str, Any], where: str) -> dict[str, Any]:
             raise ConvertError(f"{where} has llama3 rope scaling without {', '.join(missing)}")
         keys["rope_scaling"] = {ours: float(scaling[theirs]) if ours != "original_max_position" else
                                 int(scaling[theirs]) for ours, theirs in ROPE_KEYS.items()}
+    elif kind == "yarn":
+        keys["rope_yarn"] = _yarn(scaling, where)
     elif kind != "default":
-        raise ConvertError(f"{where} asks for rope_type {kind!r}; only 'default', 'linear' and Llama 3.1's "
-                           "'llama3' frequency scaling are supported")
+        raise ConvertError(f"{where} asks for rope_type {kind!r}; only 'default', 'linear', Llama 3.1's "
+                           "'llama3' and 'yarn' frequency scaling are supported")
     local = params.get("sliding_attention") if per_type else None
     if isinstance(local, Mapping) and local.get("rope_type", "default") != "default":
         raise ConvertError(f"{where} asks for rope_type {local['rope_type']!r} on its sliding layers; only "
@@ -53,10 +61,37 @@ def rope_keys(hf: Mapping[str, Any], where: str) -> dict[str, Any]:
     return keys
 
 
+def _yarn(scaling: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """model.rope_yarn from Hugging Face's yarn rope keys; DeepSeek's mscale variant is refused."""
+    for key in ("mscale", "mscale_all_dim"):
+        if scaling.get(key):
+            raise ConvertError(f"{where} sets yarn's {key}={scaling[key]!r}, which is not supported; only the "
+                               "attention factor (given, or 0.1 ln(factor) + 1) is")
+    missing = [theirs for theirs in ("factor", "original_max_position_embeddings") if scaling.get(theirs) is None]
+    if missing:
+        raise ConvertError(f"{where} has yarn rope scaling without {', '.join(missing)}")
+    yarn = {ours: scaling.get(theirs, YARN_DEFAULTS.get(ours)) for ours, theirs in YARN_KEYS.items()}
+    yarn.update(factor=float(yarn["factor"]), beta_fast=float(yarn["beta_fast"] or 32.0),
+                beta_slow=float(yarn["beta_slow"] or 1.0), original_max_position=int(yarn["original_max_position"]),
+                truncate=bool(yarn["truncate"]))
+    if yarn["attention_factor"] is not None:
+        yarn["attention_factor"] = float(yarn["attention_factor"])
+    return yarn
+
+
+def _their_yarn(yarn) -> dict[str, Any]:
+    out = {"rope_type": "yarn", **{theirs: yarn[ours] for ours, theirs in YARN_KEYS.items()}}
+    if out["attention_factor"] is None:
+        del out["attention_factor"]
+    return out
+
+
 def write_rope(m, out: dict) -> None:
     """The rope settings of `m` into config.json `out`, in the spelling `out` (the original) uses."""
     if m.rope_scaling is not None:
         scaling = {"rope_type": "llama3", **{theirs: m.rope_scaling[ours] for ours, theirs in ROPE_KEYS.items()}}
+    elif m.rope_yarn is not None:
+        scaling = _their_yarn(m.rope_yarn)
     elif m.rope_linear_factor != 1:
         scaling = {"rope_type": "linear", "factor": m.rope_linear_factor}
     else:

@@ -1,11 +1,11 @@
 """Hugging Face `config.json` <-> `cfg.model`, for the architectures of families.py (Llama, Mistral,
-Qwen2/2.5, Qwen3, Mixtral, Qwen3-MoE).
+Qwen2/2.5, Qwen3, Gemma 3, Mixtral, Qwen3-MoE, gpt-oss).
 
 Published checkpoints say `rope_theta` + `rope_scaling` (Llama 3.1: `rope_type: "llama3"`);
 files written by transformers 5 say `rope_parameters` (with `rope_theta` inside). Both are read.
-Anything this code base cannot represent (another activation or rope type, an output bias, layers
-of different attention kinds, dense layers between sparse ones) is refused with one sentence naming
-the key.
+Anything this code base cannot represent (another activation or rope type, an output bias outside
+gpt-oss, layers of different attention kinds outside Gemma 3 and gpt-oss, dense layers between
+sparse ones) is refused with one sentence naming the key.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import copy
 from typing import Any, Mapping
 
 from maxtext_rocm.config import MOE_FAMILIES
+from maxtext_rocm.models.activations import CLAMP_LIMIT, SIGMOID_ALPHA
 from maxtext_rocm.convert.families import ARCHITECTURES, FAMILIES, MODEL_TYPES, MULTIMODAL, mismatched_options
 from maxtext_rocm.convert.hf_attention import ConvertError, rope_keys, window_keys, write_rope, write_windows
 
@@ -39,10 +40,13 @@ def architecture(hf: Mapping[str, Any], where: str) -> str:
 def model_updates(hf: Mapping[str, Any], where: str) -> dict[str, Any]:
     """The `cfg.model` keys a Hugging Face config.json sets."""
     family = architecture(hf, where)
+    if family == "gpt_oss":
+        _check_gpt_oss(hf, where)
     for key in ("attention_bias", "mlp_bias"):
-        if hf.get(key):
+        if hf.get(key) and not (family == "gpt_oss" and key == "attention_bias"):
             raise ConvertError(f"{where} sets {key}=true; this code base's layers have biases only on q, k and v "
-                               "(Qwen2's), not on the attention output or the MLP")
+                               "(Qwen2's) and, in gpt-oss alone, on the attention output and the experts, never on "
+                               "a dense MLP")
     act_key = "hidden_activation" if "hidden_activation" in hf else "hidden_act"
     act = hf.get(act_key) or "silu"
     if act not in ACTIVATIONS:
@@ -60,9 +64,9 @@ def model_updates(hf: Mapping[str, Any], where: str) -> dict[str, Any]:
             head_dim=int(hf.get("head_dim") or d_model // n_heads),
             mlp_dim=int(hf["moe_intermediate_size" if family == "qwen3_moe" else "intermediate_size"]),
             norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            tie_embeddings=bool(hf.get("tie_word_embeddings", False)), mlp_activation=ACTIVATIONS[act],
+            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
             query_pre_attn_scalar=float(hf["query_pre_attn_scalar"]) if hf.get("query_pre_attn_scalar") else None,
-            **FAMILIES[family].fixed,
+            **{"mlp_activation": ACTIVATIONS[act], **FAMILIES[family].fixed},  # gpt-oss fixes its own activation
         )
         updates.update(rope_keys(hf, where))
         spec = FAMILIES[family]
@@ -71,6 +75,17 @@ def model_updates(hf: Mapping[str, Any], where: str) -> dict[str, Any]:
     except KeyError as error:
         raise ConvertError(f"{where} has no {error.args[0]!r}, which a {family} config needs") from None
     return updates
+
+
+def _check_gpt_oss(hf: Mapping[str, Any], where: str) -> None:
+    """What a gpt-oss config may say that this code base's layers do not compute: no attention
+    biases, or a clamp and sigmoid scale other than the published ones."""
+    if not hf.get("attention_bias", True):
+        raise ConvertError(f"{where} sets attention_bias=false; gpt-oss is supported with its published biases "
+                           "on the attention projections")
+    for key, ours in (("swiglu_limit", CLAMP_LIMIT), ("swiglu_alpha", SIGMOID_ALPHA)):
+        if float(hf.get(key, ours)) != ours:
+            raise ConvertError(f"{where} sets {key}={hf[key]!r}; only gpt-oss's published {key}={ours} is supported")
 
 
 def _experts(hf: Mapping[str, Any], family: str, where: str) -> dict[str, Any]:
@@ -107,7 +122,8 @@ def hf_config(model_cfg, base: Mapping[str, Any] | None = None, dtype: str = "fl
         vocab_size=m.vocab_size, hidden_size=m.d_model, num_hidden_layers=m.n_layers, num_attention_heads=m.n_heads,
         num_key_value_heads=m.n_kv_heads, head_dim=m.head_dim, rms_norm_eps=m.norm_eps,
         tie_word_embeddings=bool(m.tie_embeddings))
-    their_act = {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh"}[m.mlp_activation]
+    # gpt-oss's config says "silu" of its clamped SwiGLU (swiglu_limit and swiglu_alpha say the rest)
+    their_act = {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh", "clamped_silu": "silu"}[m.mlp_activation]
     out["hidden_activation" if m.family == "gemma3" else "hidden_act"] = their_act
     if m.query_pre_attn_scalar or "query_pre_attn_scalar" in out:
         scalar = m.query_pre_attn_scalar or m.head_dim
@@ -133,6 +149,10 @@ def _family_keys(m, out: Mapping[str, Any]) -> dict[str, Any]:
                 "decoder_sparse_step": 1, "mlp_only_layers": [], "router_aux_loss_coef": m.moe_aux_loss_weight,
                 "attention_bias": False, "use_sliding_window": False}
     keys = {"intermediate_size": m.mlp_dim}
+    if m.family == "gpt_oss":
+        keys.update(num_local_experts=m.n_experts, num_experts_per_tok=m.experts_per_token,
+                    router_aux_loss_coef=m.moe_aux_loss_weight, attention_bias=True, swiglu_limit=CLAMP_LIMIT,
+                    swiglu_alpha=SIGMOID_ALPHA)
     if m.family == "mixtral":
         keys.update(num_local_experts=m.n_experts, num_experts_per_tok=m.experts_per_token,
                     router_aux_loss_coef=m.moe_aux_loss_weight)

@@ -13,7 +13,11 @@ unrolled ones hold `params["layers_{i}"]`. A mixture's experts are stacked on an
 `mlp.experts.{e}.gate_proj`, `up_proj`, `down_proj`), or, as transformers 5 holds both in memory,
 fused (`mlp.experts.gate_up_proj` [E, 2 x mlp, d_model] with gate first, `mlp.experts.down_proj`
 [E, d_model, mlp]). Qwen2's q/k/v biases are [heads x head_dim] on disk, [heads, head_dim] here;
-Qwen3's q/k norms are one [head_dim] scale each.
+Qwen3's q/k norms are one [head_dim] scale each. gpt-oss publishes its experts stacked and laid out
+as ours ([E, in, out], `mlp.experts.gate_up_proj`, `down_proj`, each with a bias), except that gate
+and up share one tensor, interleaved along its last axis (gate in the even columns, up in the odd:
+a Slot `interleaved_with` the up leaf); its published MXFP4 experts are dequantized on import
+(mxfp4.py).
 """
 
 from __future__ import annotations
@@ -36,9 +40,14 @@ class Slot:
     # a Dense kernel's number of input axes; None: same layout on both sides; 0: a bias, whose
     # output axes ([heads, head_dim]) are one axis on disk
     n_in: int | None
+    # the leaf whose values fill the odd columns of the tensor's last axis, this slot's the even
+    # ones (gpt-oss's gate_up_proj); None: the tensor is this slot's leaf alone
+    interleaved_with: tuple[str, ...] | None = None
 
     def hf_shape(self, ours: tuple[int, ...]) -> tuple[int, ...]:
         """The torch shape of this tensor, given the shape of our slice."""
+        if self.interleaved_with is not None:
+            return (*ours[:-1], 2 * ours[-1])
         if self.n_in is None:
             return tuple(ours)
         if self.n_in == 0:
@@ -49,6 +58,24 @@ class Slot:
         if self.n_in is None:
             return array
         return array.reshape(ours) if self.n_in == 0 else array.T.reshape(ours)
+
+    def place(self, params, array: np.ndarray) -> None:
+        """Writes the Hugging Face tensor `array` into its leaf (or leaves) of `params`."""
+        target = leaf(params, self.path)
+        if self.interleaved_with is None:
+            target[self.index] = self.to_ours(np.asarray(array, dtype=target.dtype), target.shape[len(self.index):])
+            return
+        target[self.index] = array[..., 0::2]
+        leaf(params, self.interleaved_with)[self.index] = array[..., 1::2]
+
+    def read(self, params) -> np.ndarray:
+        """The Hugging Face tensor of this slot, from `params`."""
+        value = leaf(params, self.path)[self.index]
+        if self.interleaved_with is None:
+            return self.to_hf(value)
+        out = np.empty((*value.shape[:-1], 2 * value.shape[-1]), value.dtype)
+        out[..., 0::2], out[..., 1::2] = value, leaf(params, self.interleaved_with)[self.index]
+        return out
 
     def to_hf(self, value: np.ndarray) -> np.ndarray:
         if self.n_in is None:
@@ -81,6 +108,18 @@ SANDWICH_NORMS = {
 }
 QKV_BIAS = {f"self_attn.{p}_proj.bias": (("attention", f"{p}_bias"), 0) for p in "qkv"}  # Qwen2
 QK_NORM = {f"self_attn.{p}_norm.weight": (("attention", f"{p}_norm", "scale"), None) for p in "qk"}  # Qwen3
+OUT_BIAS = {"self_attn.o_proj.bias": (("attention", "o_bias"), None)}  # gpt-oss
+SINKS = {"self_attn.sinks": (("attention", "sinks"), None)}  # gpt-oss
+# gpt-oss's mixture: the router with its bias, the experts stacked, gate and up interleaved in one
+# tensor (suffix -> (our path, n_in, the path interleaved with it)).
+STACKED_EXPERTS = {
+    "mlp.router.weight": (("moe", "router", "kernel"), 1, None),
+    "mlp.router.bias": (("moe", "router_bias"), None, None),
+    "mlp.experts.gate_up_proj": (("moe", "gate"), None, ("moe", "up")),
+    "mlp.experts.gate_up_proj_bias": (("moe", "gate_bias"), None, ("moe", "up_bias")),
+    "mlp.experts.down_proj": (("moe", "down"), None, None),
+    "mlp.experts.down_proj_bias": (("moe", "down_bias"), None, None),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,13 +158,17 @@ def plan(m) -> list[Slot]:
     slots = [Slot("model.embed_tokens.weight", ("embed", "embedding"), (), None)]
     attention = {k: v for k, v in ATTENTION.items() if not k.endswith("layernorm.weight")} if m.post_norms else ATTENTION
     per_layer = {**attention, **(SANDWICH_NORMS if m.post_norms else {}), **(QKV_BIAS if m.qkv_bias else {}),
-                 **(QK_NORM if m.qk_norm else {})}
+                 **(QK_NORM if m.qk_norm else {}), **(OUT_BIAS if m.out_bias else {}),
+                 **(SINKS if m.attention_sinks else {})}
     for i in range(m.n_layers):
         base, index = layer_path(m, i)
         prefix = f"model.layers.{i}."
         for suffix, (path, n_in) in per_layer.items():
             slots.append(Slot(prefix + suffix, base + path, index, n_in))
-        if m.family in EXPERTS:
+        if m.family == "gpt_oss":
+            for suffix, (path, n_in, partner) in STACKED_EXPERTS.items():
+                slots.append(Slot(prefix + suffix, base + path, index, n_in, partner and base + partner))
+        elif m.family in EXPERTS:
             experts = EXPERTS[m.family]
             slots.append(Slot(prefix + experts.router, base + ("moe", "router", "kernel"), index, 1))
             for e in range(m.n_experts):

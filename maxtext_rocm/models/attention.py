@@ -22,7 +22,8 @@ from flax import linen as nn
 
 from maxtext_rocm.config import ConfigError
 from maxtext_rocm.models.blockwise_attention import blockwise_attention
-from maxtext_rocm.models.layers import Dense, Kernel, RMSNorm, apply_rope, fused_projections, rope_inv_frequencies
+from maxtext_rocm.models.layers import (Dense, Kernel, RMSNorm, apply_rope, fused_projections, rope_attention_factor,
+                                       rope_inv_frequencies)
 from maxtext_rocm.numerics.precision import Policy
 
 Array = jax.Array
@@ -57,13 +58,18 @@ def resolve_implementation(name: str, device=None, dtype=None, seq_len: int | No
     return implementation_for(name, platform_of(device or jax.devices()[0]), dtype, seq_len)
 
 
-def implementation_for(name: str, platform: str, dtype=None, seq_len: int | None = None) -> str:
+# The implementations that take model.attention_sinks (config/checks.py refuses the others with them).
+SINK_IMPLEMENTATIONS = ("xla", "blockwise")
+
+
+def implementation_for(name: str, platform: str, dtype=None, seq_len: int | None = None, sinks: bool = False) -> str:
     """`model.attention` on `platform` ("cpu", "cuda", "rocm"; platform_of), with "auto" replaced
     by the platform's memory-bounded attention: cuDNN's fused kernel on CUDA GPUs in bf16/fp16
     (checked on an H200 against "xla"; it has no fp32 form), the blockwise one on ROCm and for
     fp32 on CUDA. On the CPU: "blockwise" from CPU_BLOCKWISE_MIN_SEQ tokens per sequence, the
     reference "xla" below (where they tie). `dtype`: the compute dtype (default bf16). "pallas"
-    on a platform its kernels do not serve is a ConfigError. Called by the resolve step
+    on a platform its kernels do not serve is a ConfigError. With `sinks` (model.attention_sinks),
+    which cuDNN's kernel has no input for, "auto" never picks cuDNN. Called by the resolve step
     (maxtext_rocm/resolve.py); the model receives its answer."""
     if name == "pallas":
         check_pallas_platform(platform)
@@ -72,7 +78,7 @@ def implementation_for(name: str, platform: str, dtype=None, seq_len: int | None
     if platform == "cpu":
         return "blockwise" if seq_len and seq_len >= CPU_BLOCKWISE_MIN_SEQ else "xla"
     half = jnp.dtype(dtype or jnp.bfloat16) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-    return "cudnn" if platform == "cuda" and half else "blockwise"
+    return "cudnn" if platform == "cuda" and half and not sinks else "blockwise"
 
 
 # Where the Pallas kernels run: through Triton on GPUs (CUDA, and ROCm where jax routes Pallas to
@@ -100,17 +106,20 @@ def is_cuda_gpu(device) -> bool:
 
 def dot_product_attention(q: Array, k: Array, v: Array, *, segment_ids: Array | None = None,
                           implementation: str = "xla", sliding_window: int | None = None,
-                          dot_general=jax.lax.dot_general) -> Array:
+                          dot_general=jax.lax.dot_general, sinks: Array | None = None) -> Array:
     """Causal attention. q: [batch, seq, heads, head_dim]; k, v: [batch, seq, kv_heads, head_dim].
 
     Each group of heads/kv_heads query heads shares one key/value head. `dot_general`: the
-    precision policy's, for the "xla" implementation's two matmuls.
+    precision policy's, for the "xla" implementation's two matmuls. `sinks` [heads]: each head's
+    extra logit in the softmax's denominator (model.attention_sinks; "xla" and "blockwise" only).
     """
     if implementation == "auto":
         raise ValueError("model.attention='auto' reached the model: the config was not resolved "
                          "(maxtext_rocm.resolve.resolve() was skipped)")
+    if sinks is not None and implementation not in SINK_IMPLEMENTATIONS:
+        raise ValueError(f"model.attention={implementation!r} has no attention sinks; the config checks refuse it")
     if implementation == "blockwise":
-        return blockwise_attention(q, k, v, segment_ids=segment_ids, sliding_window=sliding_window)
+        return blockwise_attention(q, k, v, segment_ids=segment_ids, sliding_window=sliding_window, sinks=sinks)
     if implementation == "pallas":
         # Imported here: Pallas and its Triton module took 0.4-1.5 s to import on this machine,
         # a cost every launch would pay otherwise.
@@ -123,13 +132,15 @@ def dot_product_attention(q: Array, k: Array, v: Array, *, segment_ids: Array | 
             q, k, v, mask=None if segment_ids is None else mask,
             is_causal=segment_ids is None, implementation="cudnn",
             local_window_size=(sliding_window - 1, 0) if sliding_window else None)
-    return masked_attention(q, k, v, mask, dot_general)
+    return masked_attention(q, k, v, mask, dot_general, sinks)
 
 
-def masked_attention(q: Array, k: Array, v: Array, mask: Array, dot_general=jax.lax.dot_general) -> Array:
+def masked_attention(q: Array, k: Array, v: Array, mask: Array, dot_general=jax.lax.dot_general,
+                     sinks: Array | None = None) -> Array:
     """The "xla" attention under any mask [batch or 1, 1, q_len, kv_len] (True = attend).
 
-    q: [batch, q_len, heads, head_dim]; k, v: [batch, kv_len, kv_heads, head_dim].
+    q: [batch, q_len, heads, head_dim]; k, v: [batch, kv_len, kv_heads, head_dim]. `sinks`
+    [heads]: a logit per head that joins each row's softmax and attends to nothing (gpt-oss).
     """
     batch, seq, heads, head_dim = q.shape
     kv_heads = k.shape[2]
@@ -139,7 +150,11 @@ def masked_attention(q: Array, k: Array, v: Array, mask: Array, dot_general=jax.
     scores = dot_general(q, k, (((4,), (3,)), ((0, 2), (0, 2))), preferred_element_type=jnp.float32)
     scores = jnp.transpose(scores, (0, 1, 3, 2, 4)) * (head_dim ** -0.5)  # [b, k, g, q, s]
     scores = jnp.where(mask[:, :, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    if sinks is None:
+        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    else:  # the sink's column joins the softmax, then leaves: the rows sum to less than one
+        sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, kv_heads, groups, 1, 1), (*scores.shape[:-1], 1))
+        probs = jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1].astype(v.dtype)
     out = dot_general(probs, v, (((4,), (1,)), ((0, 1), (0, 2))))  # [b, k, g, q, d]
     return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(batch, seq, heads, head_dim)
 
@@ -176,13 +191,24 @@ class Attention(nn.Module):
         """The tokens a query sees under this layer's kind (0: all before it)."""
         return 0 if self.kind == "full" else (self.cfg.sliding_window or 0)
 
+    @property
+    def uses_yarn(self) -> bool:
+        """Whether this layer's rope is rope_theta's with model.rope_yarn (not a local base)."""
+        return not (self.kind == "sliding" and self.cfg.rope_local_theta)
+
+    def sinks(self) -> Array:
+        """model.attention_sinks: one logit per query head, in fp32 (a softmax input)."""
+        init = nn.initializers.normal(0.02)
+        return self.param("sinks", nn.with_logical_partitioning(init, ("heads",)), (self.cfg.n_heads,),
+                          self.policy.param_dtype).astype(jnp.float32)
+
     def rope_frequencies(self):
         """A sliding layer's own rope base where model.rope_local_theta gives one (Gemma 3's local
         layers: no scaling either); else rope_theta with rope_scaling and the linear factor."""
         m = self.cfg
         if self.kind == "sliding" and m.rope_local_theta:
             return rope_inv_frequencies(m.head_dim, m.rope_local_theta, None)
-        return rope_inv_frequencies(m.head_dim, m.rope_theta, m.rope_scaling) / m.rope_linear_factor
+        return rope_inv_frequencies(m.head_dim, m.rope_theta, m.rope_scaling, m.rope_yarn) / m.rope_linear_factor
 
     @nn.compact
     def __call__(self, x: Array, positions: Array, segment_ids: Array | None) -> Array:
@@ -200,20 +226,29 @@ class Attention(nn.Module):
 
         inv_freq = self.rope_frequencies()
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        if m.rope_yarn is not None and self.uses_yarn:  # YaRN's factor on the rotated q and k, as on cos and sin
+            factor = jnp.asarray(rope_attention_factor(m.rope_yarn), q.dtype)
+            q, k = q * factor, k * factor
+        sinks = self.sinks() if m.attention_sinks else None
         if m.query_pre_attn_scalar:  # Gemma 3's score scale, by every implementation's head_dim ** -0.5
             q = q * jnp.asarray((hd / m.query_pre_attn_scalar) ** 0.5, q.dtype)
         if self.decode and self.has_variable(CACHE, "key"):
-            out = self.cached_attention(q, k, v, positions)
+            out = self.cached_attention(q, k, v, positions, sinks)
         else:
             if self.decode:  # `init` sizes the cache [batch, max_len, kv_heads, head_dim]
                 self.cache_variables(k, positions)
-            if self.context_attention is not None and not self.decode:
+            if self.context_attention is not None and not self.decode:  # no sinks: the config checks refuse them
                 out = self.context_attention(q, k, v, segment_ids)
             else:
                 out = dot_product_attention(q, k, v, segment_ids=segment_ids, implementation=m.attention,
-                                            sliding_window=self.window, dot_general=self.policy.dot_general)
+                                            sliding_window=self.window, dot_general=self.policy.dot_general,
+                                            sinks=sinks)
         out = nn.with_logical_constraint(out, ("activation_batch", "activation_length", "activation_heads", None))
-        return Dense((m.n_heads, hd), (d,), ("heads", "head_dim", "embed"), self.policy, name="o")(out)
+        out = Dense((m.n_heads, hd), (d,), ("heads", "head_dim", "embed"), self.policy, name="o")(out)
+        if m.out_bias:  # gpt-oss: after the dot, as the q/k/v biases
+            out = out + self.param("o_bias", nn.with_logical_partitioning(nn.initializers.zeros, ("embed",)), (d,),
+                                   self.policy.param_dtype).astype(out.dtype)
+        return out
 
     def project(self, x: Array) -> tuple[Array, Array, Array]:
         """q [.., heads, head_dim], k and v [.., kv_heads, head_dim]. Without fp8 as one dot over
@@ -249,7 +284,7 @@ class Attention(nn.Module):
         index = self.variable(CACHE, "index", lambda: jnp.zeros((), jnp.int32))
         return key, value, pos, index
 
-    def cached_attention(self, q: Array, k: Array, v: Array, positions: Array) -> Array:
+    def cached_attention(self, q: Array, k: Array, v: Array, positions: Array, sinks: Array | None = None) -> Array:
         """Writes this call's keys/values at the cache's next slots, then attends over the cache.
 
         A negative position (left padding) is stored as such and never attended to."""
@@ -260,4 +295,4 @@ class Attention(nn.Module):
         pos.value = jax.lax.dynamic_update_slice(pos.value, positions.astype(jnp.int32), (0, start))
         index.value = start + k.shape[1]
         mask = position_mask(positions, pos.value, self.window)
-        return masked_attention(q, key.value, value.value, mask, self.policy.dot_general)
+        return masked_attention(q, key.value, value.value, mask, self.policy.dot_general, sinks)

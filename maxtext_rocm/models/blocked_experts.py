@@ -14,16 +14,11 @@ import math
 
 import jax
 import jax.numpy as jnp
-from flax import linen as nn
 
+from maxtext_rocm.models.activations import gated, gated_grads
 from maxtext_rocm.numerics import varying
 
 Array = jax.Array
-
-
-def swiglu(gate: Array, up: Array) -> Array:
-    return nn.silu(gate) * up
-
 
 
 @jax.custom_vjp
@@ -111,10 +106,19 @@ def _add_at(acc: Array, e: Array, delta: Array) -> Array:
     return jax.lax.dynamic_update_index_in_dim(acc, current + delta, e, 0)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _projected(rows: Array, weight: Array, bias: Array | None, e: Array) -> Array:
+    """rows @ weight[e] in fp32, plus bias[e] where the experts have biases (gpt-oss)."""
+    out = _dot_f32(rows, weight[e])
+    return out if bias is None else out + bias[e].astype(jnp.float32)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9))
 def blocked_swiglu(padded: Array, block_expert: Array, n_used: Array, gate: Array, up: Array,
-                   down: Array, block: int) -> Array:
-    """SwiGLU experts over rows laid out in blocks of one expert each: [n_padded, d] -> [n_padded, d].
+                   down: Array, gate_bias: Array | None, up_bias: Array | None, block: int,
+                   activation: str = "silu") -> Array:
+    """Gated experts (SwiGLU, or model.mlp_activation's `activation`) over rows laid out in blocks
+    of one expert each: [n_padded, d] -> [n_padded, d]. `gate_bias`, `up_bias` [E, f]: the
+    projections' biases (gpt-oss), or None.
 
     A loop over the `n_used` blocks in use, each block through its own expert's weights indexed in
     place: neither a copy of the weights per block nor the blocks of padding that the static bound
@@ -124,41 +128,48 @@ def blocked_swiglu(padded: Array, block_expert: Array, n_used: Array, gate: Arra
 
     def body(i, out):
         e, rows = block_expert[i], _row_block(padded, i, block)
-        hidden = swiglu(_dot_f32(rows, gate[e]), _dot_f32(rows, up[e])).astype(rows.dtype)
+        hidden = gated(activation, _projected(rows, gate, gate_bias, e), _projected(rows, up, up_bias, e))
+        hidden = hidden.astype(rows.dtype)
         return jax.lax.dynamic_update_slice_in_dim(out, _dot_f32(hidden, down[e]).astype(out.dtype), i * block, 0)
 
     return jax.lax.fori_loop(0, n_used, body, varying.varying_like(jnp.zeros_like(padded), padded, gate, up, down))
 
 
-def _blocked_swiglu_fwd(padded, block_expert, n_used, gate, up, down, block):
-    out = blocked_swiglu(padded, block_expert, n_used, gate, up, down, block)
-    return out, (padded, block_expert, n_used, gate, up, down)
+def _blocked_swiglu_fwd(padded, block_expert, n_used, gate, up, down, gate_bias, up_bias, block, activation):
+    out = blocked_swiglu(padded, block_expert, n_used, gate, up, down, gate_bias, up_bias, block, activation)
+    return out, (padded, block_expert, n_used, gate, up, down, gate_bias, up_bias)
 
 
-def _blocked_swiglu_bwd(block, residuals, d_out):
-    padded, block_expert, n_used, gate, up, down = residuals
+def _blocked_swiglu_bwd(block, activation, residuals, d_out):
+    padded, block_expert, n_used, gate, up, down, gate_bias, up_bias = residuals
     f32 = jnp.float32
+    biased = gate_bias is not None
 
     def body(i, carry):
-        d_rows, d_gate, d_up, d_down = carry
+        d_rows, d_gate, d_up, d_down, d_biases = carry
         e, rows, dy = block_expert[i], _row_block(padded, i, block), _row_block(d_out, i, block)
-        g, u = _dot_f32(rows, gate[e]), _dot_f32(rows, up[e])  # recomputed, not stored
-        silu_g = nn.silu(g)
-        d_down = _add_at(d_down, e, _dot_f32((silu_g * u).astype(dy.dtype).T, dy))
+        g, u = _projected(rows, gate, gate_bias, e), _projected(rows, up, up_bias, e)  # recomputed, not stored
+        d_down = _add_at(d_down, e, _dot_f32(gated(activation, g, u).astype(dy.dtype).T, dy))
         dh = _dot_f32(dy, down[e].T)
-        sigmoid_g = jax.nn.sigmoid(g)
-        dg = (dh * u * sigmoid_g * (1 + g * (1 - sigmoid_g))).astype(rows.dtype)  # silu'(g)
-        du = (dh * silu_g).astype(rows.dtype)
+        dg, du = (grad.astype(rows.dtype) for grad in gated_grads(activation, g, u, dh))
         d_gate = _add_at(d_gate, e, _dot_f32(rows.T, dg))
         d_up = _add_at(d_up, e, _dot_f32(rows.T, du))
+        if biased:  # a padding row's cotangent is zero, so summing the whole block is exact
+            d_biases = (_add_at(d_biases[0], e, jnp.sum(dg, axis=0, dtype=f32)),
+                        _add_at(d_biases[1], e, jnp.sum(du, axis=0, dtype=f32)))
         dx = (_dot_f32(dg, gate[e].T) + _dot_f32(du, up[e].T)).astype(d_rows.dtype)
-        return jax.lax.dynamic_update_slice_in_dim(d_rows, dx, i * block, 0), d_gate, d_up, d_down
+        return jax.lax.dynamic_update_slice_in_dim(d_rows, dx, i * block, 0), d_gate, d_up, d_down, d_biases
 
     zeros = tuple(varying.varying_like(z, padded, d_out, gate, up, down) for z in
                   (jnp.zeros_like(padded), *(jnp.zeros(w.shape, f32) for w in (gate, up, down))))
-    d_rows, d_gate, d_up, d_down = jax.lax.fori_loop(0, n_used, body, zeros)
+    bias_zeros = tuple(varying.varying_like(jnp.zeros(b.shape, f32), padded, d_out, gate, up, down, b)
+                       for b in (gate_bias, up_bias)) if biased else ()
+    d_rows, d_gate, d_up, d_down, d_biases = jax.lax.fori_loop(0, n_used, body, (*zeros, bias_zeros))
+    d_gate_bias, d_up_bias = ((varying.summed_like(d.astype(b.dtype), b) for d, b in zip(d_biases, (gate_bias, up_bias)))
+                              if biased else (None, None))
     return (varying.summed_like(d_rows, padded), None, None, varying.summed_like(d_gate.astype(gate.dtype), gate),
-            varying.summed_like(d_up.astype(up.dtype), up), varying.summed_like(d_down.astype(down.dtype), down))
+            varying.summed_like(d_up.astype(up.dtype), up), varying.summed_like(d_down.astype(down.dtype), down),
+            d_gate_bias, d_up_bias)
 
 
 blocked_swiglu.defvjp(_blocked_swiglu_fwd, _blocked_swiglu_bwd)

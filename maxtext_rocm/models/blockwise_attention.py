@@ -6,7 +6,9 @@ This one walks key/value blocks with a running max and sum, keeps only the outpu
 log-sum-exp for the backward pass, and recomputes the probabilities there block by block. It runs
 on every backend (ROCm and the CPU included), so it is the memory-bounded choice where cuDNN's
 fused attention is not available. Blocks above the causal diagonal (and, with a sliding window,
-below it) are never computed.
+below it) are never computed. Attention sinks (gpt-oss: a logit per head that joins each row's
+softmax and attends to nothing) start each row's running max and sum, and get their gradient from
+the same log-sum-exp.
 
 Shapes as in attention.py: q [batch, seq, heads, head_dim]; k, v [batch, seq, kv_heads, head_dim].
 """
@@ -62,8 +64,9 @@ def _slice(x, index, block):
     return jax.lax.dynamic_slice_in_dim(x, index * block, block, axis=1)
 
 
-def _forward(q, k, v, segments, block, window):
-    """(out [b, s, kv_heads, groups, d] in q's dtype, lse [b, kv_heads, groups, s] fp32)."""
+def _forward(q, k, v, segments, sinks, block, window):
+    """(out [b, s, kv_heads, groups, d] in q's dtype, lse [b, kv_heads, groups, s] fp32). `sinks`
+    [kv_heads, groups] fp32 or None."""
     batch, seq, kv_heads, groups, head_dim = q.shape
     n_blocks = seq // block
     scale = head_dim ** -0.5
@@ -82,8 +85,12 @@ def _forward(q, k, v, segments, block, window):
             return m_new, l * correction + p.sum(-1), acc * correction[..., None] + pv
 
         stats = (batch, kv_heads, groups, block)
-        init = (jnp.full(stats, NEG, jnp.float32), jnp.zeros(stats, jnp.float32),
-                jnp.zeros((*stats, head_dim), jnp.float32))
+        if sinks is None:
+            init = (jnp.full(stats, NEG, jnp.float32), jnp.zeros(stats, jnp.float32),
+                    jnp.zeros((*stats, head_dim), jnp.float32))
+        else:  # the sink as a score seen first: max = sink, sum = exp(0), nothing added to the output
+            init = (jnp.broadcast_to(sinks[None, :, :, None], stats), jnp.ones(stats, jnp.float32),
+                    jnp.zeros((*stats, head_dim), jnp.float32))
         m, l, acc = jax.lax.fori_loop(*_kv_range(i, block, window), step, init)
         out = (acc / l[..., None]).astype(q.dtype)  # every row sees at least itself: l > 0
         return jnp.moveaxis(out, 3, 1), m + jnp.log(l)  # [b, Bq, kv_heads, groups, d], [b, k, g, Bq]
@@ -131,11 +138,11 @@ def _backward(q, k, v, segments, out, lse, d_out, block, window):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
 def _attention(q, k, v, segments, block, window):
-    return _forward(q, k, v, segments, block, window)[0]
+    return _forward(q, k, v, segments, None, block, window)[0]
 
 
 def _attention_fwd(q, k, v, segments, block, window):
-    out, lse = _forward(q, k, v, segments, block, window)
+    out, lse = _forward(q, k, v, segments, None, block, window)
     return out, (q, k, v, segments, out, lse)
 
 
@@ -145,17 +152,44 @@ def _attention_bwd(block, window, residuals, d_out):
     return dq, dk, dv, None
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _attention_with_sinks(q, k, v, segments, sinks, block, window):
+    return _forward(q, k, v, segments, sinks, block, window)[0]
+
+
+def _sinks_fwd(q, k, v, segments, sinks, block, window):
+    out, lse = _forward(q, k, v, segments, sinks, block, window)
+    return out, (q, k, v, segments, sinks, out, lse)
+
+
+def _sinks_bwd(block, window, residuals, d_out):
+    """The keys' gradients as without sinks (the row's lse holds the sink; the sink's value is
+    zero, so rowsum(dO * O) is still the softmax's correction term); the sink's own, a score with
+    dP = 0: -sum over rows of P(sink) * rowsum(dO * O)."""
+    q, k, v, segments, sinks, out, lse = residuals
+    dq, dk, dv = _backward(q, k, v, segments, out, lse, d_out, block, window)
+    delta = jnp.einsum("bqkgd,bqkgd->bkgq", d_out.astype(jnp.float32), out.astype(jnp.float32))
+    d_sinks = -jnp.sum(jnp.exp(sinks[None, :, :, None] - lse) * delta, axis=(0, 3))
+    return dq, dk, dv, None, d_sinks
+
+
 _attention.defvjp(_attention_fwd, _attention_bwd)
+_attention_with_sinks.defvjp(_sinks_fwd, _sinks_bwd)
 
 
 def blockwise_attention(q, k, v, *, segment_ids=None, sliding_window: int | None = None,
-                        block: int | None = None):
-    """Causal (optionally windowed, optionally per-document) attention, O(seq x block) memory."""
+                        block: int | None = None, sinks=None):
+    """Causal (optionally windowed, optionally per-document) attention, O(seq x block) memory;
+    `sinks` [heads]: each head's attention sink logit, or None."""
     batch, seq, heads, head_dim = q.shape
     kv_heads = k.shape[2]
     block = block or block_size(seq)
     if seq % block:
         raise ValueError(f"block {block} does not divide the sequence length {seq}")
     q = q.reshape(batch, seq, kv_heads, heads // kv_heads, head_dim)
-    out = _attention(q, k, v, segment_ids, block, sliding_window or 0)
+    if sinks is None:
+        out = _attention(q, k, v, segment_ids, block, sliding_window or 0)
+    else:
+        sinks = sinks.astype(jnp.float32).reshape(kv_heads, heads // kv_heads)
+        out = _attention_with_sinks(q, k, v, segment_ids, sinks, block, sliding_window or 0)
     return out.reshape(batch, seq, heads, head_dim)

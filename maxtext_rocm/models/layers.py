@@ -130,13 +130,16 @@ class Embed(nn.Module):
 # Rotary position embeddings
 
 
-def rope_inv_frequencies(head_dim: int, theta: float, scaling=None) -> np.ndarray:
-    """Inverse frequencies of the rotary embedding, with Llama 3.1's frequency scaling.
+def rope_inv_frequencies(head_dim: int, theta: float, scaling=None, yarn=None) -> np.ndarray:
+    """Inverse frequencies of the rotary embedding, with Llama 3.1's frequency scaling or YaRN's
+    (`yarn`, model.rope_yarn: yarn_inv_frequencies).
 
     Llama 3.1 leaves high frequencies (wavelength < original_len / high_freq_factor) alone,
     divides low frequencies (wavelength > original_len / low_freq_factor) by `factor`, and
     interpolates smoothly in between.
     """
+    if yarn is not None:
+        return yarn_inv_frequencies(head_dim, theta, yarn)
     inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
     if scaling is None:
         return inv_freq.astype(np.float32)
@@ -149,6 +152,36 @@ def rope_inv_frequencies(head_dim: int, theta: float, scaling=None) -> np.ndarra
     scaled = np.where(wavelength > original / low, inv_freq / factor, inv_freq)
     is_medium = (wavelength <= original / low) & (wavelength >= original / high)
     return np.where(is_medium, interpolated, scaled).astype(np.float32)
+
+
+def yarn_inv_frequencies(head_dim: int, theta: float, yarn) -> np.ndarray:
+    """YaRN (Peng et al., 2023): dimensions that turn fewer than `beta_slow` times over the
+    original context are interpolated (divided by `factor`), those turning more than `beta_fast`
+    times kept, with a linear ramp between the two dimension bounds (rounded outwards unless
+    `truncate` is false, as gpt-oss publishes it)."""
+    dims = np.arange(0, head_dim, 2, dtype=np.float64) / head_dim
+    extrapolated = 1.0 / theta ** dims
+    original = yarn["original_max_position"]
+
+    def dimension_of(rotations: float) -> float:  # the dimension that turns `rotations` times over `original`
+        return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dimension_of(yarn["beta_fast"]), dimension_of(yarn["beta_slow"])
+    if yarn["truncate"]:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    ramp = np.clip((np.arange(head_dim // 2) - low) / ((high - low) or 0.001), 0, 1)  # 1: interpolated
+    return (extrapolated / yarn["factor"] * ramp + extrapolated * (1 - ramp)).astype(np.float32)
+
+
+def rope_attention_factor(yarn) -> float:
+    """What YaRN multiplies the rotated queries and keys by (so the scores by its square): the
+    given attention_factor, else 0.1 ln(factor) + 1; 1 without YaRN."""
+    if yarn is None:
+        return 1.0
+    if yarn.get("attention_factor") is not None:
+        return float(yarn["attention_factor"])
+    return 0.1 * math.log(yarn["factor"]) + 1.0 if yarn["factor"] > 1 else 1.0
 
 
 def apply_rope(x: Array, positions: Array, inv_freq: np.ndarray) -> Array:

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
+from maxtext_rocm.models.activations import gated
 from maxtext_rocm.models.attention import CACHE, Attention
 from maxtext_rocm.models.layers import ADAPTERS, EMBED_TABLE_AXES, HEAD_AXES, Dense, Embed, Kernel, RMSNorm, fused_projections
 from maxtext_rocm.models.moe import AUX_LOSSES
@@ -36,12 +37,9 @@ REMAT_POLICIES = {
 BLOCK_OUTPUT_AXES = ("activation_batch", "activation_length", "activation_embed")
 
 
-# model.mlp_activation -> the gate's activation: SwiGLU's, or GeGLU's with tanh GELU (Gemma).
-ACTIVATIONS = {"silu": nn.silu, "gelu_tanh": lambda x: nn.gelu(x, approximate=True)}
-
-
 class MLP(nn.Module):
-    """A gated MLP, down(act(gate(x)) * up(x)): SwiGLU, or GeGLU under activation="gelu_tanh"."""
+    """A gated MLP, down(act(gate(x), up(x))): SwiGLU, GeGLU under activation="gelu_tanh", gpt-oss's
+    clamped SwiGLU under "clamped_silu" (models/activations.py)."""
 
     d_model: int
     mlp_dim: int
@@ -57,7 +55,7 @@ class MLP(nn.Module):
         else:  # one dot, [.., 2, mlp]: one tensor-parallel reduction of x's gradient, not two
             gate_up = fused_projections(x, [Kernel(*shapes, name=n)()[:, None] for n in ("gate", "up")], 0, self.policy)
             gate, up = gate_up[..., 0, :], gate_up[..., 1, :]
-        hidden = ACTIVATIONS[self.activation](gate) * up
+        hidden = gated(self.activation, gate, up)
         hidden = nn.with_logical_constraint(hidden, ("activation_batch", "activation_length", "activation_mlp"))
         return Dense((self.mlp_dim,), (self.d_model,), ("mlp", "embed"), self.policy, name="down")(hidden)
 

@@ -2,8 +2,10 @@
 
 Routing is Mixtral's and Qwen3-MoE's: a linear router, a softmax over `n_experts`, the top
 `experts_per_token` kept and (model.moe_renormalize, both families' default) their weights
-renormalised to sum to one. Each token's output is the weighted sum of its
-chosen experts' SwiGLU outputs. `model.moe_impl` chooses how that sum is computed:
+renormalised to sum to one; or gpt-oss's (model.moe_router="topk_softmax"): the top logits, then a
+softmax over those alone. Each token's output is the weighted sum of its chosen experts' gated MLP
+outputs (SwiGLU, or model.mlp_activation's; with model.moe_bias, gpt-oss's biases on the router
+and on every expert projection). `model.moe_impl` chooses how that sum is computed:
 
 - "dropless": (token, choice) pairs sorted by expert, then `jax.lax.ragged_dot` (a grouped GEMM)
   runs each expert on exactly its tokens. Exact; the right path on GPUs. On the CPU, where
@@ -35,7 +37,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from maxtext_rocm.models.blocked_experts import blocked_groups, blocked_swiglu, dropless_block, take_rows
-from maxtext_rocm.models.blocked_experts import swiglu as _swiglu
+from maxtext_rocm.models.activations import gated
 from maxtext_rocm.models.layers import Dense
 from maxtext_rocm.numerics.precision import Policy, without_fp8
 
@@ -51,6 +53,8 @@ ROUTER_LOSS_WEIGHTS = {"moe_aux_loss": "moe_aux_loss_weight", "moe_z_loss": "moe
 # "embed" but never over the mesh axis that already splits the experts), then "mlp" (tensor).
 GATE_UP_AXES = ("exp", "exp_embed", "mlp")
 DOWN_AXES = ("exp", "mlp", "exp_embed")
+BIAS_AXES = ("exp", "mlp")  # gpt-oss's gate and up biases, split as their outputs
+DOWN_BIAS_AXES = ("exp", None)  # added outside the experts (expert_bias), so never split like their d_model
 # Capacity buffers [batch, experts, slots, features]: the all-to-all moves tokens from the batch
 # sharding to the expert sharding.
 BUFFER_AXES = ("activation_exp_batch", "activation_exp", None)
@@ -60,14 +64,19 @@ BUFFER_AXES = ("activation_exp_batch", "activation_exp", None)
 # Routing and its auxiliary losses
 
 
-def route(logits: Array, k: int, renormalize: bool = True) -> tuple[Array, Array, Array]:
+def route(logits: Array, k: int, renormalize: bool = True, kind: str = "softmax_topk") -> tuple[Array, Array, Array]:
     """(probabilities [..., E], weights [..., k], experts [..., k]) from router logits.
 
     Softmax over all experts, then the top k; with `renormalize` (model.moe_renormalize) the k
     weights rescaled to sum to one (Mixtral's `softmax(topk(logits))` is the same thing;
-    Qwen3-MoE's norm_topk_prob), else kept as the softmax gave them.
+    Qwen3-MoE's norm_topk_prob), else kept as the softmax gave them. `kind` "topk_softmax"
+    (model.moe_router, gpt-oss): the top k logits, then a softmax over them; the probabilities
+    over all experts are returned all the same, for the load-balancing loss.
     """
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    if kind == "topk_softmax":  # the same experts as softmax_topk picks (softmax is monotone)
+        chosen, experts = top_k_of_each(logits.astype(jnp.float32), k)
+        return probs, jax.nn.softmax(chosen, axis=-1), experts
     weights, experts = top_k_of_each(probs, k)
     if renormalize:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
@@ -149,16 +158,25 @@ def _per_expert(dot, buffers: Array, weight: Array) -> Array:
     return jnp.swapaxes(out, 0, 1)
 
 
+def _biased(hidden: Array, bias: Array | None, shape: tuple[int, ...]) -> Array:
+    """A projection's output plus its experts' bias [E, f] reshaped to broadcast (None: no bias)."""
+    return hidden if bias is None else hidden + bias.reshape(shape).astype(hidden.dtype)
+
+
 def dense_experts(x: Array, weights: Array, experts: Array, gate: Array, up: Array, down: Array,
-                  dots: Mapping | None = None) -> Array:
-    """Every expert on every token; unchosen experts weigh zero. gate, up: [E, d, f]; down: [E, f, d]."""
+                  dots: Mapping | None = None, *, activation: str = "silu", gate_bias: Array | None = None,
+                  up_bias: Array | None = None) -> Array:
+    """Every expert on every token; unchosen experts weigh zero. gate, up: [E, d, f]; down: [E, f, d];
+    gate_bias, up_bias: [E, f] or None (the down projection's bias is the caller's: expert_bias)."""
     dot = _dots(dots)
     n_experts = gate.shape[0]
     # [b, s, E]: each token's routing weight on each expert, zero where not chosen.
     combine = jnp.einsum("bske,bsk->bse", jax.nn.one_hot(experts, n_experts, dtype=x.dtype),
                          weights.astype(x.dtype))
     to_hidden = (((2,), (1,)), ((), ()))  # bsd,edf->bsef
-    hidden = _swiglu(dot["gate"](x, gate, to_hidden), dot["up"](x, up, to_hidden))
+    per_expert = (1, 1, n_experts, -1)
+    hidden = gated(activation, _biased(dot["gate"](x, gate, to_hidden), gate_bias, per_expert),
+                   _biased(dot["up"](x, up, to_hidden), up_bias, per_expert))
     # Weighing the hidden units first lets one dot contract both the experts and the MLP axis.
     return dot["down"](hidden * combine[..., None], down, (((2, 3), (0, 1)), ((), ())))  # bsef,efd->bsd
 
@@ -194,30 +212,42 @@ def sort_by_expert(x: Array, experts: Array, n_experts: int, weights: Array | No
 
 
 def grouped_swiglu(rows: Array, group_sizes: Array, gate: Array, up: Array, down: Array,
-                   block: int = 0, row_expert: Array | None = None) -> Array:
+                   block: int = 0, row_expert: Array | None = None, *, activation: str = "silu",
+                   gate_bias: Array | None = None, up_bias: Array | None = None) -> Array:
     """SwiGLU experts over rows grouped by expert (`group_sizes[e]` consecutive rows each, in
     expert order; rows past their sum are ignored and come out as don't-care values).
     `block=0`: grouped GEMMs (`jax.lax.ragged_dot`). `block>0` (the CPU, where ragged_dot becomes
     a masked dense dot over every expert): each expert's rows padded to whole blocks of `block`
     rows and a loop runs each block through its expert (`blocked_swiglu`); exact all the same.
-    `row_expert`: each row's expert where the caller has it already (the sort does)."""
+    `row_expert`: each row's expert where the caller has it already (the sort does).
+    `activation`: model.mlp_activation; `gate_bias`, `up_bias` [E, f]: gpt-oss's, or None."""
     if not block:
-        hidden = _swiglu(jax.lax.ragged_dot(rows, gate, group_sizes), jax.lax.ragged_dot(rows, up, group_sizes))
+        if gate_bias is not None and row_expert is None:  # rows past the groups: the last expert's, unused
+            ends = jnp.cumsum(group_sizes)
+            row_expert = jnp.minimum(jnp.searchsorted(ends, jnp.arange(rows.shape[0]), side="right",
+                                                      method="compare_all"), gate.shape[0] - 1)
+
+        def projected(weight, bias):
+            out = jax.lax.ragged_dot(rows, weight, group_sizes)
+            return out if bias is None else out + jnp.take(bias, row_expert, axis=0).astype(out.dtype)
+
+        hidden = gated(activation, projected(gate, gate_bias), projected(up, up_bias))
         return jax.lax.ragged_dot(hidden, down, group_sizes)
     grouped = blocked_groups(group_sizes, rows.shape[0], block, row_expert)
     return grouped.unpad(blocked_swiglu(grouped.pad(rows), grouped.block_expert, grouped.n_used,
-                                        gate, up, down, block))
+                                        gate, up, down, gate_bias, up_bias, block, activation))
 
 
 def dropless_experts(x: Array, weights: Array, experts: Array, gate: Array, up: Array, down: Array,
-                     block: int = 0) -> Array:
+                     block: int = 0, **ffn) -> Array:
     """Each (token, choice) pair through its expert, rows sorted by expert, then `grouped_swiglu`.
     Every move of rows between layouts is a gather, forward and backward (`take_rows`). This is
     the whole layer on one device; under expert parallelism maxtext_rocm/parallel/experts.py runs
-    the same pieces with the rows exchanged between devices in between."""
+    the same pieces with the rows exchanged between devices in between. `ffn`: grouped_swiglu's
+    activation and biases."""
     by_expert = sort_by_expert(x, experts, gate.shape[0])
     out = by_expert.unsort(grouped_swiglu(by_expert.rows, by_expert.group_sizes, gate, up, down, block,
-                                          by_expert.row_expert))
+                                          by_expert.row_expert, **ffn))
     return jnp.einsum("bskd,bsk->bsd", out, weights.astype(x.dtype))
 
 
@@ -242,7 +272,8 @@ def capacity_slots(experts: Array, n_experts: int) -> Array:
 
 
 def capacity_experts(x: Array, weights: Array, experts: Array, gate: Array, up: Array, down: Array,
-                     capacity: int, dots: Mapping | None = None) -> Array:
+                     capacity: int, dots: Mapping | None = None, *, activation: str = "silu",
+                     gate_bias: Array | None = None, up_bias: Array | None = None) -> Array:
     """Fixed-capacity expert buffers; choices beyond an expert's `capacity` are dropped.
 
     Tokens move into and out of the buffers by gathers along the sequence, not GShard's one-hot
@@ -266,7 +297,9 @@ def capacity_experts(x: Array, weights: Array, experts: Array, gate: Array, up: 
 
     buffers = nn.with_logical_constraint(buffers, BUFFER_AXES + ("activation_embed",))
     dot = _dots(dots)
-    hidden = _swiglu(_per_expert(dot["gate"], buffers, gate), _per_expert(dot["up"], buffers, up))
+    per_expert = (1, n_experts, 1, -1)
+    hidden = gated(activation, _biased(_per_expert(dot["gate"], buffers, gate), gate_bias, per_expert),
+                   _biased(_per_expert(dot["up"], buffers, up), up_bias, per_expert))
     hidden = nn.with_logical_constraint(hidden, BUFFER_AXES + ("activation_mlp",))
     out = _per_expert(dot["down"], hidden, down)
     out = nn.with_logical_constraint(out, BUFFER_AXES + ("activation_embed",))
@@ -292,8 +325,14 @@ def resolve_implementation(name: str, backend: str | None = None) -> str:
 # The layer
 
 
+def expert_bias(weights: Array, experts: Array, down_bias: Array) -> Array:
+    """The down projections' biases [E, d] (gpt-oss) weighted as their experts' outputs are:
+    sum_k weight_k * bias[expert_k], added after the experts, so no expert path carries them."""
+    return jnp.einsum("bsk,bskd->bsd", weights.astype(jnp.float32), jnp.take(down_bias, experts, axis=0).astype(jnp.float32))
+
+
 class MoE(nn.Module):
-    """Router + SwiGLU experts, computed by `model.moe_impl`; sows the router losses."""
+    """Router + gated experts, computed by `model.moe_impl`; sows the router losses."""
 
     cfg: "ml_collections.FrozenConfigDict"  # noqa: F821 - cfg.model
     policy: Policy
@@ -309,7 +348,10 @@ class MoE(nn.Module):
         # go, and bf16 logits would flip near-ties. It is d_model x n_experts, so this is free.
         router_policy = dataclasses.replace(without_fp8(self.policy), compute_dtype=jnp.float32)
         logits = Dense((d,), (n_experts,), ("embed", None), router_policy, name="router")(x)
-        probs, weights, experts = route(logits, m.experts_per_token, m.moe_renormalize)
+        if m.moe_bias:
+            logits = logits + self.param("router_bias", nn.with_logical_partitioning(nn.initializers.zeros, (None,)),
+                                         (n_experts,), self.policy.param_dtype).astype(jnp.float32)
+        probs, weights, experts = route(logits, m.experts_per_token, m.moe_renormalize, m.moe_router)
         self.sow(AUX_LOSSES, "moe_aux_loss", load_balancing_loss(probs, experts))
         self.sow(AUX_LOSSES, "moe_z_loss", router_z_loss(logits))
 
@@ -325,6 +367,26 @@ class MoE(nn.Module):
         up = kernel("up", (n_experts, d, f), GATE_UP_AXES)
         down = kernel("down", (n_experts, f, d), DOWN_AXES)
         x = x.astype(self.policy.compute_dtype)
+        ffn = {"activation": m.mlp_activation}
+        if not m.moe_bias:
+            return self.expert_outputs(x, weights, experts, gate, up, down, ffn)
+
+        def bias(name, shape, axes):
+            value = self.param(name, nn.with_logical_partitioning(nn.initializers.zeros, axes), shape,
+                               self.policy.param_dtype)
+            return value.astype(self.policy.compute_dtype)
+
+        ffn.update(gate_bias=bias("gate_bias", (n_experts, f), BIAS_AXES), up_bias=bias("up_bias", (n_experts, f), BIAS_AXES))
+        out = self.expert_outputs(x, weights, experts, gate, up, down, ffn)
+        down_bias = bias("down_bias", (n_experts, d), DOWN_BIAS_AXES)
+        return (out.astype(jnp.float32) + expert_bias(weights, experts, down_bias)).astype(out.dtype)
+
+    def expert_outputs(self, x: Array, weights: Array, experts: Array, gate: Array, up: Array, down: Array,
+                ffn: dict) -> Array:
+        """The chosen experts' weighted outputs, by model.moe_impl; `ffn`: the activation and the
+        gate and up projections' biases (grouped_swiglu's keywords)."""
+        m = self.cfg
+        n_experts = m.n_experts
 
         implementation = m.moe_impl
         if implementation == "auto":
@@ -332,13 +394,13 @@ class MoE(nn.Module):
                              "(maxtext_rocm.resolve.resolve() was skipped)")
         if implementation == "dropless":  # ragged_dot has no fp8 form: the grouped GEMM stays bf16
             if self.expert_exchange is not None:
-                return self.expert_exchange(x, weights, experts, gate, up, down)
+                return self.expert_exchange(x, weights, experts, gate, up, down, **ffn)
             block = dropless_block(x.shape[0] * x.shape[1] * m.experts_per_token, n_experts)
-            return dropless_experts(x, weights, experts, gate, up, down, block)
+            return dropless_experts(x, weights, experts, gate, up, down, block, **ffn)
         # The policy's dot (fp8 under the fp8 policy) for each expert weight, one scale per weight.
         dots = ({name: self.policy.dot_general_cls(name=f"{name}_dot") for name in ("gate", "up", "down")}
                 if self.policy.dot_general_cls else dict.fromkeys(("gate", "up", "down"), self.policy.dot_general))
         if implementation == "dense":
-            return dense_experts(x, weights, experts, gate, up, down, dots)
+            return dense_experts(x, weights, experts, gate, up, down, dots, **ffn)
         capacity = expert_capacity(x.shape[1], n_experts, m.experts_per_token, m.moe_capacity_factor)
-        return capacity_experts(x, weights, experts, gate, up, down, capacity, dots)
+        return capacity_experts(x, weights, experts, gate, up, down, capacity, dots, **ffn)

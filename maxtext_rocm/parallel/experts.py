@@ -181,7 +181,8 @@ def expert_exchange(model_cfg, mesh: Mesh, backend: str | None = None) -> Callab
     return functools.partial(_expert_parallel_dropless, mesh=mesh, backend=backend)
 
 
-def _expert_parallel_dropless(x, weights, experts, gate, up, down, *, mesh: Mesh, backend: str):
+def _expert_parallel_dropless(x, weights, experts, gate, up, down, *, mesh: Mesh, backend: str, activation: str = "silu",
+                              gate_bias=None, up_bias=None):
     axes = functools.partial(sharding.present_axes, mesh)
     batch_axes, length_axes = axes("activation_batch"), axes("activation_length")
     expert_axis, fsdp_axes, tensor_axes = axes("exp"), axes("exp_embed"), axes("mlp")
@@ -195,9 +196,12 @@ def _expert_parallel_dropless(x, weights, experts, gate, up, down, *, mesh: Mesh
         # A batch the mesh cannot split (the parameters' init traces one sequence): the same
         # values computed without the exchange.
         block = blocked_experts.dropless_block(x.shape[0] * x.shape[1] * experts.shape[-1], gate.shape[0], backend)
-        return moe.dropless_experts(x, weights, experts, gate, up, down, block)
+        return moe.dropless_experts(x, weights, experts, gate, up, down, block, activation=activation,
+                                    gate_bias=gate_bias, up_bias=up_bias)
+    biases = () if gate_bias is None else (gate_bias, up_bias)  # gpt-oss's, split as the experts' outputs
 
-    def local(x, weights, experts, gate, up, down):
+    def local(x, weights, experts, gate, up, down, *biases):
+        ffn = dict(zip(("gate_bias", "up_bias"), biases), activation=activation)
         # The tokens, the same on every tensor shard, meet a slice of the hidden units there: typed
         # as varying over `tensor` here, their gradient is summed over it here too, once per token.
         if tensor_axes:
@@ -220,16 +224,18 @@ def _expert_parallel_dropless(x, weights, experts, gate, up, down, *, mesh: Mesh
             # exchanges of rows per layer and step instead of 6; the weights' gradient comes
             # back as a scalar per row through the dispatch's transpose).
             expert_weights = dispatch(by_expert.row_weights, plan, buffer_rows, exchange, expert_axis)
-            out = moe.grouped_swiglu(expert_rows, plan.local_group_sizes, gate, up, down, block)
+            out = moe.grouped_swiglu(expert_rows, plan.local_group_sizes, gate, up, down, block, **ffn)
             out = combine((out * expert_weights).astype(out.dtype), plan, n_rows, exchange, expert_axis)
         else:
             out = moe.grouped_swiglu(by_expert.rows, by_expert.group_sizes, gate, up, down, block,
-                                     by_expert.row_expert)
+                                     by_expert.row_expert, **ffn)
             out = (out * by_expert.row_weights).astype(out.dtype)
         y = jnp.sum(by_expert.unsort(out), axis=2, dtype=jnp.float32).astype(x.dtype)
         # Each tensor shard holds a slice of every expert's hidden units: partial sums.
         return jax.lax.psum(y, tensor_axes) if tensor_axes else y
 
-    return jax.shard_map(local, mesh=mesh, in_specs=(tokens, tokens, tokens, gate_up, gate_up, down_spec),
-                         out_specs=tokens, check_vma=varying.check_vma(mesh))(x, weights, experts, gate, up, down)
+    bias_specs = (PartitionSpec(expert_axis, tensor_axes),) * len(biases)
+    return jax.shard_map(local, mesh=mesh, in_specs=(tokens, tokens, tokens, gate_up, gate_up, down_spec, *bias_specs),
+                         out_specs=tokens, check_vma=varying.check_vma(mesh))(x, weights, experts, gate, up, down,
+                                                                              *biases)
 
