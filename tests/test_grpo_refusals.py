@@ -42,6 +42,7 @@ def refused(capsys, args) -> str:
     (["--config.train.eval_every=5", "--config.data.eval_paths=x.jsonl"], "train.eval_every=5 has no held-out loss"),
     (["--config.grpo.max_new_tokens=32"], "leaves no room for a prompt"),
     (["--config.grpo.format_pattern=(["], "is not a regular expression"),
+    (["--config.data.epochs=2"], "data.epochs=2 does not apply to train.objective='grpo'"),
 ])
 def test_bad_settings_are_one_sentence_before_any_device_work(tmp_path, capsys, monkeypatch, overrides, says):
     monkeypatch.chdir(tmp_path)

@@ -203,6 +203,8 @@ def _check_grpo(cfg) -> None:
              "train.objective='grpo' (its data are prompts); set it to 0 and evaluate with python -m maxtext_rocm.eval")
     _require(t.z_loss_weight == 0, f"train.z_loss_weight={t.z_loss_weight} applies to the language-model loss only; "
              "set it to 0 with train.objective='grpo'")
+    _require(not data.epochs, f"data.epochs={data.epochs} does not apply to train.objective='grpo', whose prompts "
+             "repeat pass after pass for train.steps steps; set it to 0 and choose train.steps")
     for axis in ("stage", "sequence"):
         sizes = [cfg.mesh[group][axis] for group in ("ici", "dcn")]
         _require(all(size == 1 for size in sizes),

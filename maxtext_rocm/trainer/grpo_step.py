@@ -4,7 +4,9 @@ A step of a GRPO run is one batch of samples, so train.steps counts batches and 
 needs nothing of the previous batch. Before the first update the step computes, without
 gradients, the reference policy's log-probabilities (grpo.beta > 0: the frozen copy, or a LoRA
 run's base without its adapters) and, with more than one update per batch, the sampling policy's
-(the parameters as they are before the first update), which every update's ratio divides by.
+(the parameters as they are before the first update), which every update's ratio divides by;
+both over the whole batch at once, not per train.grad_accum micro-batch (a forward pass without
+gradients keeps one layer's activations at a time).
 The updates are trainer/step.py's train_step over the same batch (a `lax.scan`: one compiled
 body), each advancing the optimizer's count, so the learning-rate schedule runs in updates
 (optimizer.hyperparameters' updates_per_step stretches it to match). The state's `step` moves on
