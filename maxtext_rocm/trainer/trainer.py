@@ -61,7 +61,8 @@ class Trainer:
                 else:
                     clock.timed(step_metrics)
                 if self.checkpointer:  # it raises a failed background save now, and saves at its steps
-                    self.checkpointer.save_if_due(self.step_count, self.cfg.train.steps, self.save_checkpoint)
+                    self.checkpointer.save_if_due(self.step_count, self.cfg.train.steps, self.save_checkpoint,
+                                                  self.save_local_checkpoint)
                 if self._evaluates_at(self.step_count):
                     self._evaluate_and_log(step_metrics, clock)
                 if self._logs_at(self.step_count, end):  # the metrics reach the host on logging steps only,
@@ -116,6 +117,11 @@ class Trainer:
         if divergence.skip_limit_reached(self.cfg.train, in_a_row):  # saved: the frozen state is the last good one
             self.checkpointer.wait()
             raise divergence.skipped_too_many(self.cfg.train, step, saved=True)
+
+    def save_local_checkpoint(self) -> None:
+        """Starts the local tier's save of the current state (checkpoint.local_dir; all processes call it)."""
+        data_state = saved_data_state(self.data, self.step_count)  # every process's position (a collective)
+        self.checkpointer.save_local(self.step_count, without_base(self.state_in_model_order()), data_state)
 
     def _evaluates_at(self, step_count: int) -> bool:
         return self.eval_data is not None and step_count % self.cfg.train.eval_every == 0
