@@ -108,6 +108,7 @@ class Checkpointer:
         # The node-local tier (local_tier.py), or None: checkpoint.local_dir unset changes nothing.
         self.local = LocalTier(ckpt_cfg, output_dir, self._warn) if ckpt_cfg.get("local_dir") else None
         self.tier_line = ""  # which tier a resume read and why, for the Trainer to say once
+        self.restore_s, self.restored_tier = 0.0, ""  # how long reading the resumed state took, and from where
         quiet_orbax_error_logs()
 
     def _print_warning(self, message: str) -> None:
@@ -246,9 +247,11 @@ class Checkpointer:
             shutil.rmtree(partial, ignore_errors=True)
         candidates, held = common_steps(self.local)
         newest = steps[0] if steps else None
+        began = time.perf_counter()
         local, notes = restore_newest_common(self.local, candidates, newest, abstract_state)
+        self.restore_s += time.perf_counter() - began
         if local is not None:
-            self.tier_line = notes
+            self.tier_line, self.restored_tier = notes, "local"
             return Resume(self.manager, steps, explicit=False, own=True, local=local)
         if steps or any(held):
             self.tier_line = fallback_line(candidates, held, newest, notes)
@@ -260,6 +263,14 @@ class Checkpointer:
         (or the local tier's state that `find_resume` read already)."""
         if resume.local is not None:
             return resume.local.state, resume.local.data_state, resume.local.step
+        began = time.perf_counter()
+        try:
+            return self._restore_persistent(resume, abstract_state)
+        finally:
+            self.restore_s += time.perf_counter() - began
+            self.restored_tier = "persistent"
+
+    def _restore_persistent(self, resume: Resume, abstract_state):
         quiet_closed_loop_callbacks()
         skipped = []
         for step in resume.steps:
