@@ -118,3 +118,27 @@ def test_a_local_save_writes_only_this_process_s_files_and_keeps_local_keep(refe
     assert manifest["step"] == 8 and manifest["data"]["step"] == 8
     assert not list(folder.glob("*.partial"))
     assert_same_run(run, reference)
+
+
+@pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="no /dev/shm here")
+def test_the_start_up_fit_counts_a_local_tier_in_memory(tmp_path, devices, monkeypatch):
+    from conftest import small_config
+    from maxtext_rocm.config import ConfigError, memory_fit
+
+    shm = Path("/dev/shm")
+    assert memory_fit.in_memory_file_system(str(shm / "run-local")) and not memory_fit.in_memory_file_system("/proc/x")
+    on_disk = small_config(**{"checkpoint.local_dir": str(tmp_path), "checkpoint.local_keep": 3,
+                              "output_dir": str(tmp_path / "run")})
+    in_memory = small_config(**{"checkpoint.local_dir": str(shm / "run-local"), "checkpoint.local_keep": 3,
+                                "output_dir": str(tmp_path / "run")})
+    state = memory_fit.lower_bounds(on_disk, len(devices))["state"]
+    assert memory_fit.lower_bounds(in_memory, len(devices))["local_tier"] == 3 * state
+    if not memory_fit.in_memory_file_system(str(tmp_path)):
+        assert memory_fit.lower_bounds(on_disk, len(devices))["local_tier"] == 0
+    bounds = memory_fit.lower_bounds(in_memory, len(devices))
+    without = bounds["state"] + bounds["activations"] + bounds["batches"]
+    monkeypatch.setattr(memory_fit, "host_available_bytes", lambda: without + state)  # room for one copy, not 3
+    with pytest.raises(ConfigError, match=r"local checkpoints in /dev/shm/run-local .* GiB"):
+        memory_fit.check_fits(in_memory, devices)
+    memory_fit.check_fits(on_disk if not memory_fit.in_memory_file_system(str(tmp_path)) else
+                          small_config(output_dir=str(tmp_path / "run")), devices)
