@@ -106,7 +106,7 @@ class Checkpointer:
         # resume or an export reads it back: a LoRA run's settings and base (finetune/lora_base.py).
         self.built_from: dict = {}
         # The node-local tier (local_tier.py), or None: checkpoint.local_dir unset changes nothing.
-        self.local = LocalTier(ckpt_cfg, output_dir, self._warn) if ckpt_cfg.get("local_dir") else None
+        self.local = LocalTier(ckpt_cfg, output_dir) if ckpt_cfg.get("local_dir") else None
         self.tier_line = ""  # which tier a resume read and why, for the Trainer to say once
         self.restore_s, self.restored_tier = 0.0, ""  # how long reading the resumed state took, and from where
         quiet_orbax_error_logs()

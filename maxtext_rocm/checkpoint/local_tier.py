@@ -59,11 +59,10 @@ class LocalTier:
     """One process's local checkpoints of one run. Every process calls `save` at the same steps
     (the step alone decides); each writes only its own files."""
 
-    def __init__(self, ckpt_cfg, output_dir: str, warn):
+    def __init__(self, ckpt_cfg, output_dir: str):
         self.every, self.keep = int(ckpt_cfg.local_every), int(ckpt_cfg.local_keep)
         self.run_dir = run_folder(ckpt_cfg.local_dir, output_dir)
         self.directory = self.run_dir / f"process-{jax.process_index()}-of-{jax.process_count()}"
-        self._warn = warn
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="local-checkpoint")
         self._pending: Future | None = None
         self._failed_once = False
@@ -163,11 +162,16 @@ class LocalTier:
             arrays.append(_assemble(folder, entry, want))
         return jax.tree_util.tree_unflatten(treedef, arrays), manifest["data"]
 
-    def set_aside(self, step: int, why: str) -> None:
-        """Moves a damaged local step out of the way (kept, for a person to look at)."""
-        folder = self.directory / str(step)
+    def set_aside(self, step: int) -> Path:
+        """Moves a damaged local step out of the way (kept, for a person to look at); returns where."""
+        folder, target = self.directory / str(step), self.directory / f"{step}.damaged"
+        n = 1
+        while target.exists():
+            n += 1
+            target = self.directory / f"{step}.damaged.{n}"
         if folder.is_dir():
-            folder.rename(self.directory / f"{step}.damaged")
+            folder.rename(target)
+        return target
 
     def discard_after(self, step: int) -> None:
         """Removes this process's local steps after `step`: the run resumed from before them and

@@ -62,9 +62,9 @@ def restore_newest_common(tier: LocalTier, candidates: list[int], persistent_new
         except LocalDamaged as damage:
             state = data_state = None
             failure = 1
-            tier.set_aside(step, str(damage))
+            moved = tier.set_aside(step)
             print(f"warning: process {jax.process_index()}: local checkpoint {tier.directory / str(step)} {damage}; "
-                  f"it was moved to {tier.directory / f'{step}.damaged'}", file=sys.stderr, flush=True)
+                  f"it was moved to {moved}", file=sys.stderr, flush=True)
         failed = [i for i, f in enumerate(_gather_rows(np.array([failure], np.int64))[:, 0]) if f]
         if not failed:
             return LocalRestore(state, data_state, step), (
