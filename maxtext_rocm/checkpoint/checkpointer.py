@@ -255,6 +255,8 @@ class Checkpointer:
             return Resume(self.manager, steps, explicit=False, own=True, local=local)
         if steps or any(held):
             self.tier_line = fallback_line(candidates, held, newest, notes)
+        if not steps:  # a fresh start: local steps of the run before it would outrank its own saves
+            self.local.discard_after(0)
         return Resume(self.manager, steps, explicit=False, own=True) if steps else None
 
     def restore(self, resume: Resume, abstract_state):
