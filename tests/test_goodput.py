@@ -95,3 +95,16 @@ def test_a_run_killed_twice_accounts_for_its_wall_time(tmp_path):
     text = subprocess.run([sys.executable, "-m", "maxtext_rocm.goodput", str(run)], cwd=REPO, capture_output=True,
                           text=True).stdout
     assert "3 launches, 2 restarts" in text and f"{recomputed} steps recomputed" in text
+
+
+def test_a_timeline_that_cannot_be_written_is_one_warning_not_a_stopped_run(tmp_path, capsys):
+    from maxtext_rocm.reporting.timeline import Timeline
+
+    blocked = tmp_path / "a_file"
+    blocked.write_text("")  # output_dir/goodput cannot be made under a file
+    timeline = Timeline(str(blocked), time.time())
+    timeline.launched(time.time(), 0.0, 0, "", 0)
+    timeline.first_step(1)
+    timeline.steps_until(3)
+    err = capsys.readouterr().err
+    assert err.count("warning: the goodput timeline") == 1 and "is not recorded" in err

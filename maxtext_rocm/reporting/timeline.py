@@ -27,6 +27,7 @@ import atexit
 import contextlib
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -67,6 +68,7 @@ class Timeline:
         self.productive = 0.0
         self._held: list[dict] | None = []  # until the state is made: a launch that fails writes nothing
         self._closed = False
+        self._unwritable = False
         self._mark: tuple[float, int] | None = None
         began = process_started() if not _PROCESS_TIMED else None
         _PROCESS_TIMED = True
@@ -88,9 +90,16 @@ class Timeline:
         self._append([span])
 
     def _append(self, spans: list[dict]) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path, "a") as f:
-            f.write("".join(json.dumps(s) + "\n" for s in spans))
+        if self._unwritable:
+            return
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.path, "a") as f:
+                f.write("".join(json.dumps(s) + "\n" for s in spans))
+        except OSError as error:  # a full disk stops the run at its next save, not here: goodput is a report
+            self._unwritable = True
+            print(f"warning: the goodput timeline {self.path} cannot be written ({error.strerror or error}); "
+                  "this launch's goodput is not recorded", file=sys.stderr, flush=True)
 
     def launched(self, began: float, restore_s: float, resumed_step: int, tier: str, cache_loads: int) -> None:
         """The Trainer's build (its start to `began`) and the launch of its state (`began` to now)."""
