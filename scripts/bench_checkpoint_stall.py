@@ -1,6 +1,7 @@
 """How long an asynchronous checkpoint save stops the training loop, and what the checksum costs.
 
     python scripts/bench_checkpoint_stall.py [--d-model 768] [--layers 12] [--vocab 32000] [--saves 3]
+                                             [--local-dir /dev/shm]
 
 A tiny_llama widened to ~100-160M parameters (fp32, Adam: 12 bytes per parameter of state) trains
 on the CPU with an async save every other step. Printed:
@@ -12,7 +13,11 @@ on the CPU with an async save every other step. Printed:
   next to the median step without a save. On the CPU the devices are the host, so that step
   shares the cores with orbax's background write (serialisation, compression); on a GPU the
   write runs on the host while the device steps;
-- the checksum alone on the live state (median of 3).
+- the checksum alone on the live state (median of 3);
+- per save of the local tier (checkpoint.local_dir, maxtext_rocm/checkpoint/local_tier.py; in
+  --local-dir, default /dev/shm where it exists): the time `Trainer.save_local_checkpoint` blocks
+  the loop (the copy of this process's shards off the devices), the step after it, and the
+  background write's remaining time.
 
 To compare with an older commit, run the same script against that commit's package:
 
@@ -22,6 +27,7 @@ To compare with an older commit, run the same script against that commit's packa
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import statistics
 import tempfile
@@ -34,6 +40,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--saves", type=int, default=3)
+    parser.add_argument("--local-dir", default="/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
     args = parser.parse_args()
 
     import jax
@@ -49,10 +56,13 @@ def main() -> None:
                      head_dim=64, mlp_dim=4 * d, scan_layers=True)
     cfg.precision.policy = "fp32"
     cfg.data.source = "synthetic"
-    cfg.train.update(steps=4 + 2 * args.saves, per_device_batch_size=1, seq_len=64)
+    cfg.train.update(steps=4 + 4 * args.saves, per_device_batch_size=1, seq_len=64)
     cfg.checkpoint.update(every=0, async_save=True, keep=2)
     cfg.log.tensorboard = False
     cfg.output_dir = tempfile.mkdtemp(prefix="bench_ckpt_stall_")
+    local_dir = tempfile.mkdtemp(prefix="bench_ckpt_stall_local_", dir=args.local_dir)
+    if "local_dir" in cfg.checkpoint:  # older commits have no local tier
+        cfg.checkpoint.update(local_dir=local_dir, local_every=10**6, local_keep=2)
 
     trainer = Trainer(cfg, devices=jax.devices()[:1], log=lambda *_: None)
     state = trainer.state_in_model_order()
@@ -108,8 +118,20 @@ def main() -> None:
         alone.append(time.perf_counter() - started)
     print(f"checksum alone on the live state: median {statistics.median(alone):.3f} s "
           f"({state_bytes / statistics.median(alone) / 1e9:.1f} GB/s)")
+    for i in range(args.saves if trainer.checkpointer.local is not None else 0):
+        started = time.perf_counter()
+        trainer.save_local_checkpoint()
+        stall = time.perf_counter() - started
+        after = step_time()
+        started = time.perf_counter()
+        trainer.checkpointer.local.wait()
+        rest = time.perf_counter() - started
+        print(f"local save {i + 1} ({args.local_dir}): loop blocked {stall:.3f} s; step after it {after:.3f} s "
+              f"(sharing the host's cores with the background write, which then took {rest:.3f} s more); "
+              f"the next step {step_time():.3f} s")
     trainer.checkpointer.close()
     shutil.rmtree(cfg.output_dir, ignore_errors=True)  # ~3 GB of checkpoints
+    shutil.rmtree(local_dir, ignore_errors=True)
 
 
 if __name__ == "__main__":

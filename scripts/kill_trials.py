@@ -1,6 +1,7 @@
 """SIGKILL a training run at random moments, restart it each time, and check it ends bit-exact.
 
     python scripts/kill_trials.py [--trials 20] [--steps 100] [--seed 0] [--workdir DIR]
+                                  [--every 3] [--local-every N]
 
 A reference run trains --steps steps of a tiny Llama (configs/tiny_llama.py made smaller, 2 fake
 CPU devices, a checkpoint every 3 steps) uninterrupted. A second run, in its own directory, is
@@ -10,6 +11,11 @@ at a random moment from start-up to a few steps in. After each kill it is starte
 the last it runs to the end. Checked: every loss any launch logged equals the reference's for
 that step, bit for bit (steps redone after a resume are logged again), and the final
 checkpoints' parameters and the checksums of every array are identical.
+
+With --local-every N the killed run also saves to a node-local tier (checkpoint.local_dir in the
+work directory, every N steps; persistent saves every --every steps, e.g. --every 10
+--local-every 2): "while a checkpoint is being written" then also counts a local write in flight,
+and each resume says which tier it read.
 
 One line per trial, then a summary; exit status 0 if and only if every trial resumed bit-exact.
 About 10-15 s a launch on 2 CPU cores (the launches share one compilation cache).
@@ -37,14 +43,14 @@ TINY = ["--config.model.vocab_size=128", "--config.model.d_model=64", "--config.
 SAVE_EVERY = 3
 
 
-def launch(run_dir: Path, steps: int, cache: Path, log: Path) -> subprocess.Popen:
+def launch(run_dir: Path, steps: int, cache: Path, log: Path, extra=()) -> subprocess.Popen:
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
                PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     with open(log, "w") as out:
         return subprocess.Popen(
             [sys.executable, "-m", "maxtext_rocm.train", "configs/tiny_llama.py", *TINY,
              f"--config.train.steps={steps}", f"--config.output_dir={run_dir}",
-             f"--config.checkpoint.every={SAVE_EVERY}", f"--config.train.compilation_cache={cache}"],
+             f"--config.checkpoint.every={SAVE_EVERY}", f"--config.train.compilation_cache={cache}", *extra],
             cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
 
 
@@ -63,7 +69,9 @@ def rows(run_dir: Path) -> list[dict]:
 def saves_begun(run_dir: Path) -> set[str]:
     """Orbax's temporary step directories there now (one per save in flight, or left by a kill)."""
     folder = run_dir / "checkpoints"
-    return {p.name for p in folder.iterdir() if ".orbax-checkpoint-tmp" in p.name} if folder.is_dir() else set()
+    persistent = {p.name for p in folder.iterdir() if ".orbax-checkpoint-tmp" in p.name} if folder.is_dir() else set()
+    local = run_dir.parent / "local"  # the local tier's writes in flight (--local-every)
+    return persistent | ({str(p) for p in local.glob("*/process-*/*.partial")} if local.is_dir() else set())
 
 
 def kill_at_random(process: subprocess.Popen, run_dir: Path, moment: str, rng: random.Random,
@@ -106,6 +114,8 @@ def kill_at_random(process: subprocess.Popen, run_dir: Path, moment: str, rng: r
 def resumed_from(log: Path) -> str:
     text = log.read_text(errors="replace")
     for line in text.splitlines():
+        if line.startswith("resumed from the local tier's step "):
+            return f"resumed from local step {int(line.rsplit(' ', 1)[1])}"
         if line.startswith("resumed from "):
             return f"resumed from step {int(line.rsplit('/', 1)[1])}"
     return "started afresh" if "first step done" in text else "killed before it had restored or started"
@@ -167,14 +177,20 @@ def same_final_checkpoints(run: Path, reference: Path, steps: int, read=final_st
 
 
 def main() -> int:
+    global SAVE_EVERY
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=20)
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workdir", type=Path, default=None, help="default: a fresh temporary directory")
+    parser.add_argument("--every", type=int, default=3, help="steps between persistent saves")
+    parser.add_argument("--local-every", type=int, default=0, help="steps between local saves; 0: no local tier")
     args = parser.parse_args()
+    SAVE_EVERY = args.every
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="kill_trials_"))
     cache, reference, run = workdir / "xla_cache", workdir / "reference", workdir / "killed"
+    tiers = ([f"--config.checkpoint.local_dir={workdir / 'local'}", f"--config.checkpoint.local_every={args.local_every}",
+              "--config.checkpoint.local_keep=2"] if args.local_every else [])
     rng = random.Random(args.seed)
 
     started = time.perf_counter()
@@ -187,7 +203,7 @@ def main() -> int:
     exact, seen_rows, start_up_s, landed = 0, 0, first_step_s, []
     for trial in range(args.trials + 1):
         log = workdir / f"launch_{trial}.log"
-        process = launch(run, args.steps, cache, log)
+        process = launch(run, args.steps, cache, log, tiers)
         if trial < args.trials:
             when, first_row_s = kill_at_random(process, run, moments[trial], rng, start_up_s, step_s)
             start_up_s = first_row_s or start_up_s  # later launches start from a warm compilation cache

@@ -1,6 +1,7 @@
 """Stop a 2-process training run at random moments, restart it each time, and check it ends bit-exact.
 
     python scripts/kill_trials_multihost.py [--trials 20] [--steps 120] [--seed 0] [--workdir DIR]
+                                            [--every 3] [--local-every N]
 
 The multi-host sibling of scripts/kill_trials.py. Two trainer processes on 127.0.0.1 (2 fake CPU
 devices each, mesh dcn.data=2 x ici.fsdp=2) train a tiny Llama on a generated JSON Lines corpus
@@ -20,6 +21,12 @@ Checked for each trial:
 - at the end, the final checkpoint's parameters and the checksums of every array are identical
   to the reference's.
 
+With --local-every N each process also saves to a node-local tier (checkpoint.local_dir in the
+work directory, every N steps; persistent saves every --every steps): after half the SIGKILLs
+(at random) the killed process's local tier is removed too, as if its node had been replaced, so
+the relaunch must fall back to the persistent tier on both processes; each launch's line says
+which tier it resumed from.
+
 One line per trial, then a summary; exit status 0 if and only if every trial resumed bit-exact.
 About 25-40 s a launch on 2 CPU cores (the launches share one compilation cache).
 """
@@ -30,6 +37,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -86,7 +94,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(run_dir: Path, steps: int, cache: Path, corpus: Path, logs: list[Path]) -> list[subprocess.Popen]:
+def launch(run_dir: Path, steps: int, cache: Path, corpus: Path, logs: list[Path], extra=()) -> list[subprocess.Popen]:
     port = free_port()
     args = [sys.executable, "-m", "maxtext_rocm.train", "configs/tiny_llama.py", *TINY,
             "--config.data.source=files", f"--config.data.paths={corpus}", "--config.data.tokenizer=byte",
@@ -94,7 +102,7 @@ def launch(run_dir: Path, steps: int, cache: Path, corpus: Path, logs: list[Path
             "--config.mesh.dcn.data=2", "--config.mesh.ici.fsdp=2",
             f"--config.train.steps={steps}", f"--config.output_dir={run_dir}",
             f"--config.checkpoint.every={SAVE_EVERY}", f"--config.train.compilation_cache={cache}",
-            "--config.distributed.init_timeout_s=60", "--config.distributed.heartbeat_timeout_s=20"]
+            "--config.distributed.init_timeout_s=60", "--config.distributed.heartbeat_timeout_s=20", *extra]
     processes = []
     for i, log in enumerate(logs):
         env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "SLURM_", "OMPI_"))}
@@ -155,12 +163,19 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=120, help="long enough that no stopped launch runs to the end")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workdir", type=Path, default=None, help="default: a fresh temporary directory")
+    parser.add_argument("--every", type=int, default=3, help="steps between persistent saves")
+    parser.add_argument("--local-every", type=int, default=0, help="steps between local saves; 0: no local tier")
     args = parser.parse_args()
+    global SAVE_EVERY
+    SAVE_EVERY = args.every
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="kill_trials_multihost_"))
     workdir.mkdir(parents=True, exist_ok=True)
     cache, reference, run = workdir / "xla_cache", workdir / "reference", workdir / "stopped"
     corpus = write_corpus(workdir / "corpus.jsonl", args.seed)
     rng = random.Random(args.seed)
+    local = workdir / "local"  # kill_trials.saves_begun looks for local writes in flight there
+    tiers = ([f"--config.checkpoint.local_dir={local}", f"--config.checkpoint.local_every={args.local_every}",
+              "--config.checkpoint.local_keep=2"] if args.local_every else [])
 
     started = time.perf_counter()
     logs = [workdir / f"reference_{i}.log" for i in range(PROCESSES)]
@@ -172,11 +187,10 @@ def main() -> int:
     exact, clean, seen_rows, start_up_s, kinds = 0, 0, 0, first_step_s, []
     for trial in range(args.trials + 1):
         logs = [workdir / f"launch_{trial}_process_{i}.log" for i in range(PROCESSES)]
-        processes = launch(run, args.steps, cache, corpus, logs)
+        processes = launch(run, args.steps, cache, corpus, logs, tiers)
         if trial < args.trials:
-            how = rng.choice([signal.SIGKILL, signal.SIGTERM])
-            when, first_row_s = stop_at_random(processes, run, moments[trial], how, rng.randrange(PROCESSES),
-                                               rng, start_up_s, step_s)
+            how, victim = rng.choice([signal.SIGKILL, signal.SIGTERM]), rng.randrange(PROCESSES)
+            when, first_row_s = stop_at_random(processes, run, moments[trial], how, victim, rng, start_up_s, step_s)
             start_up_s = first_row_s or start_up_s
             if when.startswith("NOT"):
                 wait_all(processes, 0)
@@ -191,6 +205,10 @@ def main() -> int:
             else:
                 ended_well = None not in statuses and all(s != 0 for s in statuses)
             kinds.append(f"{how.name} {when.split(' ', 4)[4].split(',')[0]}")
+            if tiers and how == signal.SIGKILL and rng.random() < 0.5:  # its node replaced: its local tier is gone
+                for folder in local.glob(f"*/process-{victim}-of-{PROCESSES}"):
+                    shutil.rmtree(folder)
+                when += f"; process {victim}'s local tier removed"
         else:
             statuses = wait_all(processes, 600)
             when, ended_well = f"ran to the end (exits {statuses})", statuses == [0, 0]
@@ -203,7 +221,7 @@ def main() -> int:
             exact += ok
         clean += bool(ended_well) if trial < args.trials else 0
         text0 = logs[0].read_text(errors="replace")
-        resumed = next((line for line in text0.splitlines() if line.startswith("resumed from ")),
+        resumed = next((line for line in text0.splitlines() if line.startswith(("resuming from the ", "resumed from "))),
                        "started afresh" if "first step done" in text0 else "stopped before it had restored or started")
         print(f"launch {trial}: {resumed}, {matched}/{len(new) - torn} logged losses equal the reference's"
               f"{f' ({torn} line cut short)' if torn else ''}; "

@@ -17,7 +17,7 @@ ARGS = [*SMALL, f"--config.train.steps={STEPS}", "--config.mesh.dcn.data=2", "--
         "--config.checkpoint.enabled=true", "--config.checkpoint.every=1000", "--config.train.compilation_cache=off"]
 
 
-def start_pair(out, logs, tag):
+def start_pair(out, logs, tag, *extra):
     port = free_port()
     procs = []
     for i in range(2):
@@ -26,7 +26,7 @@ def start_pair(out, logs, tag):
         env["XLA_FLAGS"] += " --xla_force_host_platform_device_count=4"
         log = open(logs / f"{tag}_{i}.log", "w+")
         procs.append((subprocess.Popen([sys.executable, "-m", "maxtext_rocm.train", "configs/tiny_llama.py:fp32",
-                                        *ARGS, f"--config.output_dir={out}"], cwd=REPO, env=env, stdout=log,
+                                        *ARGS, f"--config.output_dir={out}", *extra], cwd=REPO, env=env, stdout=log,
                                        stderr=subprocess.STDOUT), log))
     return procs
 

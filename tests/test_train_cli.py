@@ -36,7 +36,7 @@ def test_tiny_llama_trains_and_writes_its_run_directory(tmp_path):
     assert [r["step"] for r in rows] == [3, 6]
     assert set(rows[0]) == {"step", "loss", "lr", "grad_norm", "step_time_s", "tokens_per_s_per_device",
                             "real_tokens_per_s_per_device", "tflops_per_s_per_device", "mfu", "nonfinite_steps",
-                            "padding_fraction"}
+                            "padding_fraction", "goodput"}
     assert rows[0]["padding_fraction"] == 0.0  # the embedded corpus fills every row
     assert rows[0]["mfu"] is None  # no peak is known for a CPU
     assert all(r["loss"] > 0 and r["tokens_per_s_per_device"] > 0 for r in rows)

@@ -33,7 +33,9 @@ from orbax.checkpoint.checkpoint_managers import preservation_policy as policies
 
 from maxtext_rocm.checkpoint import checksums
 from maxtext_rocm.checkpoint.errors import cause, quiet_closed_loop_callbacks, quiet_orbax_error_logs, release_orbax_waiters
+from maxtext_rocm.checkpoint.local_tier import LocalTier
 from maxtext_rocm.checkpoint.reading import _on_every_process, _shape_mismatch
+from maxtext_rocm.checkpoint.tiers import LocalRestore, common_steps, fallback_line, restore_newest_common
 from maxtext_rocm.errors import CheckpointError
 
 STATE, DATA, META = "state", "data", "meta"
@@ -60,11 +62,21 @@ class _Damaged(Exception):
 @dataclasses.dataclass
 class Resume:
     """Where a resume reads from: checkpoints `steps` of `manager`, newest first, tried in turn
-    unless `explicit` (a step the user named); `own`: this run's directory."""
+    unless `explicit` (a step the user named); `own`: this run's directory. `local`: the state
+    already read from the local tier (checkpoint.local_dir), which then wins over `steps`."""
     manager: ocp.CheckpointManager
     steps: list[int]
     explicit: bool
     own: bool
+    local: LocalRestore | None = None
+
+    @property
+    def newest(self) -> int:
+        """The step this resume reads, or the newest it may read."""
+        return self.local.step if self.local is not None else self.steps[0]
+
+    def where(self, step: int) -> str:
+        return f"the local tier's step {step}" if self.local is not None else f"{self.manager.directory}/{step}"
 
 
 class Checkpointer:
@@ -93,6 +105,10 @@ class Checkpointer:
         # What the run was built from beyond its config, saved in every step's meta so that a
         # resume or an export reads it back: a LoRA run's settings and base (finetune/lora_base.py).
         self.built_from: dict = {}
+        # The node-local tier (local_tier.py), or None: checkpoint.local_dir unset changes nothing.
+        self.local = LocalTier(ckpt_cfg, output_dir) if ckpt_cfg.get("local_dir") else None
+        self.tier_line = ""  # which tier a resume read and why, for the Trainer to say once
+        self.restore_s, self.restored_tier = 0.0, ""  # how long reading the resumed state took, and from where
         quiet_orbax_error_logs()
 
     def _print_warning(self, message: str) -> None:
@@ -104,13 +120,20 @@ class Checkpointer:
         The step alone decides, so every process of a run saves at the same steps."""
         return step == last_step or (self.cfg.every > 0 and step % self.cfg.every == 0)
 
-    def save_if_due(self, step: int, last_step: int, save: Callable[[], None]) -> None:
+    def save_if_due(self, step: int, last_step: int, save: Callable[[], None],
+                    save_local: Callable[[], None] | None = None) -> None:
         """The training loop's one call per step: raises SaveFailed if a background write has
         failed (poll), then calls `save()`, the caller's save of its state at `step`, if `step` is a
-        save step (should_save)."""
+        save step (should_save), or else `save_local()` if it is a local save step."""
         self.poll()
         if self.should_save(step, last_step):
             save()
+        elif save_local is not None and self.local is not None and self.local.due(step):
+            save_local()
+
+    def save_local(self, step: int, state, data_state: dict) -> None:
+        """Starts the local tier's save of `step` (this process's shards; every process calls it)."""
+        self.local.save(step, state, data_state)
 
     def has_saved(self, step: int) -> bool:
         """Whether this Checkpointer has already started the save of `step` (save() would do nothing)."""
@@ -150,6 +173,8 @@ class Checkpointer:
 
     def wait(self) -> None:
         """Blocks until every started save is committed to disk (SaveFailed if one was not)."""
+        if self.local is not None:
+            self.local.wait()
         self._finish_pending()
 
     def _finish_pending(self) -> None:
@@ -176,14 +201,18 @@ class Checkpointer:
                           f"directory was removed, {after}")
 
     def close(self) -> None:
+        if self.local is not None:
+            self.local.close()
         self.manager.close()
 
     # ------------------------------------------------------------------------------------------
     # Resuming
 
-    def find_resume(self) -> Resume | None:
+    def find_resume(self, abstract_state=None) -> Resume | None:
         """What `checkpoint.resume` asks for, or None for a fresh start: "auto" = the newest intact
-        checkpoint here, "never", a step here, or a checkpoint path."""
+        checkpoint here, "never", a step here, or a checkpoint path. Under "auto" with a local
+        tier, every process reads the newest local step they all hold intact into
+        `abstract_state` now (tiers.py), when it is not older than the newest persistent one."""
         choice = str(self.cfg.resume)
         steps = sorted(self.manager.all_steps(), reverse=True) if self.directory.exists() else []
         if choice == "never":
@@ -193,6 +222,8 @@ class Checkpointer:
                     f"(steps {', '.join(map(str, sorted(steps)))}); "
                     "use a new output_dir for a fresh start, or checkpoint.resume=auto to continue from them")
             return None
+        if choice == "auto" and self.local is not None:
+            return self._auto_resume_with_local(steps, abstract_state)
         if choice == "auto":
             return Resume(self.manager, steps, explicit=False, own=True) if steps else None
         if choice.isdigit():
@@ -210,9 +241,38 @@ class Checkpointer:
             raise CheckpointError(f"checkpoint.resume={choice} holds no complete checkpoint")
         return Resume(reader, sorted(reader.all_steps(), reverse=True), explicit=False, own=False)
 
+    def _auto_resume_with_local(self, steps: list[int], abstract_state) -> Resume | None:
+        """checkpoint.resume=auto with a local tier: one decision of every process (tiers.py)."""
+        for partial in self.local.directory.glob("*.partial"):  # a write its process did not live to finish
+            shutil.rmtree(partial, ignore_errors=True)
+        candidates, held = common_steps(self.local)
+        newest = steps[0] if steps else None
+        began = time.perf_counter()
+        local, notes = restore_newest_common(self.local, candidates, newest, abstract_state)
+        self.restore_s += time.perf_counter() - began
+        if local is not None:
+            self.tier_line, self.restored_tier = notes, "local"
+            return Resume(self.manager, steps, explicit=False, own=True, local=local)
+        if steps or any(held):
+            self.tier_line = fallback_line(candidates, held, newest, notes)
+        if not steps:  # a fresh start: local steps of the run before it would outrank its own saves
+            self.local.discard_after(0)
+        return Resume(self.manager, steps, explicit=False, own=True) if steps else None
+
     def restore(self, resume: Resume, abstract_state):
         """(state, data_state, step) of the newest intact checkpoint of `resume`, each array placed
-        straight into `abstract_state`'s sharding and checked against the checksums saved with it."""
+        straight into `abstract_state`'s sharding and checked against the checksums saved with it
+        (or the local tier's state that `find_resume` read already)."""
+        if resume.local is not None:
+            return resume.local.state, resume.local.data_state, resume.local.step
+        began = time.perf_counter()
+        try:
+            return self._restore_persistent(resume, abstract_state)
+        finally:
+            self.restore_s += time.perf_counter() - began
+            self.restored_tier = "persistent"
+
+    def _restore_persistent(self, resume: Resume, abstract_state):
         quiet_closed_loop_callbacks()
         skipped = []
         for step in resume.steps:
@@ -281,6 +341,8 @@ class Checkpointer:
         output_dir/checkpoints_set_aside/: the run will write those steps again, and orbax's
         retention policy would otherwise count (and delete) them. Nothing is deleted; moving one
         back restores it. Called once the Trainer has its state. Returns where the newer ones went."""
+        if self.local is not None:  # local steps after the resumed one are written again
+            self.local.discard_after(resumed_step)
         resume, skipped = self._skipped
         self._skipped = (None, [])
         damaged = dict(skipped) if resume is not None and resume.own else {}

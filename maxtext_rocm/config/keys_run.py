@@ -130,6 +130,11 @@ CHECKPOINT = Group("Saving and resuming through orbax.", {
     "async_save": Key(True, "write in the background while training goes on"),
     "resume": Key("auto", "auto (the newest complete checkpoint), never, a step, or a checkpoint path"),
     "load_params_from": Key("", "a run dir, checkpoint or params export to start from, with a fresh optimizer"),
+    "local_dir": Key("", "a node-local directory (NVMe, /dev/shm, /tmp) for the frequent local tier; '' = off. "
+                         "Each process saves its own shards there; a resume on the same nodes reads the newest "
+                         "step every process holds, else the persistent tier"),
+    "local_every": Key(100, "steps between local saves (with local_dir)", **POSITIVE),
+    "local_keep": Key(2, "the newest local checkpoints each process keeps", at_least=1),
 }, page="checkpoints.md")
 
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")

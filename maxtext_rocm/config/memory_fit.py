@@ -16,7 +16,11 @@ run that passes it fits a target node exactly is `python -m maxtext_rocm.compile
   train.objective="grpo" at least the sampler's KV cache (keys and values of every layer for every
   row and position), which it holds before the step runs;
 - batches (host memory): the int32/fp32 [rows, seq_len] arrays of a batch (`data.batch_spec`),
-  for files times the batches the loader builds ahead (`data.prefetch`) plus the one in use.
+  for files times the batches the loader builds ahead (`data.prefetch`) plus the one in use;
+- the local checkpoint tier (host memory) where `checkpoint.local_dir` is on a memory file system
+  (tmpfs: /dev/shm): `checkpoint.local_keep` copies of this process's share of the state, less
+  what its local steps of an earlier launch already hold there (the available memory counts
+  those as used already).
 
 On the CPU the devices are the host, so everything is compared with the host's available memory;
 on accelerators, state and activations with the devices' total and the batches with the host's.
@@ -72,9 +76,32 @@ def state_bytes_per_param(cfg, compute_bytes: int) -> int:
     return 12 + (compute_bytes if cfg.train.objective == "dpo" or grpo_reference else 0)
 
 
+def in_memory_file_system(path: str) -> bool:
+    """Whether `path` lies on a tmpfs or ramfs mount (/dev/shm): files there are host memory."""
+    try:
+        mounts = [line.split()[1:3] for line in open("/proc/mounts")]
+    except OSError:
+        return False
+    target = os.path.realpath(path)
+    best = max((point for point, _ in mounts if target == point or target.startswith(point.rstrip("/") + "/")),
+               key=len, default=None)
+    return best is not None and dict(mounts)[best] in ("tmpfs", "ramfs")
+
+
+def _held_locally(cfg) -> int:
+    """Bytes this process's local steps of this run hold already (an earlier launch's)."""
+    import jax
+
+    from maxtext_rocm.checkpoint.local_tier import run_folder
+
+    folder = run_folder(cfg.checkpoint.local_dir, cfg.output_dir) / \
+        f"process-{jax.process_index()}-of-{jax.process_count()}"
+    return sum(p.stat().st_size for p in folder.glob("*/*") if p.is_file()) if folder.is_dir() else 0
+
+
 def lower_bounds(cfg, n_devices: int, n_processes: int = 1) -> dict[str, int]:
     """Bytes this run certainly needs: the state and activations summed over all devices, and the
-    batches of one process's host."""
+    batches and in-memory local checkpoints of one process's host."""
     from maxtext_rocm.data import batch_spec
 
     m, t = cfg.model, cfg.train
@@ -86,10 +113,14 @@ def lower_bounds(cfg, n_devices: int, n_processes: int = 1) -> dict[str, int]:
     if t.objective == "grpo":  # the sampler's KV cache, before the step: whichever is larger is certain
         activations = max(activations, global_rows * t.seq_len * m.n_layers * 2 * m.n_kv_heads * m.head_dim
                           * compute_bytes)
+    state = state_bytes_per_param(cfg, compute_bytes) * stored_params(m)
+    local_dir = cfg.checkpoint.get("local_dir", "") if cfg.checkpoint.enabled else ""
+    in_memory = bool(local_dir) and in_memory_file_system(local_dir)
     return {
-        "state": state_bytes_per_param(cfg, compute_bytes) * stored_params(m),
+        "state": state,
         "activations": activations,
         "batches": len(batch_spec(cfg.data)) * 4 * (global_rows // n_processes) * t.seq_len * in_flight,
+        "local_tier": max(0, cfg.checkpoint.local_keep * state // n_processes - _held_locally(cfg)) if in_memory else 0,
     }
 
 
@@ -104,17 +135,20 @@ def check_fits(cfg, devices) -> None:
     device_need = need["state"] + need["activations"]
     if on_host:
         # This process's devices hold its share of the state and activations, in host memory.
-        checks = [(device_need // n_processes + need["batches"], host, "this host's available memory")]
+        checks = [(device_need // n_processes + need["batches"] + need["local_tier"], host,
+                    "this host's available memory")]
     else:
         checks = [(device_need, per_device * len(devices), f"the {len(devices)} devices' memory"),
-                  (need["batches"], host, "this host's available memory")]
+                  (need["batches"] + need["local_tier"], host, "this host's available memory")]
     for needed, available, what in checks:
         if available is not None and needed > available:
             raise ConfigError(
                 f"this run needs at least {needed / GIB:,.1f} GiB but {what} is {available / GIB:,.1f} GiB "
                 f"({_sizes(cfg)}: state {need['state'] / GIB:,.1f} GiB, activations "
-                f"{need['activations'] / GIB:,.1f} GiB, batches {need['batches'] / GIB:,.1f} GiB); lower these "
-                "sizes, or check what fits a target with python -m maxtext_rocm.compile CONFIG --target=mi355x:8")
+                f"{need['activations'] / GIB:,.1f} GiB, batches {need['batches'] / GIB:,.1f} GiB"
+                + (f", local checkpoints in {cfg.checkpoint.local_dir} {need['local_tier'] / GIB:,.1f} GiB"
+                   if need["local_tier"] else "")
+                + "); lower these sizes, or check what fits a target with python -m maxtext_rocm.compile CONFIG --target=mi355x:8")
 
 
 def _sizes(cfg) -> str:

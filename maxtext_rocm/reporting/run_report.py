@@ -50,7 +50,7 @@ def warmup_warning(cfg) -> str | None:
 
 def logged_row(cfg, step_metrics: dict, step_time: float | None, global_batch: int, n_devices: int,
                flops_per_token: float, peak_tflops: float | None, timed_padding: float | None = None,
-               timed_row_length: float | None = None) -> dict:
+               timed_row_length: float | None = None, goodput: float | None = None) -> dict:
     """The logged row for the step just taken, from its fetched metrics and its time per step.
 
     Speeds are per device over the steps `step_time` timed: `tokens_per_s_per_device` counts every
@@ -58,7 +58,8 @@ def logged_row(cfg, step_metrics: dict, step_time: float | None, global_batch: i
     the mean of those steps; padding included), and so do the TFLOP/s and MFU (what the hardware
     did); `real_tokens_per_s_per_device` counts the positions that hold a token (segment id not 0: a
     masked prompt is real, padding is not), from `timed_padding`, the padding fraction of those
-    steps' positions (the logged step's own where not given)."""
+    steps' positions (the logged step's own where not given). `goodput`: the run's so far
+    (reporting/timeline.py)."""
     tokens_per_s = real_tokens_per_s = tflops = None
     padding = float(step_metrics.get("padding", 0.0))
     row_length = timed_row_length or step_metrics.get("row_length") or cfg.train.seq_len
@@ -75,6 +76,7 @@ def logged_row(cfg, step_metrics: dict, step_time: float | None, global_batch: i
         "nonfinite_steps": int(step_metrics["nonfinite_steps"]),
         # Positions of the step's batch that hold no token (segment id 0), global over processes.
         "padding_fraction": padding,
+        "goodput": goodput,
     }
     if cfg.train.z_loss_weight:
         row["z_loss"] = float(step_metrics["z_loss"])

@@ -28,6 +28,7 @@ import os
 import re
 import sys
 import threading
+import time
 from typing import Mapping
 
 from maxtext_rocm.config import ConfigError, UserError
@@ -270,6 +271,7 @@ def initialize(dist_cfg, env: Mapping[str, str] | None = None) -> Cluster | None
     watchdog = threading.Thread(target=_exit_unless_connected, daemon=True, name="distributed-init-watchdog",
                                 args=(cluster, dist_cfg.init_timeout_s, connected))
     watchdog.start()
+    began = time.time()
     try:
         jax.distributed.initialize(
             coordinator_address=cluster.coordinator,
@@ -287,8 +289,13 @@ def initialize(dist_cfg, env: Mapping[str, str] | None = None) -> Cluster | None
         raise UserError(f"jax.distributed could not start ({error}); start it before any JAX computation") from None
     finally:
         connected.set()
+    global init_span
+    init_span = (began, time.time())
     _watch_peers(cluster, dist_cfg)
     return cluster
+
+
+init_span: tuple[float, float] | None = None  # (start, end) of this process's initialize, for goodput
 
 
 _peer_watch = None

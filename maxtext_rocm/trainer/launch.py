@@ -170,9 +170,13 @@ def launch(cfg, model, mesh, batch_sharding, batch_dtypes, checkpointer, shardin
     docstring). `sharding_rules()`: the mesh and logical-rule context that tracing reads."""
     layout = stored_state(cfg, model, mesh)
     step = jit_train_step(cfg, model, mesh, layout.sharding, batch_sharding)
-    resume = checkpointer.find_resume() if checkpointer else None
-    if resume and resume.steps[0] > cfg.train.steps:  # the newest the resume may read
-        newest = resume.steps[0]
+    # A local tier's resume (checkpoint.local_dir) reads its state here, into the model order's layout.
+    resume = checkpointer.find_resume(layout.abstract if layout.storage_order is None
+                                      else layout.storage_order.canonical_abstract) if checkpointer else None
+    if checkpointer and checkpointer.tier_line:
+        log(checkpointer.tier_line)
+    if resume and resume.newest > cfg.train.steps:  # the newest the resume may read
+        newest = resume.newest
         raise ConfigError(
             f"train.steps={cfg.train.steps} is below step {newest} of the checkpoint this run resumes "
             f"from in {cfg.output_dir}; raise train.steps above {newest} to train on, or use "
@@ -180,7 +184,7 @@ def launch(cfg, model, mesh, batch_sharding, batch_dtypes, checkpointer, shardin
     if resume:
         if cfg.checkpoint.load_params_from and not lora.enabled(cfg.lora):  # resume wins; say so, or the user believes the parameters came in
             log(f"warning: checkpoint.load_params_from={cfg.checkpoint.load_params_from!r} is ignored: output_dir "
-                f"{cfg.output_dir} holds checkpoint {resume.steps[0]}, which this run resumes from; give the run a new "
+                f"{cfg.output_dir} holds checkpoint {resume.newest}, which this run resumes from; give the run a new "
                 "output_dir to start from those parameters")
     init_jit = jax.jit(lambda k: nn.meta.unbox(layout.init(k)), out_shardings=layout.sharding)
     if resume and lora.enabled(cfg.lora):  # the adapters from the checkpoint, the base from where it always comes
@@ -203,7 +207,7 @@ def launch(cfg, model, mesh, batch_sharding, batch_dtypes, checkpointer, shardin
         with sharding_rules():
             return lower_step(step, cfg, mesh, layout.abstract, batch_sharding, batch_dtypes)
 
-    if (resume and resume.steps[0] == cfg.train.steps) or cfg.train.objective == "grpo":
+    if (resume and resume.newest == cfg.train.steps) or cfg.train.objective == "grpo":
         # A finished run relaunched: compiled only if a step runs. GRPO's rows come in buckets
         # (data/buckets.py): its full-length step is compiled only if a batch needs it.
         compiled = CompiledOnFirstUse(lowered)
@@ -260,7 +264,7 @@ def restored_state(checkpointer, resume, abstract, log, storage_order=None):
     else:
         state, data_state, step = checkpointer.restore(resume, storage_order.canonical_abstract)
         state = storage_order.to_storage(state)
-    log(f"resumed from {resume.manager.directory}/{step}")
+    log(f"resumed from {resume.where(step)}")
     return state, int(data_state["step"]), data_state
 
 

@@ -21,7 +21,8 @@ from maxtext_rocm.reporting import metrics as metrics_lib, run_report
 from maxtext_rocm.reporting.profiling import Profiler
 from maxtext_rocm.reporting.run_info import write_config_json
 from maxtext_rocm.reporting.run_summary import RunSummary
-from maxtext_rocm.runtime import run_lock
+from maxtext_rocm.reporting.timeline import Timeline
+from maxtext_rocm.runtime import distributed, run_lock
 from maxtext_rocm.runtime.preemption import PreemptionGuard
 from maxtext_rocm.trainer import compilation, divergence
 from maxtext_rocm.trainer.launch import (data_sources, jit_eval_step, launch, model_for_mesh, optimizer_hyperparameters,
@@ -43,6 +44,7 @@ class Trainer:
         checkpointed; the signal is then in `stopped_by_signal` (runtime/preemption.py)."""
         end = self.cfg.train.steps if steps is None else self.step_count + steps
         clock, step_metrics, logged = StepClock(), None, None
+        self.timeline.run_started(self.step_count)
         if self.step_count < end and not self._schedule_said:  # said once, before the first step trained
             self._schedule_said = True
             warning = run_report.warmup_warning(self.cfg)
@@ -61,7 +63,8 @@ class Trainer:
                 else:
                     clock.timed(step_metrics)
                 if self.checkpointer:  # it raises a failed background save now, and saves at its steps
-                    self.checkpointer.save_if_due(self.step_count, self.cfg.train.steps, self.save_checkpoint)
+                    self.checkpointer.save_if_due(self.step_count, self.cfg.train.steps, self.save_checkpoint,
+                                                  self.save_local_checkpoint)
                 if self._evaluates_at(self.step_count):
                     self._evaluate_and_log(step_metrics, clock)
                 if self._logs_at(self.step_count, end):  # the metrics reach the host on logging steps only,
@@ -102,11 +105,16 @@ class Trainer:
         says how long launch to it took, and why."""
         jax.block_until_ready(step_metrics)
         self._startup.first_step_done(self.log)
+        self.timeline.first_step(self.step_count)
         clock.start(self.step_count)
 
     def save_checkpoint(self) -> None:
         """Starts an asynchronous save of the current state (all processes must call it); stops
         the run (TrainingDiverged) if the state holds inf/NaN or the skipped-steps limit is hit."""
+        with self.timeline.stall("checkpoint", self.step_count, ready=self.state, tier="persistent"):
+            self._save_persistent()
+
+    def _save_persistent(self) -> None:
         from maxtext_rocm.checkpoint import NonFiniteState
 
         self.commit_run_record()  # checkpoints of this launch's config: its record goes with them
@@ -123,13 +131,20 @@ class Trainer:
             self.checkpointer.wait()
             raise divergence.skipped_too_many(self.cfg.train, step, saved=True)
 
+    def save_local_checkpoint(self) -> None:
+        """Starts the local tier's save of the current state (checkpoint.local_dir; all processes call it)."""
+        # The copy off the devices waits for the steps anyway: waiting for them first costs nothing.
+        with self.timeline.stall("checkpoint", self.step_count, ready=self.state, tier="local"):
+            data_state = saved_data_state(self.data, self.step_count)  # every process's position (a collective)
+            self.checkpointer.save_local(self.step_count, without_base(self.state_in_model_order()), data_state)
+
     def _evaluates_at(self, step_count: int) -> bool:
         return self.eval_data is not None and step_count % self.cfg.train.eval_every == 0
 
     def _evaluate_and_log(self, step_metrics, clock: StepClock) -> None:
         """Runs the evaluation of this step and writes its row; its time stays out of the step time."""
         jax.block_until_ready(step_metrics)
-        with clock.left_out():
+        with clock.left_out(), self.timeline.stall("eval", self.step_count):
             evaluated = self.evaluate()
             self.writer.write(self.step_count, evaluated)
             self.last_eval = (self.step_count, evaluated)
@@ -171,9 +186,11 @@ class Trainer:
             lengths = np.asarray(clock.row_lengths, np.float64)
             timed_length = float(np.mean(lengths))
             timed_padding = 1.0 - float(np.mean(lengths * (1.0 - np.asarray(paddings, np.float64)))) / timed_length
+        self.timeline.steps_until(self.step_count)  # the devices are done with every step up to here
         logged = run_report.logged_row(self.cfg, fetched, clock.step_time(self.step_count), self.global_batch,
                                        self.n_devices, self.flops_per_token, self.peak_tflops,
-                                       timed_padding=timed_padding, timed_row_length=timed_length)
+                                       timed_padding=timed_padding, timed_row_length=timed_length,
+                                       goodput=self.timeline.goodput_so_far())
         self.writer.write(self.step_count, logged)
         self.last_logged = (self.step_count, logged)
         if self.is_logger:
@@ -202,7 +219,8 @@ class Trainer:
         # One process alone may also save a signal that came at the very end (a notebook's run(n)).
         if stopped_early or (signal is not None and jax.process_count() == 1):
             self.save_checkpoint()
-        self.checkpointer.wait()
+        with self.timeline.stall("checkpoint", self.step_count, tier="persistent"):  # the last commits
+            self.checkpointer.wait()
 
     def _describe_saved(self) -> str:
         """The newest committed checkpoint, for the line of a save abandoned by a repeated SIGINT."""
@@ -221,6 +239,7 @@ class Trainer:
     def __init__(self, cfg, devices=None, log=print):
         self.cfg, self.log = cfg, log
         started = self._started = time.perf_counter()
+        self._started_wall = time.time()
         devices = list(jax.devices() if devices is None else devices)
         check_run(cfg, len(devices), len({d.process_index for d in devices}))
         memory_fit.check_fits(cfg, devices)  # sizes that cannot fit stop here, before any allocation
@@ -257,8 +276,14 @@ class Trainer:
         # How each sequence lies over mesh `sequence` (parallel/context.py), applied in _to_device.
         self.layout = mesh_layout(cfg.model, self.mesh)
         self._batch_dtypes = self.layout.batch_dtypes(batch_spec(cfg.data))
+        # The run's timeline across restarts, for goodput (reporting/timeline.py)
+        self.timeline = Timeline(cfg.output_dir, self._started_wall, distributed.init_span)
+        launch_began = time.time()
         launched = launch(cfg, self.model, self.mesh, self.batch_sharding, self._batch_dtypes,
                           self.checkpointer, self.sharding_rules, self.log)
+        self.timeline.launched(launch_began, self.checkpointer.restore_s if self.checkpointer else 0.0,
+                               launched.step_count, self.checkpointer.restored_tier if self.checkpointer else "",
+                               compilation.cache_hits())
         self.state, self.step_count, self._compiled_step = launched.state, launched.step_count, launched.compiled_step
         self._jitted_step, self._steps_by_length = launched.jitted_step, {}  # other row lengths' steps
         self.launched_at_step = launched.step_count  # where this launch began: 0, or the step it resumed from
@@ -298,6 +323,7 @@ class Trainer:
         trainer (the process's end does all this too)."""
         if self.checkpointer:
             self.checkpointer.close()
+        self.timeline.closed()
         if hasattr(getattr(self, "data", None), "close"):
             self.data.close()  # its thread, and its data.workers processes
         self.writer.close()
