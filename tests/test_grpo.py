@@ -375,3 +375,11 @@ def test_a_run_compiles_one_step_per_bucket_its_rows_need(tmp_path):
     rows = [json.loads(line) for line in open(f"{cfg.output_dir}/metrics.jsonl")]
     # Positions per second count the bucket's 32 a row, not 128: padding is what the bucket left.
     assert all(row["padding_fraction"] < 0.2 for row in rows)
+
+
+def test_an_fp8_run_samples_with_its_scales_and_trains(tmp_path):
+    """precision.policy=fp8 (delayed scaling): the sampler decodes with the state's fp8 scales, the
+    steps stay finite and the reward moves off its start."""
+    rows = run_rows(grpo_run_config(tmp_path, **{"train.steps": 8, "precision.policy": "fp8"}))
+    assert all(np.isfinite(row["loss"]) and np.isfinite(row["grad_norm"]) for row in rows)
+    assert rows[-1]["nonfinite_steps"] == 0 and max(row["grpo_reward"] for row in rows) > rows[0]["grpo_reward"]
