@@ -91,7 +91,7 @@ LAYERS = [
     ["checkpoint", "reporting", "runtime"],
     ["trainer"],
     ["api", "planner", "convert"],
-    ["train", "generate", "compile"],
+    ["train", "generate", "compile", "goodput"],
     ["eval"],  # lm-evaluation-harness's model over api, generate and convert's record of the original
     ["maxtext_rocm"],
 ]

@@ -50,6 +50,15 @@ def run_folder(local_dir: str, output_dir: str) -> Path:
     return Path(local_dir) / f"{Path(absolute).name}-{hashlib.sha256(absolute.encode()).hexdigest()[:10]}"
 
 
+def held_bytes(ckpt_cfg, output_dir: str) -> int:
+    """Bytes this process's local steps of the run hold already (an earlier launch's), which a new
+    launch's steps replace: the start-up fit check leaves them out of what it still needs."""
+    if not ckpt_cfg.get("local_dir", ""):
+        return 0
+    folder = run_folder(ckpt_cfg.local_dir, output_dir) / f"process-{jax.process_index()}-of-{jax.process_count()}"
+    return sum(p.stat().st_size for p in folder.glob("*/*") if p.is_file()) if folder.is_dir() else 0
+
+
 def _index_key(index: tuple, shape: tuple) -> list[list[int]]:
     """A shard's index (a tuple of slices) as [[start, stop], ...] with the Nones filled in."""
     return [[s.start or 0, dim if s.stop is None else s.stop] for s, dim in zip(index, shape)]

@@ -88,18 +88,7 @@ def in_memory_file_system(path: str) -> bool:
     return best is not None and dict(mounts)[best] in ("tmpfs", "ramfs")
 
 
-def _held_locally(cfg) -> int:
-    """Bytes this process's local steps of this run hold already (an earlier launch's)."""
-    import jax
-
-    from maxtext_rocm.checkpoint.local_tier import run_folder
-
-    folder = run_folder(cfg.checkpoint.local_dir, cfg.output_dir) / \
-        f"process-{jax.process_index()}-of-{jax.process_count()}"
-    return sum(p.stat().st_size for p in folder.glob("*/*") if p.is_file()) if folder.is_dir() else 0
-
-
-def lower_bounds(cfg, n_devices: int, n_processes: int = 1) -> dict[str, int]:
+def lower_bounds(cfg, n_devices: int, n_processes: int = 1, held_locally: int = 0) -> dict[str, int]:
     """Bytes this run certainly needs: the state and activations summed over all devices, and the
     batches and in-memory local checkpoints of one process's host."""
     from maxtext_rocm.data import batch_spec
@@ -120,15 +109,17 @@ def lower_bounds(cfg, n_devices: int, n_processes: int = 1) -> dict[str, int]:
         "state": state,
         "activations": activations,
         "batches": len(batch_spec(cfg.data)) * 4 * (global_rows // n_processes) * t.seq_len * in_flight,
-        "local_tier": max(0, cfg.checkpoint.local_keep * state // n_processes - _held_locally(cfg)) if in_memory else 0,
+        # `held_locally`: what this process's local steps of the run hold already (an earlier launch's).
+        "local_tier": max(0, cfg.checkpoint.local_keep * state // n_processes - held_locally) if in_memory else 0,
     }
 
 
-def check_fits(cfg, devices) -> None:
-    """A ConfigError naming the sizes when the run cannot fit this machine's memory."""
+def check_fits(cfg, devices, held_locally: int = 0) -> None:
+    """A ConfigError naming the sizes when the run cannot fit this machine's memory; `held_locally`:
+    the bytes this process's local checkpoint steps of the run hold already (checkpoint/local_tier.py)."""
     devices = list(devices)
     n_processes = len({d.process_index for d in devices})
-    need = lower_bounds(cfg, len(devices), n_processes)
+    need = lower_bounds(cfg, len(devices), n_processes, held_locally)
     host = host_available_bytes()
     per_device = device_bytes(devices[0])
     on_host = per_device is None  # the CPU backend: devices are this host's memory
@@ -148,7 +139,8 @@ def check_fits(cfg, devices) -> None:
                 f"{need['activations'] / GIB:,.1f} GiB, batches {need['batches'] / GIB:,.1f} GiB"
                 + (f", local checkpoints in {cfg.checkpoint.local_dir} {need['local_tier'] / GIB:,.1f} GiB"
                    if need["local_tier"] else "")
-                + "); lower these sizes, or check what fits a target with python -m maxtext_rocm.compile CONFIG --target=mi355x:8")
+                + "); lower these sizes, or check what fits a target with python -m maxtext_rocm.compile CONFIG "
+                "--target=mi355x:8")
 
 
 def _sizes(cfg) -> str:

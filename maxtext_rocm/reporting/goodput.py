@@ -152,10 +152,13 @@ def _account_launch(k: int, spans: list[dict], start: float, ends_at: float, rea
                          recomputed_steps)
 
 
+def timeline_path(output_dir: str, process: int) -> Path:
+    """Where process `process` of the run in `output_dir` appends its timeline (reporting/timeline.py)."""
+    return Path(output_dir) / "goodput" / f"process-{process}.jsonl"
+
+
 def account_run(run_dir) -> Account | None:
     """The goodput of run directory `run_dir`: every process's timeline, averaged; None without one."""
-    from maxtext_rocm.reporting.timeline import timeline_path
-
     folder = timeline_path(str(run_dir), 0).parent
     accounts = [account(read_spans(path)) for path in sorted(folder.glob("process-*.jsonl"))] \
         if folder.is_dir() else []

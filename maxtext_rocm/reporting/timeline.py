@@ -47,10 +47,6 @@ def process_started() -> float | None:
         return None
 
 
-def timeline_path(output_dir: str, process: int) -> Path:
-    return Path(output_dir) / "goodput" / f"process-{process}.jsonl"
-
-
 class Timeline:
     """One process's spans of one launch; `goodput_so_far` for the logged rows."""
 
@@ -58,7 +54,7 @@ class Timeline:
         global _PROCESS_TIMED
         from maxtext_rocm.reporting import goodput
 
-        self.path = timeline_path(output_dir, jax.process_index())
+        self.path = goodput.timeline_path(output_dir, jax.process_index())
         earlier = goodput.read_spans(self.path)
         self.launch = 1 + max((s["launch"] for s in earlier), default=-1)
         # What earlier launches reached and trained: steps up to there are recomputed if done again.

@@ -242,7 +242,8 @@ class Trainer:
         self._started_wall = time.time()
         devices = list(jax.devices() if devices is None else devices)
         check_run(cfg, len(devices), len({d.process_index for d in devices}))
-        memory_fit.check_fits(cfg, devices)  # sizes that cannot fit stop here, before any allocation
+        # Sizes that cannot fit stop here, before any allocation.
+        memory_fit.check_fits(cfg, devices, _local_tier_bytes(cfg))
         # Before anything is written: a second trainer on this output_dir stops here (run_lock.py).
         self._run_dir = RunDirectory(cfg.output_dir)
         try:
@@ -401,6 +402,15 @@ class Trainer:
             checkpoint=str(self.checkpointer.directory / str(steps[-1])) if steps else None,
             checkpoints_enabled=self.checkpointer is not None, lora=self.cfg.lora.rank > 0,
             stopped_by_signal=self.stopped_by_signal)
+
+
+def _local_tier_bytes(cfg) -> int:
+    """What the run's local checkpoint steps on this process hold already (checkpoint.local_dir)."""
+    if not (cfg.checkpoint.enabled and cfg.checkpoint.get("local_dir", "")):
+        return 0
+    from maxtext_rocm.checkpoint.local_tier import held_bytes
+
+    return held_bytes(cfg.checkpoint, cfg.output_dir)
 
 
 class RunDirectory:
