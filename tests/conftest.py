@@ -45,6 +45,9 @@ def devices():
 # 90-480 s in a full run on a loaded 2-core machine (the 3.12 run of 2026-12-02, --durations), and
 # another test in the default run covers its code path at a smaller size. `pytest -m slow` runs them.
 SLOW_IN_CI = {
+    # 66 s in CI's run of 2026-12-07; test_gpt_oss.py's sharded gradients (sinks, biases, router on
+    # fsdp x tensor x expert) stay in the default run.
+    "tests/test_families.py::test_sharded_run_matches_one_device_resumes_and_exports[gpt_oss]",
     "tests/test_moe.py::test_expert_parallel_mesh_matches_single_device[mesh0-capacity]",  # mesh3-dropless stays
     "tests/test_moe.py::test_expert_parallel_mesh_matches_single_device[mesh2-capacity]",
     "tests/test_compile.py::test_70b_fits_mi300x_only_with_a_flash_attention",  # the 8B fit check stays
