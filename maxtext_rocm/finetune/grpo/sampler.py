@@ -46,8 +46,9 @@ def gathered_layout(shardings, mesh, policy):
     the compute dtype: grpo.sampler_weights="gathered". Inside the sampler's program the constraint
     sits before the decode loop, so XLA gathers each weight once per step instead of once per
     token, and in half the bytes of fp32 masters. Each cast weight is one its layer casts before
-    its dot anyway, so the samples are those of the training layout, bit for bit; under an fp8
-    policy nothing is cast (its dots quantize from the masters)."""
+    its dot anyway, so every dot sees the values it sees from the training layout (tests/test_grpo.py
+    holds the two layouts' samples equal); under an fp8 policy nothing is cast (its dots quantize
+    from the masters)."""
     def without_gathered_axes(sharding):
         kept = []
         for entry in sharding.spec:
