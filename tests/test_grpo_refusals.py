@@ -51,6 +51,12 @@ def test_bad_settings_are_one_sentence_before_any_device_work(tmp_path, capsys, 
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
+def test_a_record_without_the_answer_the_built_in_reward_reads_is_named(tmp_path, capsys):
+    prompts = json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n" + json.dumps({"prompt": "2+2="}) + "\n"
+    err = refused(capsys, argv(tmp_path, "--config.grpo.rewards=answer", prompts=prompts))
+    assert "prompts.jsonl line 2 has no 'answer' field, which the built-in reward 'answer' compares" in err
+
+
 def test_a_prompt_that_leaves_no_room_for_its_completion_is_named(tmp_path, capsys):
     prompts = json.dumps({"prompt": "short"}) + "\n" + json.dumps({"prompt": "x" * 40}) + "\n"
     err = refused(capsys, argv(tmp_path, prompts=prompts))

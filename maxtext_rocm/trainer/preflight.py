@@ -67,15 +67,17 @@ def check_inputs(cfg) -> None:
 
 def _check_grpo_inputs(cfg) -> None:
     """GRPO's inputs: the tokenizer fits the model, every prompt fits train.seq_len less
-    grpo.max_new_tokens (loaded once: the trainer takes what this read), every reward imports."""
+    grpo.max_new_tokens (loaded once: the trainer takes what this read), every reward imports, and
+    every record has the fields the built-in rewards read."""
     from maxtext_rocm.data.prompts import load_prompts
     from maxtext_rocm.data.tokenizer import check_vocab, load_tokenizer
-    from maxtext_rocm.finetune.grpo.rewards import load_rewards
+    from maxtext_rocm.finetune.grpo.rewards import check_records, load_rewards
 
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     check_vocab(tokenizer, cfg.model.vocab_size, cfg.data.tokenizer or "byte")
-    load_prompts(cfg.data, tokenizer, cfg.train.seq_len - cfg.grpo.max_new_tokens)
+    prompts = load_prompts(cfg.data, tokenizer, cfg.train.seq_len - cfg.grpo.max_new_tokens)
     load_rewards(cfg.grpo)
+    check_records(cfg.grpo, prompts.prompts)
 
 
 def _check_output_dir(output_dir: str) -> None:

@@ -31,7 +31,6 @@ from pathlib import Path
 from typing import Callable, NamedTuple
 
 from maxtext_rocm.config.checks import check_reward_names, reward_weights
-from maxtext_rocm.config.choices import BUILT_IN_REWARDS
 from maxtext_rocm.errors import ConfigError, UserError
 
 RewardFunction = Callable[[dict, str], float]
@@ -70,9 +69,6 @@ def length_reward(record: dict, completion: str) -> float:
     return -len(completion) / 1000.0
 
 
-BUILT_IN = BUILT_IN_REWARDS
-
-
 class Reward(NamedTuple):
     name: str  # as grpo.rewards gives it
     function: RewardFunction
@@ -95,6 +91,17 @@ def _imported(name: str) -> RewardFunction:
         raise ConfigError(f"grpo.rewards names {name!r}, but module {module_name!r} ({module.__file__}) has no "
                           f"function {function_name!r}")
     return function
+
+
+def check_records(grpo_cfg, prompts) -> None:
+    """Before any device work: every record has the fields the built-in rewards read (`answer`'s
+    "answer"), or a ConfigError naming the first that does not."""
+    if "answer" not in tuple(grpo_cfg.rewards):
+        return
+    missing = next((p for p in prompts if "answer" not in p.record), None)
+    if missing is not None:
+        raise ConfigError(f"{missing.where} has no 'answer' field, which the built-in reward 'answer' compares the "
+                          "completion's final answer with; give every record one, or drop 'answer' from grpo.rewards")
 
 
 def load_rewards(grpo_cfg) -> tuple[Reward, ...]:
