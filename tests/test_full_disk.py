@@ -9,6 +9,7 @@ last page, then ENOSPC), in this process.
 
 import errno
 import json
+import logging
 import os
 import subprocess
 
@@ -154,3 +155,37 @@ def test_a_failed_async_save_does_not_flood_stderr_with_closed_event_loops(monke
     assert reported == []
     report(ValueError("something else"))
     assert [str(r.exc_value) for r in reported] == ["something else"]
+
+
+def test_unread_failures_of_orbax_reads_are_not_reported_at_exit_but_other_tasks_are(caplog):
+    """A damaged checkpoint's restore raises its one sentence; the other tensorstore reads that
+    failed with it are tasks wrapping a non-coroutine awaitable (asyncio.ensure_future), which
+    asyncio reported at exit with a traceback apiece. quiet_orbax_error_logs drops exactly those;
+    a failing coroutine is still reported."""
+    import asyncio
+    import gc
+
+    from maxtext_rocm.checkpoint import errors as checkpoint_errors
+
+    checkpoint_errors.quiet_orbax_error_logs()
+
+    async def leave_failed_tasks():
+        failed = asyncio.get_running_loop().create_future()
+        failed.set_exception(ValueError("a tensorstore read failed"))
+
+        class Read:  # what a tensorstore future looks like to asyncio: an awaitable, not a coroutine
+            def __await__(self):
+                return failed.__await__()
+
+        async def coroutine():
+            raise KeyError("a coroutine's own failure")
+
+        asyncio.ensure_future(Read())
+        asyncio.ensure_future(coroutine())
+        await asyncio.sleep(0.01)
+
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
+        asyncio.run(leave_failed_tasks())
+        gc.collect()
+    reports = [r.getMessage() for r in caplog.records if r.name == "asyncio"]
+    assert len(reports) == 1 and "coroutine" in reports[0] and "_wrap_awaitable" not in reports[0]
