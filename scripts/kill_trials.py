@@ -71,7 +71,7 @@ def saves_begun(run_dir: Path) -> set[str]:
     folder = run_dir / "checkpoints"
     persistent = {p.name for p in folder.iterdir() if ".orbax-checkpoint-tmp" in p.name} if folder.is_dir() else set()
     local = run_dir.parent / "local"  # the local tier's writes in flight (--local-every)
-    return persistent | ({str(p) for p in local.glob("*/process-*/*.partial")} if local.is_dir() else set())
+    return persistent | ({str(p) for p in local.glob("*/process-*/*.orbax-checkpoint-tmp*")} if local.is_dir() else set())
 
 
 def kill_at_random(process: subprocess.Popen, run_dir: Path, moment: str, rng: random.Random,

@@ -243,8 +243,7 @@ class Checkpointer:
 
     def _auto_resume_with_local(self, steps: list[int], abstract_state) -> Resume | None:
         """checkpoint.resume=auto with a local tier: one decision of every process (tiers.py)."""
-        for partial in self.local.directory.glob("*.partial"):  # a write its process did not live to finish
-            shutil.rmtree(partial, ignore_errors=True)
+        self.local.remove_unfinished()  # writes their process did not live to finish
         candidates, held = common_steps(self.local)
         newest = steps[0] if steps else None
         began = time.perf_counter()

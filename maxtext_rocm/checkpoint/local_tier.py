@@ -1,12 +1,16 @@
 """The node-local checkpoint tier: frequent saves of what resumes the run on the same nodes.
 
 `checkpoint.local_dir` (node-local: NVMe, /dev/shm or /tmp) holds, per process,
-`<local_dir>/<run>/process-<i>-of-<n>/<step>/`: the arrays of the train state that this process's
-devices hold (one file per distinct shard, its raw bytes), and `manifest.json` naming each file's
-leaf, index, dtype and CRC-32, with the data position saved beside it. Nothing else: a local step
-restores only onto the same mesh and process layout (a replaced node, another mesh or another
-process count finds nothing it can use, and the run falls back to the persistent tier, which
-restores onto any mesh). It is a cache of the persistent tier, never a replacement.
+`<local_dir>/<run>/process-<i>-of-<n>/<step>/`, an orbax checkpoint of three items:
+- `state`: the arrays of the train state as far as this process's devices hold them (each process
+  writes its own shards, into its own folder);
+- `data`:  this process's data position;
+- `meta`:  the step, the process layout and mesh it was saved on, and the checksums of the whole
+  state (checksums.py: global sums, the same on every process) and of the data position.
+Nothing else: a local step restores only onto the same mesh and process layout (a replaced node,
+another mesh or another process count finds nothing it can use, and the run falls back to the
+persistent tier, which restores onto any mesh). It is a cache of the persistent tier, never a
+replacement.
 
 Why not orbax's emergency CheckpointManager (orbax-checkpoint 0.12.8, installed in both venvs)?
 It keeps a local copy per *replica slice* and restores by broadcasting from a slice that holds
@@ -14,13 +18,20 @@ a complete copy: it requires at least two data-parallel replicas along a replica
 drops `local_directory` silently for one slice (one node, or a mesh with no pure data axis, which
 is what most runs here are), saves only the state item (not each process's data position nor the
 checksums every reader of a checkpoint verifies), and is marked "experimental; do not use without
-specific approval". So the tier is this module: each process writes its own shards in a
-background thread, and the choice at start-up (choose_local_step) is one agreed decision.
+specific approval". So the tier is this module, on orbax's own pieces, configured as that manager
+configures its per-slice saves: orbax's ArrayHandler with no primary host and no replica choice
+(every process writes the shards its devices hold), and MultiprocessingOptions whose only active
+process is this one, so that each process saves and restores on its own, with no barrier between
+processes (the step alone decides when every process saves; tiers.py agrees on what to read).
+Item directories are created synchronously: orbax's asynchronous creation signals completion
+through a key every process shares, which lets one process's signal release another's writes
+into directories not yet made.
 
-Writes are asynchronous: `save` copies this process's shards off the devices (the stall) and
-returns; a thread writes them into `<step>.partial` and renames it to `<step>` once complete, so
-a process killed mid-write leaves nothing a resume would pick. A failed local write is one warning
-and the run goes on (the persistent tier still protects it): the tier is a cache.
+Saves are asynchronous: `save` computes the checksums and lets orbax copy this process's shards
+off the devices (the stall), then returns; orbax writes into `<step>.orbax-checkpoint-tmp` and
+renames it to `<step>` once complete, so a process killed mid-write leaves nothing a resume would
+pick. A failed local write is one warning and the run goes on (the persistent tier still protects
+it): the tier is a cache.
 """
 
 from __future__ import annotations
@@ -29,15 +40,19 @@ import hashlib
 import json
 import shutil
 import sys
-import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import jax
-import numpy as np
+import orbax.checkpoint as ocp
+from orbax.checkpoint import type_handlers
 
-MANIFEST = "manifest.json"
-FORMAT = 1
+from maxtext_rocm.checkpoint import checksums
+from maxtext_rocm.checkpoint.errors import cause
+
+STATE, DATA, META = "state", "data", "meta"
+FORMAT = 2  # 1: raw shard files with a CRC-32 manifest (before the tier wrote through orbax)
+UNFINISHED = ".orbax-checkpoint-tmp"  # orbax's suffix for a step still being written
 
 
 class LocalDamaged(Exception):
@@ -50,18 +65,50 @@ def run_folder(local_dir: str, output_dir: str) -> Path:
     return Path(local_dir) / f"{Path(absolute).name}-{hashlib.sha256(absolute.encode()).hexdigest()[:10]}"
 
 
+def process_folder(local_dir: str, output_dir: str) -> Path:
+    """This process's folder of the run's local tier."""
+    return run_folder(local_dir, output_dir) / f"process-{jax.process_index()}-of-{jax.process_count()}"
+
+
 def held_bytes(ckpt_cfg, output_dir: str) -> int:
     """Bytes this process's local steps of the run hold already (an earlier launch's), which a new
     launch's steps replace: the start-up fit check leaves them out of what it still needs."""
     if not ckpt_cfg.get("local_dir", ""):
         return 0
-    folder = run_folder(ckpt_cfg.local_dir, output_dir) / f"process-{jax.process_index()}-of-{jax.process_count()}"
-    return sum(p.stat().st_size for p in folder.glob("*/*") if p.is_file()) if folder.is_dir() else 0
+    folder = process_folder(ckpt_cfg.local_dir, output_dir)
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()) if folder.is_dir() else 0
 
 
-def _index_key(index: tuple, shape: tuple) -> list[list[int]]:
-    """A shard's index (a tuple of slices) as [[start, stop], ...] with the Nones filled in."""
-    return [[s.start or 0, dim if s.stop is None else s.stop] for s, dim in zip(index, shape)]
+def layout(tree) -> str:
+    """A digest of where every array of `tree` lives (each leaf's mesh, its device ids and its
+    partition spec) and of the process layout: a local step is read back only into the same."""
+    def where(leaf):
+        sharding = leaf.sharding
+        mesh = getattr(sharding, "mesh", None)
+        if mesh is None:
+            return repr(sharding)
+        return [list(mesh.axis_names), list(mesh.devices.shape), [d.id for d in mesh.devices.flat],
+                str(sharding.spec)]
+    described = [jax.process_count(), jax.process_index(), [where(x) for x in jax.tree_util.tree_leaves(tree)]]
+    return hashlib.sha256(json.dumps(described).encode()).hexdigest()[:16]
+
+
+def _orbax_checkpointer(asynchronous: bool):
+    """Orbax set up for one process's own checkpoint (the module's docstring says why so)."""
+    only_me = ocp.options.MultiprocessingOptions(
+        primary_host=None, active_processes={jax.process_index()},
+        barrier_sync_key_prefix=f"local-tier-{jax.process_index()}")
+    every_shard = type_handlers.create_type_handler_registry(
+        (jax.Array, type_handlers.ArrayHandler(primary_host=None, replica_id=None, use_replica_parallel=False)))
+    synchronous_directories = ocp.options.AsyncOptions(create_directories_asynchronously=False)
+    handler = ocp.CompositeCheckpointHandler(
+        composite_options=ocp.CompositeOptions(multiprocessing_options=only_me, async_options=synchronous_directories),
+        **{STATE: ocp.PyTreeCheckpointHandler(multiprocessing_options=only_me, type_handler_registry=every_shard),
+           DATA: ocp.JsonCheckpointHandler(multiprocessing_options=only_me),
+           META: ocp.JsonCheckpointHandler(multiprocessing_options=only_me)})
+    if asynchronous:
+        return ocp.AsyncCheckpointer(handler, multiprocessing_options=only_me, async_options=synchronous_directories)
+    return ocp.Checkpointer(handler, multiprocessing_options=only_me)
 
 
 class LocalTier:
@@ -71,8 +118,11 @@ class LocalTier:
     def __init__(self, ckpt_cfg, output_dir: str):
         self.every, self.keep = int(ckpt_cfg.local_every), int(ckpt_cfg.local_keep)
         self.run_dir = run_folder(ckpt_cfg.local_dir, output_dir)
-        self.directory = self.run_dir / f"process-{jax.process_index()}-of-{jax.process_count()}"
-        self._writer = ThreadPoolExecutor(1, thread_name_prefix="local-checkpoint")
+        self.directory = process_folder(ckpt_cfg.local_dir, output_dir)
+        self._orbax = _orbax_checkpointer(asynchronous=True)
+        # Waits for each orbax write to commit, then keeps local_keep steps: at most local_keep
+        # committed steps and one being written, as the fit check counts.
+        self._committer = ThreadPoolExecutor(1, thread_name_prefix="local-checkpoint")
         self._pending: Future | None = None
         self._failed_once = False
         self.last_saved: int | None = None
@@ -84,42 +134,34 @@ class LocalTier:
     # Saving
 
     def save(self, step: int, state, data_state: dict) -> None:
-        """Copies this process's shards of `state` off the devices and writes them in the
-        background; waits first for the previous local write (one in flight at a time)."""
+        """Starts the save of this process's shards of `state` (every process calls it at the same
+        step: the checksums are global sums); returns once they are off the devices. Waits first
+        for the previous local write (one in flight at a time). A state holding inf/NaN is not
+        saved: the persistent tier's save or the divergence check reports it."""
         if step == self.last_saved:
             return
         self.wait()
-        leaves, shards = [], []
-        for path, leaf in jax.tree_util.tree_leaves_with_path(state):
-            seen, entry = set(), {"path": jax.tree_util.keystr(path), "dtype": str(leaf.dtype),
-                                  "shape": list(leaf.shape), "shards": []}
-            for shard in leaf.addressable_shards:
-                key = _index_key(shard.index, leaf.shape)
-                if str(key) in seen:  # replicas of one shard on this process's devices: one file
-                    continue
-                seen.add(str(key))
-                entry["shards"].append({"index": key, "file": f"{len(shards)}.bin"})
-                shards.append(shard.data)
-            leaves.append(entry)
-        host = jax.device_get(shards)  # the stall: later steps donate these buffers
-        self.last_saved = step
-        self._pending = self._writer.submit(self._write, step, leaves, host, data_state)
-
-    def _write(self, step: int, leaves: list, host: list, data_state: dict) -> None:
-        partial = self.directory / f"{step}.partial"
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir(parents=True)
-        for entry in leaves:
-            for shard in entry["shards"]:
-                data = np.ascontiguousarray(host[int(shard["file"].split(".")[0])])
-                (partial / shard["file"]).write_bytes(data.tobytes())
-                shard["crc32"] = zlib.crc32(data.reshape(-1).view(np.uint8))
-        manifest = {"format": FORMAT, "step": step, "process": jax.process_index(),
-                    "processes": jax.process_count(), "leaves": leaves, "data": data_state}
-        (partial / MANIFEST).write_text(json.dumps(manifest))
+        sums, nonfinite = checksums.summarise(state)
+        if nonfinite:
+            return
+        meta = {"format": FORMAT, "step": step, "process": jax.process_index(), "processes": jax.process_count(),
+                "layout": layout(state), "checksum_algorithm": checksums.ALGORITHM, "checksums": sums,
+                "data_checksum": checksums.json_digest(data_state)}
         final = self.directory / str(step)
-        shutil.rmtree(final, ignore_errors=True)  # a step written again after a resume from before it
-        partial.rename(final)
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(final, ignore_errors=True)  # a step written again after a resume from before it
+            self._orbax.save(final, args=ocp.args.Composite(**{
+                STATE: ocp.args.PyTreeSave(state), DATA: ocp.args.JsonSave(data_state), META: ocp.args.JsonSave(meta)}))
+        except Exception as error:  # noqa: BLE001 - orbax and tensorstore raise many types
+            self._warn_failed(error)
+            self.remove_unfinished()
+            return
+        self.last_saved = step
+        self._pending = self._committer.submit(self._commit)
+
+    def _commit(self) -> None:
+        self._orbax.wait_until_finished()
         for old in self.steps()[self.keep:]:
             shutil.rmtree(self.directory / str(old), ignore_errors=True)
 
@@ -132,44 +174,62 @@ class LocalTier:
             pending.result()
         except Exception as error:  # noqa: BLE001 - disk full, permissions, I/O: all the same here
             self.last_saved = None
-            if not self._failed_once:
-                self._failed_once = True
-                print(f"warning: process {jax.process_index()}: a local checkpoint write in {self.directory} "
-                      f"failed ({type(error).__name__}: {error}); the run goes on and the persistent tier "
-                      "still protects it", file=sys.stderr, flush=True)
+            self._warn_failed(error)
+            self.remove_unfinished()
+
+    def _warn_failed(self, error: BaseException) -> None:
+        if not self._failed_once:
+            self._failed_once = True
+            print(f"warning: process {jax.process_index()}: a local checkpoint write in {self.directory} "
+                  f"failed ({cause(error)}); the run goes on and the persistent tier still protects it",
+                  file=sys.stderr, flush=True)
+
+    def remove_unfinished(self) -> None:
+        """Removes the writes that did not complete (this process's, killed or failed mid-write)."""
+        if self.directory.is_dir():
+            for unfinished in self.directory.glob(f"*{UNFINISHED}*"):
+                shutil.rmtree(unfinished, ignore_errors=True)
 
     def close(self) -> None:
         self.wait()
-        self._writer.shutdown(wait=True)
+        self._committer.shutdown(wait=True)
+        self._orbax.close()
 
     # ------------------------------------------------------------------------------------------
     # Reading
 
     def steps(self) -> list[int]:
-        """This process's committed local steps, newest first (a `.partial` write is not one)."""
+        """This process's committed local steps, newest first (orbax's unfinished writes are not)."""
         if not self.directory.is_dir():
             return []
         return sorted((int(p.name) for p in self.directory.iterdir() if p.name.isdigit() and p.is_dir()),
                       reverse=True)
 
-    def load(self, step: int, abstract_state):
-        """(state, data position) of local `step`, each array placed in `abstract_state`'s sharding,
-        every file checked against its CRC-32. Raises LocalDamaged with the reason."""
+    def load(self, step: int, abstract_state) -> tuple[object, dict, dict]:
+        """(state, data position, meta) of local `step`, each array placed in `abstract_state`'s
+        sharding. Raises LocalDamaged with the reason. The state is not verified here: that takes
+        every process (verify_loaded), and a process that failed to read would not be there."""
         folder = self.directory / str(step)
+        reader = _orbax_checkpointer(asynchronous=False)
         try:
-            manifest = json.loads((folder / MANIFEST).read_text())
-        except (OSError, ValueError) as error:
-            raise LocalDamaged(f"its manifest cannot be read ({type(error).__name__})") from None
-        flat, treedef = jax.tree_util.tree_flatten_with_path(abstract_state)
-        if manifest.get("format") != FORMAT or len(manifest.get("leaves", [])) != len(flat):
-            raise LocalDamaged("it holds another state's tree")
-        arrays = []
-        for (path, want), entry in zip(flat, manifest["leaves"]):
-            if (entry["path"], entry["shape"], entry["dtype"]) != (jax.tree_util.keystr(path), list(want.shape),
-                                                                   str(want.dtype)):
-                raise LocalDamaged(f"its {entry['path']} does not fit this run's state")
-            arrays.append(_assemble(folder, entry, want))
-        return jax.tree_util.tree_unflatten(treedef, arrays), manifest["data"]
+            meta = reader.restore(folder, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()}))[META]
+        except Exception as error:  # noqa: BLE001
+            raise LocalDamaged(f"cannot be read ({cause(error)})") from None
+        if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("step") != step:
+            raise LocalDamaged("was written by another version of this tier")
+        if meta.get("layout") != layout(abstract_state):
+            raise LocalDamaged("was saved on another mesh or process layout")
+        restore_args = jax.tree_util.tree_map(
+            lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding, global_shape=x.shape, dtype=x.dtype), abstract_state)
+        try:
+            restored = reader.restore(folder, args=ocp.args.Composite(**{
+                STATE: ocp.args.PyTreeRestore(abstract_state, restore_args=restore_args),
+                DATA: ocp.args.JsonRestore()}))
+        except Exception as error:  # noqa: BLE001 - orbax and tensorstore raise many types
+            raise LocalDamaged(f"cannot be read ({cause(error)})") from None
+        finally:
+            reader.close()
+        return restored[STATE], restored[DATA], meta
 
     def set_aside(self, step: int) -> Path:
         """Moves a damaged local step out of the way (kept, for a person to look at); returns where."""
@@ -190,27 +250,16 @@ class LocalTier:
                 shutil.rmtree(self.directory / str(newer), ignore_errors=True)
 
 
-def _assemble(folder: Path, entry: dict, want) -> jax.Array:
-    files = {str(s["index"]): s for s in entry["shards"]}
-    dtype = jax.numpy.dtype(entry["dtype"])
-    read = {}
-    singles = []
-    for device, index in want.sharding.addressable_devices_indices_map(tuple(want.shape)).items():
-        key = str(_index_key(index, tuple(want.shape)))
-        if key not in files:
-            raise LocalDamaged(f"it holds no shard {key} of {entry['path']} for this mesh")
-        if key not in read:
-            shard = files[key]
-            try:
-                raw = (folder / shard["file"]).read_bytes()
-            except OSError as error:
-                raise LocalDamaged(f"its file {shard['file']} cannot be read ({type(error).__name__})") from None
-            if zlib.crc32(raw) != shard.get("crc32"):
-                raise LocalDamaged(f"its file {shard['file']} ({entry['path']}) failed its CRC-32 check")
-            shape = [stop - start for start, stop in shard["index"]]
-            try:
-                read[key] = np.frombuffer(raw, dtype=dtype).reshape(shape)
-            except ValueError:
-                raise LocalDamaged(f"its file {shard['file']} has the wrong size for {entry['path']}") from None
-        singles.append(jax.device_put(read[key], device))
-    return jax.make_array_from_single_device_arrays(tuple(want.shape), want.sharding, singles)
+def verify_loaded(state, data_state: dict, meta: dict) -> str | None:
+    """Why a loaded local step is not what was saved (None: it is). A collective: the checksums are
+    global sums over every process's shards, so every process calls it with its own load of the
+    same step, and a damaged shard on any process shows on all."""
+    if meta.get("checksum_algorithm") != checksums.ALGORITHM:
+        return f"has checksums of an unknown kind ({meta.get('checksum_algorithm')!r})"
+    computed, _ = checksums.summarise(state)
+    difference = checksums.first_difference(meta.get("checksums", {}), computed)
+    if difference is not None:
+        return f"failed verification ({difference})"
+    if checksums.json_digest(data_state) != meta.get("data_checksum"):
+        return "failed verification (its data position does not match its checksum)"
+    return None
