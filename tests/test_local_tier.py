@@ -82,6 +82,8 @@ def test_unfinished_writes_are_not_steps_and_local_keep_holds(tmp_path, fsdp):
     local.wait()
     assert local.steps() == [3, 2]
     (local.directory / f"5{UNFINISHED}").mkdir()  # what a process killed mid-write leaves
+    shutil.copytree(local.directory / "3", local.directory / "4")
+    (local.directory / "4" / "checksums.json").unlink()  # ... or killed after orbax's commit, before its last act
     assert local.steps() == [3, 2]
     local.remove_unfinished()
     assert sorted(p.name for p in local.directory.iterdir()) == ["2", "3"]

@@ -97,19 +97,33 @@ def summariser(replicated):
     return jax.jit(lambda leaves: [_leaf_summary(x) for x in leaves], out_shardings=replicated)
 
 
-def summarise(tree) -> tuple[dict[str, str], list[str]]:
-    """({leaf name: 16-hex-digit checksum}, names of the leaves holding inf/NaN) of a pytree of
-    global arrays. Blocks until computed: callers are at a sync point already (a save, a restore)."""
-    names, leaves = leaf_names(tree), jax.tree_util.tree_leaves(tree)
+def start_summary(tree):
+    """Dispatches the summaries of a pytree of global arrays and returns at once: (leaf names, the
+    summaries still on the devices). Every process dispatches it at the same point (a collective
+    program); `finish_summary` waits for it, in any thread. Later steps that donate the arrays
+    wait for this read first (JAX orders a donation after the reads already dispatched)."""
+    leaves = jax.tree_util.tree_leaves(tree)
     meshes = {x.sharding.mesh for x in leaves if isinstance(getattr(x, "sharding", None), NamedSharding)}
     replicated = NamedSharding(meshes.pop(), PartitionSpec()) if len(meshes) == 1 else None
-    summaries = jax.device_get(summariser(replicated)(leaves))
+    return leaf_names(tree), summariser(replicated)(leaves)
+
+
+def finish_summary(started) -> tuple[dict[str, str], list[str]]:
+    """({leaf name: 16-hex-digit checksum}, names of the leaves holding inf/NaN) of `start_summary`'s
+    result; blocks until it is computed."""
+    names, on_devices = started
     checksums, nonfinite = {}, []
-    for name, (sums, finite) in zip(names, summaries):
+    for name, (sums, finite) in zip(names, jax.device_get(on_devices)):
         checksums[name] = "".join(f"{int(s):08x}" for s in np.asarray(sums))
         if not bool(finite):
             nonfinite.append(name)
     return checksums, nonfinite
+
+
+def summarise(tree) -> tuple[dict[str, str], list[str]]:
+    """({leaf name: 16-hex-digit checksum}, names of the leaves holding inf/NaN) of a pytree of
+    global arrays. Blocks until computed: callers are at a sync point already (a save, a restore)."""
+    return finish_summary(start_summary(tree))
 
 
 def json_digest(value) -> str:

@@ -56,8 +56,10 @@ class OrbaxErrorLogFilter(logging.Filter):
         if "orbax" not in record.pathname:
             return True
         # Reading a step's `state` item on its own (the params readers) has no step-level
-        # metadata file beside it, which orbax warns about although nothing is wrong.
-        return record.levelno < logging.ERROR and not record.getMessage().startswith("Metadata file does not exist")
+        # metadata file beside it, and the local tier's saves have no primary host (each process
+        # saves its own: checkpoint/local_tier.py); orbax warns about both although nothing is wrong.
+        return record.levelno < logging.ERROR and not record.getMessage().startswith(
+            ("Metadata file does not exist", "Global object size logging disabled"))
 
 
 class UnreadReadFailureFilter(logging.Filter):

@@ -5,8 +5,9 @@
 - `state`: the arrays of the train state as far as this process's devices hold them (each process
   writes its own shards, into its own folder);
 - `data`:  this process's data position;
-- `meta`:  the step, the process layout and mesh it was saved on, and the checksums of the whole
-  state (checksums.py: global sums, the same on every process) and of the data position.
+- `meta`:  the step, the process layout and mesh it was saved on, and the data position's checksum;
+and beside them `checksums.json`, the checksums of the whole state (checksums.py: global sums, the
+same on every process).
 Nothing else: a local step restores only onto the same mesh and process layout (a replaced node,
 another mesh or another process count finds nothing it can use, and the run falls back to the
 persistent tier, which restores onto any mesh). It is a cache of the persistent tier, never a
@@ -27,17 +28,20 @@ Item directories are created synchronously: orbax's asynchronous creation signal
 through a key every process shares, which lets one process's signal release another's writes
 into directories not yet made.
 
-Saves are asynchronous: `save` computes the checksums and lets orbax copy this process's shards
-off the devices (the stall), then returns; orbax writes into `<step>.orbax-checkpoint-tmp` and
-renames it to `<step>` once complete, so a process killed mid-write leaves nothing a resume would
-pick. A failed local write is one warning and the run goes on (the persistent tier still protects
-it): the tier is a cache.
+Saves are asynchronous: `save` dispatches the checksums (global sums of the state, computed on
+the devices) without waiting for them and lets orbax copy this process's shards off the devices
+(the stall), then returns. In the background orbax writes into `<step>.orbax-checkpoint-tmp` and
+renames it to `<step>` once complete; then the checksums are written into it as
+`checksums.json`, the save's last act, which makes it a step. So a process killed mid-write leaves
+nothing a resume would pick. A failed local write is one warning and the run goes on (the
+persistent tier still protects it): the tier is a cache.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import sys
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -53,6 +57,7 @@ from maxtext_rocm.checkpoint.errors import cause
 STATE, DATA, META = "state", "data", "meta"
 FORMAT = 2  # 1: raw shard files with a CRC-32 manifest (before the tier wrote through orbax)
 UNFINISHED = ".orbax-checkpoint-tmp"  # orbax's suffix for a step still being written
+CHECKSUMS = "checksums.json"  # written into a step once orbax has committed it: the save's last act
 
 
 class LocalDamaged(Exception):
@@ -135,17 +140,14 @@ class LocalTier:
 
     def save(self, step: int, state, data_state: dict) -> None:
         """Starts the save of this process's shards of `state` (every process calls it at the same
-        step: the checksums are global sums); returns once they are off the devices. Waits first
-        for the previous local write (one in flight at a time). A state holding inf/NaN is not
-        saved: the persistent tier's save or the divergence check reports it."""
+        step: the checksums are global sums); returns once orbax has them off the devices. Waits
+        first for the previous local write (one in flight at a time)."""
         if step == self.last_saved:
             return
         self.wait()
-        sums, nonfinite = checksums.summarise(state)
-        if nonfinite:
-            return
+        summary = checksums.start_summary(state)  # dispatched, not waited for: the commit reads it
         meta = {"format": FORMAT, "step": step, "process": jax.process_index(), "processes": jax.process_count(),
-                "layout": layout(state), "checksum_algorithm": checksums.ALGORITHM, "checksums": sums,
+                "layout": layout(state), "checksum_algorithm": checksums.ALGORITHM,
                 "data_checksum": checksums.json_digest(data_state)}
         final = self.directory / str(step)
         try:
@@ -158,12 +160,23 @@ class LocalTier:
             self.remove_unfinished()
             return
         self.last_saved = step
-        self._pending = self._committer.submit(self._commit)
+        self._pending = self._committer.submit(self._commit, final, summary)
 
-    def _commit(self) -> None:
+    def _commit(self, final: Path, summary) -> bool:
+        """In the background: waits for orbax's write, then writes the checksums into the step, which
+        makes it a step (steps()), and keeps local_keep steps. A state holding inf/NaN is not kept
+        (the persistent tier's save or the divergence check reports it): returns False then."""
         self._orbax.wait_until_finished()
+        sums, nonfinite = checksums.finish_summary(summary)
+        if nonfinite:
+            shutil.rmtree(final, ignore_errors=True)
+            return False
+        partial = final / f"{CHECKSUMS}.partial"
+        partial.write_text(json.dumps(sums))
+        os.replace(partial, final / CHECKSUMS)
         for old in self.steps()[self.keep:]:
             shutil.rmtree(self.directory / str(old), ignore_errors=True)
+        return True
 
     def wait(self) -> None:
         """Waits for the write in flight; a failed one is a warning (the tier is a cache)."""
@@ -171,7 +184,8 @@ class LocalTier:
         if pending is None:
             return
         try:
-            pending.result()
+            if not pending.result():
+                self.last_saved = None
         except Exception as error:  # noqa: BLE001 - disk full, permissions, I/O: all the same here
             self.last_saved = None
             self._warn_failed(error)
@@ -185,10 +199,12 @@ class LocalTier:
                   file=sys.stderr, flush=True)
 
     def remove_unfinished(self) -> None:
-        """Removes the writes that did not complete (this process's, killed or failed mid-write)."""
+        """Removes the writes that did not complete (this process's, killed or failed mid-write):
+        orbax's temporary directories, and steps that orbax committed but that have no checksums."""
         if self.directory.is_dir():
-            for unfinished in self.directory.glob(f"*{UNFINISHED}*"):
-                shutil.rmtree(unfinished, ignore_errors=True)
+            for unfinished in self.directory.iterdir():
+                if UNFINISHED in unfinished.name or (unfinished.name.isdigit() and not (unfinished / CHECKSUMS).is_file()):
+                    shutil.rmtree(unfinished, ignore_errors=True)
 
     def close(self) -> None:
         self.wait()
@@ -199,10 +215,11 @@ class LocalTier:
     # Reading
 
     def steps(self) -> list[int]:
-        """This process's committed local steps, newest first (orbax's unfinished writes are not)."""
+        """This process's complete local steps, newest first: orbax committed them and their
+        checksums are written (the last act of a save)."""
         if not self.directory.is_dir():
             return []
-        return sorted((int(p.name) for p in self.directory.iterdir() if p.name.isdigit() and p.is_dir()),
+        return sorted((int(p.name) for p in self.directory.iterdir() if p.name.isdigit() and (p / CHECKSUMS).is_file()),
                       reverse=True)
 
     def load(self, step: int, abstract_state) -> tuple[object, dict, dict]:
@@ -217,6 +234,10 @@ class LocalTier:
             raise LocalDamaged(f"cannot be read ({cause(error)})") from None
         if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("step") != step:
             raise LocalDamaged("was written by another version of this tier")
+        try:
+            meta["checksums"] = json.loads((folder / CHECKSUMS).read_text())
+        except (OSError, ValueError) as error:
+            raise LocalDamaged(f"has no readable {CHECKSUMS} ({cause(error)})") from None
         if meta.get("layout") != layout(abstract_state):
             raise LocalDamaged("was saved on another mesh or process layout")
         restore_args = jax.tree_util.tree_map(
