@@ -103,14 +103,41 @@ def test_without_local_dir_a_left_local_tier_is_not_read(reference, tmp_path):
     assert_same_run(run, reference)
 
 
-def test_lora_with_a_local_tier_is_one_sentence(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "maxtext_rocm.train", "configs/tiny_llama.py",
-                             "--config.lora.rank=2", f"--config.checkpoint.local_dir={tmp_path}",
-                             f"--config.output_dir={tmp_path / 'run'}"],
-                            cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True)
-    assert result.returncode == 2, result.stderr
-    assert "checkpoint.local_dir is not supported with lora.rank=2" in result.stderr
-    assert "Traceback" not in result.stderr
+@pytest.mark.slow  # CI budget: three runs of 12 steps; the tier's own path is the tests above
+def test_a_lora_run_resumes_from_the_local_tier_bit_exact_and_checks_its_base(tmp_path):
+    """A LoRA run's local steps hold its adapters and record its base as its persistent checkpoints
+    do: the resume is bit-exact, and a resume onto another base is refused as from the persistent tier."""
+    lora = ["--config.lora.rank=2"]
+    reference = tmp_path / "reference"
+    code, _, err = finish(start(reference, *TIERS, *lora))
+    assert code == 0, err
+    run, local = tmp_path / "run", tmp_path / "local"
+    process = start(run, *TIERS, *lora, f"--config.checkpoint.local_dir={local}")
+    folder = run_folder(str(local), str(run)) / "process-0-of-1"
+    wait_for_step(run, 7, process)
+    while 6 not in local_steps(folder):
+        assert process.poll() is None, process.communicate()
+        time.sleep(0.02)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    newest = local_steps(folder)[-1]
+    meta = json.loads((folder / str(newest) / "meta" / "metadata").read_text())
+    assert meta["lora"]["rank"] == 2 and meta["lora"]["base"]["seed"] is not None
+
+    other_base = finish(start(run, *TIERS, *lora, f"--config.checkpoint.local_dir={local}", "--config.train.seed=7"))
+    assert other_base[0] == 2 and "Traceback" not in other_base[2], other_base[2]
+    assert f"the local tier's step {newest}" not in other_base[1]  # refused before it trained on
+    assert "base" in other_base[2].splitlines()[-1], other_base[2]
+
+    code, out, err = finish(start(run, *TIERS, *lora, f"--config.checkpoint.local_dir={local}"))
+    assert code == 0, err
+    assert f"resumed from the local tier's step {newest}" in out, out
+    got, want = logged(run), logged(reference)
+    assert sorted(got) == sorted(want)
+    for step, losses in got.items():
+        assert all(loss == want[step][0] for loss in losses), (step, losses, want[step])
+    final = [json.loads((r / "checkpoints" / "12" / "meta" / "metadata").read_text())["checksums"] for r in (run, reference)]
+    assert final[0] == final[1]
 
 
 def test_a_local_save_writes_only_this_process_s_files_and_keeps_local_keep(reference, tmp_path):

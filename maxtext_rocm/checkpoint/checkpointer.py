@@ -78,6 +78,10 @@ class Resume:
     def where(self, step: int) -> str:
         return f"the local tier's step {step}" if self.local is not None else f"{self.manager.directory}/{step}"
 
+    def step_dir(self, step: int) -> Path:
+        """The directory of `step`, whose `meta` records what the run was built from (either tier)."""
+        return self.local.folder if self.local is not None else Path(self.manager.directory) / str(step)
+
 
 class Checkpointer:
     """Saves and restores one run's checkpoints. Every process calls every method (orbax
@@ -133,7 +137,7 @@ class Checkpointer:
 
     def save_local(self, step: int, state, data_state: dict) -> None:
         """Starts the local tier's save of `step` (this process's shards; every process calls it)."""
-        self.local.save(step, state, data_state)
+        self.local.save(step, state, data_state, self.built_from)
 
     def has_saved(self, step: int) -> bool:
         """Whether this Checkpointer has already started the save of `step` (save() would do nothing)."""

@@ -5,7 +5,8 @@
 - `state`: the arrays of the train state as far as this process's devices hold them (each process
   writes its own shards, into its own folder);
 - `data`:  this process's data position;
-- `meta`:  the step, the process layout and mesh it was saved on, and the data position's checksum;
+- `meta`:  the step, the process layout and mesh it was saved on, the data position's checksum and
+  (a LoRA run) its base, as a persistent checkpoint's `meta` records it;
 and beside them `checksums.json`, the checksums of the whole state (checksums.py: global sums, the
 same on every process).
 Nothing else: a local step restores only onto the same mesh and process layout (a replaced node,
@@ -138,17 +139,19 @@ class LocalTier:
     # ------------------------------------------------------------------------------------------
     # Saving
 
-    def save(self, step: int, state, data_state: dict) -> None:
+    def save(self, step: int, state, data_state: dict, built_from: dict | None = None) -> None:
         """Starts the save of this process's shards of `state` (every process calls it at the same
         step: the checksums are global sums); returns once orbax has them off the devices. Waits
-        first for the previous local write (one in flight at a time)."""
+        first for the previous local write (one in flight at a time). `built_from`: what the run was
+        built from beyond its config (a LoRA run's base), recorded in `meta` as the persistent tier
+        records it, so that a resume from either checks it the same way."""
         if step == self.last_saved:
             return
         self.wait()
         summary = checksums.start_summary(state)  # dispatched, not waited for: the commit reads it
         meta = {"format": FORMAT, "step": step, "process": jax.process_index(), "processes": jax.process_count(),
                 "layout": layout(state), "checksum_algorithm": checksums.ALGORITHM,
-                "data_checksum": checksums.json_digest(data_state)}
+                "data_checksum": checksums.json_digest(data_state), **(built_from or {})}
         final = self.directory / str(step)
         try:
             self.directory.mkdir(parents=True, exist_ok=True)

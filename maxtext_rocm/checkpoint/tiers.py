@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -24,10 +25,11 @@ _MAX_STEPS = 64  # local steps each process reports; local_keep is far below it
 
 @dataclasses.dataclass
 class LocalRestore:
-    """A resume from the local tier: the state, its data position and step."""
+    """A resume from the local tier: the state, its data position and step, and the step's folder."""
     state: object
     data_state: dict
     step: int
+    folder: Path
 
 
 def _gather_rows(row: np.ndarray) -> np.ndarray:
@@ -75,7 +77,7 @@ def restore_newest_common(tier: LocalTier, candidates: list[int], persistent_new
             why = verify_loaded(state, data_state, meta)
             failed = _failed_processes(why is not None)
         if not failed:
-            return LocalRestore(state, data_state, step), (
+            return LocalRestore(state, data_state, step, tier.directory / str(step)), (
                 f"resuming from the local tier at step {step}: the newest step every process holds intact"
                 + (f" (the newest persistent checkpoint is step {persistent_newest})"
                    if persistent_newest is not None else " (no persistent checkpoint yet)"))

@@ -183,9 +183,6 @@ def _check_train(cfg) -> None:
     _require(t.objective != "dpo" or t.z_loss_weight == 0,
              f"train.z_loss_weight={t.z_loss_weight} applies to the language-model loss only; set it to 0 "
              "with train.objective='dpo'")
-    _require(not (cfg.checkpoint.local_dir and cfg.lora.rank), "checkpoint.local_dir is not supported with "
-             f"lora.rank={cfg.lora.rank} (a LoRA run's resume checks its base against a persistent checkpoint); "
-             "leave checkpoint.local_dir empty")
     _require(t.compilation_cache.strip() != "",
              f"train.compilation_cache must be 'auto', 'off' or a directory, got {t.compilation_cache!r}")
 

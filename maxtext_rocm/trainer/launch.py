@@ -171,8 +171,7 @@ def launch(cfg, model, mesh, batch_sharding, batch_dtypes, checkpointer, shardin
     layout = stored_state(cfg, model, mesh)
     step = jit_train_step(cfg, model, mesh, layout.sharding, batch_sharding)
     # A local tier's resume (checkpoint.local_dir) reads its state here, into the model order's layout.
-    resume = checkpointer.find_resume(layout.abstract if layout.storage_order is None
-                                      else layout.storage_order.canonical_abstract) if checkpointer else None
+    resume = checkpointer.find_resume(resumable_abstract(cfg, layout)) if checkpointer else None
     if checkpointer and checkpointer.tier_line:
         log(checkpointer.tier_line)
     if resume and resume.newest > cfg.train.steps:  # the newest the resume may read
@@ -191,7 +190,7 @@ def launch(cfg, model, mesh, batch_sharding, batch_dtypes, checkpointer, shardin
         # Before anything is read: other adapters' settings would otherwise read as "does not fit this model".
         from maxtext_rocm.checkpoint.reading import checkpoint_meta
 
-        newest = Path(resume.manager.directory) / str(resume.steps[0])
+        newest = resume.step_dir(resume.newest)
         lora_base.check_hyperparameters(lora_base.recorded(checkpoint_meta(newest)), cfg.lora, newest)
         made = compilation.in_thread(restored_lora_state, cfg, compilation.lower_init(init_jit, layout.key),
                                      layout.key, checkpointer, resume, layout.abstract, log)
@@ -253,6 +252,13 @@ def lower_step(step, cfg, mesh, abstract, batch_sharding, batch_dtypes, row_leng
     shape = (global_batch_size(cfg, mesh.size), row_length or cfg.train.seq_len)
     batch = {k: jax.ShapeDtypeStruct(shape, dtype, sharding=batch_sharding) for k, dtype in batch_dtypes.items()}
     return step.lower(abstract, batch, optimizer_hyperparameters(cfg, mesh, abstract=True))
+
+
+def resumable_abstract(cfg, layout):
+    """The state a checkpoint holds, abstract: model order (a pipeline stores its own), and for a
+    LoRA run no base (its checkpoints hold the adapters; the base comes from where it always does)."""
+    abstract = layout.abstract if layout.storage_order is None else layout.storage_order.canonical_abstract
+    return abstract.replace(frozen={}) if lora.enabled(cfg.lora) else abstract
 
 
 def restored_state(checkpointer, resume, abstract, log, storage_order=None):
@@ -347,7 +353,7 @@ def restored_lora_state(cfg, init_lowered, key, checkpointer, resume, abstract, 
     restored, data_state, step = checkpointer.restore(resume, abstract.replace(frozen={}))
     initialised = initialised_state(init_lowered, key, abstract).frozen
     base = lora_base_of(cfg, initialised, abstract.frozen)
-    where = Path(resume.manager.directory) / str(step)
+    where = resume.step_dir(step)
     from maxtext_rocm.checkpoint.reading import checkpoint_meta
 
     warning = lora_base.check_base(lora_base.recorded(checkpoint_meta(where)), base.identity, cfg.lora, where,
@@ -355,7 +361,7 @@ def restored_lora_state(cfg, init_lowered, key, checkpointer, resume, abstract, 
     if warning:
         log(f"warning: {warning}")
     checkpointer.built_from = lora_base.run_record(cfg.lora, base.identity)
-    log(f"resumed from {resume.manager.directory}/{step}"
+    log(f"resumed from {resume.where(step)}"
         + (f" (LoRA base from {cfg.checkpoint.load_params_from})" if lora_base.base_pointer(cfg) else ""))
     return restored.replace(frozen=base.frozen), int(data_state["step"]), data_state
 
