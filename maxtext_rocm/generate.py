@@ -45,17 +45,19 @@ def _decoder(model_cfg, policy, batch: int, prompt_len: int, max_new: int, tempe
     """The jitted prefill + decode loop for one shape and one sampling setting."""
     model = build_model(model_cfg, policy, decode=True)
     run = decode_loop(model, batch, prompt_len, max_new, temperature, top_k, top_p, stop_ids)
-    return jax.jit(lambda params, tokens, positions, key: run({"params": params}, tokens, positions, key)[:2])
+    return jax.jit(lambda variables, tokens, positions, key: run(variables, tokens, positions, key)[:2])
 
 
 def generate(cfg, params, prompt_tokens, max_new_tokens: int = 64, temperature: float = 0.0,
-             top_k: int = 0, top_p: float = 1.0, seed: int = 0, eos_id=None, pad_to: int = 0):
+             top_k: int = 0, top_p: float = 1.0, seed: int = 0, eos_id=None, pad_to: int = 0, policy=None):
     """Continues each prompt of `prompt_tokens` (a list of token-id sequences, any lengths) by up
     to `max_new_tokens` tokens: greedy at temperature 0, else sampled (top_k, top_p), the same
     for the same seed. A row stops after `eos_id` (an id or several, e.g. a chat's end-of-turn and
     EOS; kept in its output). `pad_to`: left-pad the prompts to at least this length, so that calls
     with prompts of different lengths share one compiled program (evaluation's buckets). Returns one
-    int32 array of new tokens per prompt; a single prompt (one sequence of ints) gives one array."""
+    int32 array of new tokens per prompt; a single prompt (one sequence of ints) gives one array.
+    `params` may also be a model's variables (a training LoRA run's {"params": base, "adapters": ...},
+    applied by `policy`, the precision policy to decode with; default cfg.precision's)."""
     single = len(prompt_tokens) > 0 and np.ndim(prompt_tokens[0]) == 0
     prompts = [np.asarray(p, np.int32).reshape(-1) for p in ([prompt_tokens] if single else prompt_tokens)]
     vocab = cfg.model.vocab_size
@@ -69,15 +71,14 @@ def generate(cfg, params, prompt_tokens, max_new_tokens: int = 64, temperature: 
         raise UserError(f"temperature={temperature}, top_k={top_k}, top_p={top_p}: need temperature >= 0 "
                         "(0 = greedy), top_k >= 0 (0 = all tokens) and 0 < top_p <= 1")
     params = nn.meta.unbox(params)
-    if set(params) == {"params"}:
-        params = params["params"]
+    variables = dict(params) if "params" in params else {"params": params}
     stop_ids = tuple(int(i) for i in np.atleast_1d(np.asarray([] if eos_id is None else eos_id, np.int64)))
     tokens, positions = left_pad(prompts, pad_to)
     cfg = resolve_here(cfg, seq_len=tokens.shape[1])
-    run = _decoder(decoding_model_cfg(cfg.model), policy_from_config(cfg.precision), len(prompts),
-                   tokens.shape[1], int(max_new_tokens), float(temperature), int(min(top_k, vocab)),
+    run = _decoder(decoding_model_cfg(cfg.model), policy_from_config(cfg.precision) if policy is None else policy,
+                   len(prompts), tokens.shape[1], int(max_new_tokens), float(temperature), int(min(top_k, vocab)),
                    float(top_p), stop_ids)
-    out, steps = jax.device_get(run(params, tokens, positions, jax.random.key(seed)))
+    out, steps = jax.device_get(run(variables, tokens, positions, jax.random.key(seed)))
     results = []
     for row in out[:, :steps]:
         stop = np.flatnonzero(np.isin(row, stop_ids)) if stop_ids else []

@@ -1,7 +1,8 @@
 """The training entry point: `python -m maxtext_rocm.train CONFIG.py[:VARIANT] [--config.KEY=VALUE ...]`.
 
 The command line only: load the config, start the distributed runtime, agree on the config with
-every process, build the Trainer (maxtext_rocm/trainer/trainer.py) and run it, and map how the run
+every process, build the Trainer (maxtext_rocm/trainer/trainer.py) with the periodic hooks the config
+asks of the layers above it (eval/in_training.py: lm-eval's harness) and run it, and map how the run
 ended to an exit code: 0 done (or stopped by SIGTERM, checkpointed), 2 a user error, 3 divergence,
 130 stopped by SIGINT; 5 a lost peer (runtime/peers.py).
 """
@@ -14,6 +15,7 @@ import jax
 
 from maxtext_rocm import config as config_lib
 from maxtext_rocm.config import help as config_help
+from maxtext_rocm.eval.in_training import harness_hooks
 from maxtext_rocm.reporting import run_summary
 from maxtext_rocm.runtime import distributed, preemption, startup_signals
 from maxtext_rocm.runtime.peers import USER_ERROR_EXIT_STATUS
@@ -60,7 +62,8 @@ def _main(argv: list[str]) -> int:
         if cfg.train.hang_timeout_s:
             watchdog = HangWatchdog(cfg.train.hang_timeout_s, cfg.train.startup_timeout_s, cfg.output_dir,
                                     cfg.train.steps, process_index=jax.process_index()).start()
-        trainer = Trainer(cfg)
+        hooks = harness_hooks(cfg)  # eval.harness_*: lm-eval and its tasks found, before any step
+        trainer = Trainer(cfg, hooks=hooks)
         if trainer.is_finished():  # a finished run relaunched: one line, not a header and silence
             if trainer.is_logger:
                 print(run_summary.already_trained(cfg.output_dir, trainer.step_count, cfg.train.steps), flush=True)

@@ -91,8 +91,9 @@ LAYERS = [
     ["checkpoint", "reporting", "runtime"],
     ["trainer"],
     ["api", "planner", "convert"],
-    ["train", "generate", "compile", "goodput"],
+    ["generate", "compile", "goodput"],
     ["eval"],  # lm-evaluation-harness's model over api, generate and convert's record of the original
+    ["train"],  # the command line: builds the Trainer with eval's periodic hooks (trainer/hooks.py)
     ["maxtext_rocm"],
 ]
 

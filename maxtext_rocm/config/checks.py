@@ -50,6 +50,7 @@ def validate(cfg: ml_collections.ConfigDict, device_count: int | None = None,
     _check_grpo(cfg)
     _check_lora(cfg.lora, cfg.model, cfg.mesh)
     _check_data(cfg)
+    _check_eval(cfg.eval)
     _check_log(cfg.log)
     _check_distributed(cfg.distributed)
     _check_mesh(cfg.mesh)
@@ -330,6 +331,20 @@ def _check_data(cfg) -> None:
 def built_in_template(name: str) -> bool:
     """data.chat_template names no file: the tokenizer's own ('') or a built-in one."""
     return name in ("", *CHAT_TEMPLATES)
+
+
+def _check_eval(e) -> None:
+    """The harness's keys together; its task names and include path are lm-eval's to check, at
+    start-up (maxtext_rocm/eval/in_training.py), where lm-eval is installed."""
+    tasks = tuple(t.strip() for t in e.harness_tasks)
+    _require(all(tasks), f"eval.harness_tasks={','.join(e.harness_tasks)!r} holds an empty name; give task names "
+             "separated by commas, such as hellaswag,arc_easy")
+    _require(bool(tasks) == bool(e.harness_every),
+             f"eval.harness_tasks={','.join(tasks)!r} with eval.harness_every={e.harness_every}: set both (tasks, "
+             "and the steps between their evaluations, >= 1) or neither")
+    _require(e.harness_limit < 1 or float(e.harness_limit).is_integer(),
+             f"eval.harness_limit={e.harness_limit} must be a whole number of documents, a fraction below 1, or 0 "
+             "for all")
 
 
 def _check_log(log) -> None:

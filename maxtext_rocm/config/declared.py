@@ -13,7 +13,8 @@ import math
 import ml_collections
 
 from maxtext_rocm.config.keys_model import MESH, MODEL, PIPELINE, PRECISION
-from maxtext_rocm.config.keys_run import CHECKPOINT, DATA, DISTRIBUTED, DPO, GRPO, LOG, LORA, OPTIMIZER, TRAIN
+from maxtext_rocm.config.keys_run import (CHECKPOINT, DATA, DISTRIBUTED, DPO, EVAL, GRPO, LOG, LORA, OPTIMIZER,
+                                         TRAIN)
 from maxtext_rocm.config.schema import Group, Key, check_value, leaves
 from maxtext_rocm.errors import ConfigError
 
@@ -21,8 +22,8 @@ SCHEMA = Group("A run's config.", {
     "name": Key("run", "the run's name"),
     "output_dir": Key("", "where the run writes; '' is runs/NAME"),
     "model": MODEL, "mesh": MESH, "pipeline": PIPELINE, "precision": PRECISION, "optimizer": OPTIMIZER,
-    "data": DATA, "train": TRAIN, "dpo": DPO, "grpo": GRPO, "checkpoint": CHECKPOINT, "lora": LORA, "log": LOG,
-    "distributed": DISTRIBUTED,
+    "data": DATA, "train": TRAIN, "dpo": DPO, "grpo": GRPO, "checkpoint": CHECKPOINT, "lora": LORA, "eval": EVAL,
+    "log": LOG, "distributed": DISTRIBUTED,
 })
 
 

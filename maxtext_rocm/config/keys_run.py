@@ -1,5 +1,5 @@
 """The declared keys of a run: what it reads, how it steps, saves, fine-tunes, logs and starts up
-(`optimizer`, `data`, `train`, `dpo`, `grpo`, `checkpoint`, `lora`, `log`, `distributed`; the model's
+(`optimizer`, `data`, `train`, `dpo`, `grpo`, `checkpoint`, `lora`, `eval`, `log`, `distributed`; the model's
 groups: config/keys_model.py; the whole config: config/declared.py)."""
 
 from __future__ import annotations
@@ -151,6 +151,17 @@ LORA = Group("Low-rank adapters beside a frozen base (checkpoint.load_params_fro
                  "allow_base_change": Key(False, "go on, with a warning, when a resume or reader finds another "
                                                  "base than the run recorded (refused otherwise)"),
              }, page="lora.md")
+
+EVAL = Group("lm-evaluation-harness during training (pip install -e '.[eval]'): its tasks scored on the live "
+             "parameters every eval.harness_every steps, beside train.eval_every's held-out loss.", {
+                 "harness_tasks": Key((), "lm-eval task names, comma-separated (its own, or eval.harness_include_path's); "
+                                          "empty: off"),
+                 "harness_every": Key(0, "steps between harness evaluations; 0: off", at_least=0),
+                 "harness_limit": Key(0.0, "at most this many documents per task (a fraction below 1: that share); "
+                                           "0: every document", at_least=0),
+                 "harness_include_path": Key("", "a folder of task YAML files to add to lm-eval's own"),
+                 "harness_batch_size": Key(16, "rows per forward pass of the harness", at_least=1),
+             }, page="evaluation.md")
 
 LOG = Group("Metrics: stdout, TensorBoard, Weights & Biases, profiles.", {
     "every": Key(10, "steps between logged lines", **POSITIVE),

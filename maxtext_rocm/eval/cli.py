@@ -12,11 +12,11 @@ import sys
 from pathlib import Path
 
 from maxtext_rocm.errors import UserError
+from maxtext_rocm.eval.tasks import not_installed, task_manager
 
 USAGE = ("python -m maxtext_rocm.eval RUN_OR_EXPORT --tasks T1,T2 [--include_path DIR] [--limit N] "
          "[--num_fewshot K] [--batch_size B] [--output_path DIR] [--log_samples] [--apply_chat_template] "
          "[--model_args KEY=VALUE,...]")
-INSTALL = "pip install -e '.[eval]'"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -36,26 +36,6 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _task_manager(include_path: str | None, tasks: list[str]):
-    """lm-eval's TaskManager, after the checks that make a wrong name one sentence."""
-    from lm_eval.tasks import TaskManager
-
-    if include_path is not None:
-        folder = Path(include_path)
-        if not folder.is_dir():
-            raise UserError(f"--include_path {include_path} is not a folder; give a folder of task YAML files")
-        if not any(folder.rglob("*.yaml")) and not any(folder.rglob("*.yml")):
-            raise UserError(f"--include_path {include_path} holds no task YAML file (*.yaml); give the folder "
-                            "that holds your tasks' YAML files")
-    manager = TaskManager(include_path=include_path)
-    unknown = [t for t in tasks if not t.endswith(".yaml") and not manager.match_tasks([t])]
-    if unknown:
-        where = f" or in --include_path {include_path}" if include_path else ""
-        raise UserError(f"unknown task {', '.join(map(repr, unknown))}: not one of lm-eval's tasks{where}; "
-                        "`python -m lm_eval ls tasks` lists them, --include_path DIR adds your own")
-    return manager
-
-
 def run(args: argparse.Namespace) -> dict:
     import lm_eval
     from lm_eval.loggers import EvaluationTracker
@@ -66,9 +46,7 @@ def run(args: argparse.Namespace) -> dict:
 
     run_config(args.run)  # a wrong path is one sentence before lm-eval indexes its tasks
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
-    if not tasks:
-        raise UserError("--tasks is empty; give task names such as --tasks hellaswag,arc_easy")
-    manager = _task_manager(args.include_path, tasks)
+    manager = task_manager(args.include_path, tasks)
     model_args = {**simple_parse_args_string(args.model_args), "run": args.run, "seed": args.seed}
     tracker = EvaluationTracker(output_path=args.output_path) if args.output_path else None
     results = lm_eval.simple_evaluate(
@@ -95,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import lm_eval  # noqa: F401
     except ImportError:
-        print(f"error: evaluation needs lm-evaluation-harness, which is not installed; run {INSTALL}", file=sys.stderr)
+        print(f"error: {not_installed('evaluation')}", file=sys.stderr)
         return 2
     from lm_eval.utils import make_table
 

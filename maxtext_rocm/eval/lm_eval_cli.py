@@ -9,15 +9,14 @@ reads task YAML, not Python). This imports ours, then hands the arguments to lm-
 
 import sys
 
-from maxtext_rocm.eval.cli import INSTALL
+from maxtext_rocm.eval.tasks import not_installed
 
 
 def main() -> int:
     try:
         from lm_eval.__main__ import cli_evaluate
     except ImportError:  # the optional extra: one sentence, as `python -m maxtext_rocm.eval` says it
-        print(f"error: evaluation needs lm-evaluation-harness, which is not installed; run {INSTALL}",
-              file=sys.stderr)
+        print(f"error: {not_installed('evaluation')}", file=sys.stderr)
         return 2
     import maxtext_rocm.eval.model  # noqa: F401  registers "maxtext_rocm"
 

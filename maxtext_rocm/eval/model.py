@@ -13,6 +13,10 @@ Model arguments (`--model_args run=RUN,batch_size=16,...`):
   add_bos_token   true/false: force a BOS before every text (default: eval/text.py's rules)
   precision       a precision.policy for the evaluation (fp32, bf16, ...; default the run's)
 
+From Python (the in-training harness, eval/in_training.py) the model may also be given whole:
+`params` (a params tree, or the model's variables: a training LoRA run's frozen base and adapters)
+with its `cfg`, the `policy` that applies them, the `mesh` they lie on, and `progress=False`.
+
 The three request types: `loglikelihood` (lm-eval's TemplateLM splits context and continuation
 as the `hf` backend does; eval/scoring.py scores them in fixed shapes), `loglikelihood_rolling`
 (lm-eval's own windows of max_length tokens, context 1, each scored as a continuation) and
@@ -90,7 +94,8 @@ class MaxTextLM(TemplateLM):
 
     def __init__(self, run: str | None = None, batch_size: int | str | None = None, max_length: int | None = None,
                  max_gen_toks: int | None = None, add_bos_token: bool | str | None = None,
-                 precision: str | None = None, seed: int = 0, params=None, cfg=None, **unused: Any):
+                 precision: str | None = None, seed: int = 0, params=None, cfg=None, policy=None, mesh=None,
+                 progress: bool = True, **unused: Any):
         super().__init__()
         from maxtext_rocm.api import load_params, run_config
 
@@ -108,10 +113,13 @@ class MaxTextLM(TemplateLM):
         self.max_gen_toks = _positive(max_gen_toks, "max_gen_toks", DEFAULT_MAX_GEN_TOKS)
         self.seed = int(seed)
         self.codec = TextCodec.for_run(self.cfg, _flag(add_bos_token, "add_bos_token"))
-        self.stop_ids = stop_token_ids(self.run, self.cfg, self.codec.tokenizer) if self.run else (
+        # Where the run's record is (a training run's output_dir), its stop ids are an export's.
+        record = self.run or self.cfg.get("output_dir")
+        self.stop_ids = stop_token_ids(record, self.cfg, self.codec.tokenizer) if record else (
             () if self.codec.tokenizer.eos_id is None else (int(self.codec.tokenizer.eos_id),))
-        self.params = params
-        self.scorer = Scorer(self.cfg, params, self.batch_size, self.max_length)
+        self.params, self.policy, self.progress = params, policy, progress
+        self.scorer = Scorer(self.cfg, params, self.batch_size, self.max_length, policy=policy, mesh=mesh)
+        self.batch_size = self.scorer.batch_size  # a multiple of the mesh's batch shards
 
     # -- what TemplateLM needs ------------------------------------------------------------------
 
@@ -141,7 +149,8 @@ class MaxTextLM(TemplateLM):
             whole = (list(context) + list(continuation))[-(self.max_length + 1):]
             rows.append(ScoredRow(whole, min(len(continuation), len(whole) - 1)))
         results = []
-        with tqdm(total=len(rows), disable=disable_tqdm, desc="maxtext_rocm log-likelihoods") as bar:
+        quiet = disable_tqdm or not self.progress
+        with tqdm(total=len(rows), disable=quiet, desc="maxtext_rocm log-likelihoods") as bar:
             step = self.batch_size * 8  # one progress update per few batches
             for start in range(0, len(rows), step):
                 for request, score in zip(requests[start:start + step], self.scorer(rows[start:start + step])):
@@ -174,7 +183,7 @@ class MaxTextLM(TemplateLM):
             by_settings.setdefault(json.dumps(request.args[1], sort_keys=True, default=str), []).append(index)
         out: list[str | None] = [None] * len(requests)
         eos_text = self.codec.special_text(self.eot_token_id)
-        bar = tqdm(total=len(requests), disable=disable_tqdm, desc="maxtext_rocm generate_until")
+        bar = tqdm(total=len(requests), disable=disable_tqdm or not self.progress, desc="maxtext_rocm generate_until")
         for indices in by_settings.values():
             kwargs = normalize_gen_kwargs(dict(requests[indices[0]].args[1]), self.max_gen_toks)
             until = handle_stop_sequences(kwargs.pop("until", None), eos=eos_text)
@@ -194,7 +203,7 @@ class MaxTextLM(TemplateLM):
                                top_k=int(kwargs.get("top_k") or 0) if sampled else 0,
                                top_p=float(kwargs.get("top_p") or 1.0) if sampled else 1.0,
                                seed=self.seed + start, eos_id=self.stop_ids,
-                               pad_to=bucket_for(len(rows[0]), room))
+                               pad_to=bucket_for(len(rows[0]), room), policy=self.policy)
                 for i, tokens in zip(chunk, new):
                     text = postprocess_generated_text(self.codec.decode(tokens), until, None)
                     out[i] = text

@@ -24,7 +24,7 @@ from maxtext_rocm.reporting.run_summary import RunSummary
 from maxtext_rocm.reporting.timeline import Timeline
 from maxtext_rocm.runtime import distributed, run_lock
 from maxtext_rocm.runtime.preemption import PreemptionGuard
-from maxtext_rocm.trainer import compilation, divergence
+from maxtext_rocm.trainer import compilation, divergence, hooks as hooks_lib
 from maxtext_rocm.trainer.launch import (data_sources, jit_eval_step, launch, model_for_mesh, optimizer_hyperparameters,
                                          place_batch, run_policy)
 from maxtext_rocm.trainer.preflight import check_run
@@ -67,6 +67,9 @@ class Trainer:
                                                   self.save_local_checkpoint)
                 if self._evaluates_at(self.step_count):
                     self._evaluate_and_log(step_metrics, clock)
+                for hook in self.hooks:  # work of the layers above on the live model (trainer/hooks.py)
+                    if hook.due(self.step_count):
+                        self._run_hook(hook, step_metrics, clock)
                 if self._logs_at(self.step_count, end):  # the metrics reach the host on logging steps only,
                     fetched, logged = self._log_row(step_metrics, clock)
                     self._stop_if_diverged(fetched)  # so divergence is checked on them only
@@ -152,6 +155,15 @@ class Trainer:
                       f"accuracy {evaluated['eval_dpo_accuracy']:.3f}, margin {evaluated['eval_dpo_reward_margin']:.4f}")
             self.log(f"step {self.step_count}: eval loss {evaluated['eval_loss']:.4f}, {detail}")
 
+    def _run_hook(self, hook, step_metrics, clock: StepClock) -> None:
+        """A periodic hook's run at this step, its metrics a row of the step; its time stays out of the step time."""
+        jax.block_until_ready(step_metrics)
+        with clock.left_out(), self.timeline.stall("eval", self.step_count, hook=hook.name):
+            report = hook.run(self.step_count, hooks_lib.live_model(self))
+        self.writer.write(self.step_count, report.metrics)
+        if report.line:
+            self.log(f"step {self.step_count}: {report.line}")
+
     def evaluate(self) -> dict:
         """Token-mean loss and perplexity over train.eval_steps batches of the eval split (the same
         batches every time, so evaluations compare); under DPO the pair-mean loss, accuracy and margin."""
@@ -236,8 +248,9 @@ class Trainer:
     # ----------------------------------------------------------------------------------------------
     # Building the Trainer
 
-    def __init__(self, cfg, devices=None, log=print):
-        self.cfg, self.log = cfg, log
+    def __init__(self, cfg, devices=None, log=print, hooks=()):
+        self.cfg, self.log, self.hooks = cfg, log, tuple(hooks)  # hooks: trainer/hooks.py (eval's harness)
+        hooks_lib.check_hooks(cfg, self.hooks)
         started = self._started = time.perf_counter()
         self._started_wall = time.time()
         devices = list(jax.devices() if devices is None else devices)
