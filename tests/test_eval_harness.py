@@ -72,9 +72,7 @@ def responses(results: dict, task: str) -> list:
     return [sample["resps"] for sample in sorted(results["samples"][task], key=lambda s: s["doc_id"])]
 
 
-@pytest.mark.parametrize("task", ["tiny_choice", "tiny_text"])
-def test_every_loglikelihood_matches_hf(both, task):
-    ours, theirs = both
+def assert_loglikelihoods_match(ours: dict, theirs: dict, task: str) -> None:
     ours, theirs = responses(ours, task), responses(theirs, task)
     assert len(ours) == len(theirs) == len(TASKS[task][1])
     for our_doc, their_doc in zip(ours, theirs):
@@ -86,14 +84,22 @@ def test_every_loglikelihood_matches_hf(both, task):
                 assert ours_one == pytest.approx(theirs_one, abs=1e-4)
 
 
-def test_metrics_match_hf(both):
-    ours, theirs = both
+def assert_metrics_match(ours: dict, theirs: dict) -> None:
     for task in TASKS:
         our_metrics = {k: v for k, v in ours["results"][task].items() if "," in k and not isinstance(v, str)}
         their_metrics = {k: v for k, v in theirs["results"][task].items() if "," in k and not isinstance(v, str)}
         assert our_metrics.keys() == their_metrics.keys() and our_metrics
         for key, value in our_metrics.items():
             assert value == pytest.approx(their_metrics[key], rel=1e-5), (task, key)
+
+
+@pytest.mark.parametrize("task", ["tiny_choice", "tiny_text"])
+def test_every_loglikelihood_matches_hf(both, task):
+    assert_loglikelihoods_match(*both, task)
+
+
+def test_metrics_match_hf(both):
+    assert_metrics_match(*both)
 
 
 def test_greedy_generations_are_hf_strings(both, workspace):
@@ -161,3 +167,53 @@ def test_without_lm_eval_the_command_names_the_extra(monkeypatch, capsys, tmp_pa
         assert command() == 2
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and "pip install -e '.[eval]'" in err
+
+
+# A run's live model, as the in-training harness evaluates it (eval/in_training.py), against the
+# `hf` backend on the run's `to-hf` export: a full fine-tune on fsdp x tensor, and a LoRA run, whose
+# adapters apply inside the dots here and are merged into the export's weights there.
+RUNS = {
+    "fsdp_x_tensor": {"mesh.ici.fsdp": 4, "mesh.ici.tensor": 2},
+    "lora": {"lora.rank": 4, "lora.alpha": 8.0, "lora.targets": ("q", "v", "o", "up", "down")},
+}
+
+
+@pytest.mark.slow  # a 2-step run, its to-hf export and both backends on the three tasks: ~40 s each
+@pytest.mark.parametrize("layout", list(RUNS))
+def test_a_training_runs_live_model_scores_as_hf_on_its_export(layout, workspace, both, tmp_path, devices):
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    from maxtext_rocm import config as config_lib
+    from maxtext_rocm.eval.model import MaxTextLM
+    from maxtext_rocm.trainer.hooks import live_model
+    from maxtext_rocm.train import Trainer
+
+    cfg = config_lib.load(str(workspace / "export" / "preset.py"), overrides={
+        "precision.policy": "fp32", "data.source": "synthetic", "data.format": "text", "train.seq_len": WINDOW,
+        "train.per_device_batch_size": 1, "train.steps": 2, "optimizer.lr": 1e-2, "optimizer.warmup_steps": 0,
+        "log.tensorboard": False, "checkpoint.async_save": False, "output_dir": str(tmp_path / "run"),
+        **RUNS[layout]})
+    trainer = Trainer(cfg, devices=devices, log=lambda *_: None)
+    trainer.run()
+    live = live_model(trainer)
+    if layout == "lora":
+        assert set(live.variables) == {"params", "adapters"}  # applied inside the dots, not merged
+    else:
+        assert {a: n for a, n in live.mesh.shape.items() if n > 1} == {"fsdp": 4, "tensor": 2}
+    with live.rules():
+        ours = lm_eval.simple_evaluate(
+            model=MaxTextLM(params=live.variables, cfg=live.cfg, policy=live.policy, mesh=live.mesh, batch_size=4),
+            tasks=list(TASKS), task_manager=TaskManager(include_path=str(workspace / "tasks")), log_samples=True)
+    trainer.close()
+
+    assert convert_main(["to-hf", str(tmp_path / "run"), str(tmp_path / "hf")]) == 0  # a LoRA run's merged
+    theirs = evaluate("hf", {"pretrained": str(tmp_path / "hf"), "tokenizer": str(workspace / "hf"),
+                             "dtype": "float32", "max_length": WINDOW, "device": "cpu"}, workspace)
+    for task in ("tiny_choice", "tiny_text"):
+        assert_loglikelihoods_match(ours, theirs, task)
+    assert_metrics_match(ours, theirs)
+    assert responses(ours, "tiny_gen") == responses(theirs, "tiny_gen")
+    flat = [doc[0][0] for doc in responses(theirs, "tiny_text")]
+    original = [doc[0][0] for doc in responses(both[1], "tiny_text")]
+    assert min(abs(a - b) for a, b in zip(flat, original)) > 1e-2, "training moved the model"
