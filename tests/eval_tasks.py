@@ -29,10 +29,11 @@ TASK_KEYS = {
 }
 
 
-def write_tasks(folder: Path) -> Path:
-    """One YAML + one JSON Lines file per task, as a user writes a local task."""
+def write_tasks(folder: Path, tasks: dict = TASKS) -> Path:
+    """One YAML + one JSON Lines file per task of `tasks` (name: (output type, documents)), as a
+    user writes a local task."""
     folder.mkdir(parents=True)
-    for name, (kind, docs) in TASKS.items():
+    for name, (kind, docs) in tasks.items():
         data = folder / f"{name}.jsonl"
         data.write_text("".join(json.dumps(d) + "\n" for d in docs))
         (folder / f"{name}.yaml").write_text(

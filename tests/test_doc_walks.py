@@ -57,6 +57,14 @@ PUBLIC_TASKS = {
     "python -m maxtext_rocm.eval runs/llama31_8b/ --tasks gsm8k --num_fewshot 5 --output_path results/":
         "downloads GSM8K from the Hugging Face Hub",
 }
+# docs/evaluation.md's "During training" fine-tunes with lm-eval's harness at every step: its start,
+# the harness's programs and three evaluations take 25-50 s on a 2-core CPU. test_evaluation_during_training
+# (slow) walks the page with it.
+HARNESS_IN_TRAINING = {
+    "python -m maxtext_rocm.train llama31_8b/preset.py --config.data.paths=corpus.jsonl --config.data.format=text "
+    "--config.eval.harness_tasks=tiny_choice,tiny_gen --config.eval.harness_include_path=tasks/ "
+    "--config.eval.harness_every=1 --config.eval.harness_limit=2": "fine-tunes with lm-eval's harness at every step",
+}
 NOT_WALKED = {
     "python -m maxtext_rocm.train configs/llama3_8b.py --config.mesh.ici.fsdp=8 --config.train.steps=50":
         "trains Llama 3 8B on one 8-GPU node",
@@ -64,7 +72,13 @@ NOT_WALKED = {
         "trains Llama 3 8B in fp32",
     **COMPILES,
     **PUBLIC_TASKS,
+    **HARNESS_IN_TRAINING,
 }
+
+
+def one_line(command: str) -> str:
+    """A command as NOT_WALKED names it: a page's continued lines joined with single spaces."""
+    return " ".join(command.split())
 
 
 def walk(page: str, cwd: Path, section: str | None = None, as_written: bool = False) -> Walk:
@@ -73,7 +87,7 @@ def walk(page: str, cwd: Path, section: str | None = None, as_written: bool = Fa
     lines = page_commands(page, section)
     walked = Walk(page, cwd, as_written=as_written)
     for number, line in enumerate(lines, 1):
-        if line in NOT_WALKED:
+        if one_line(line) in NOT_WALKED:
             continue
         step = walked.run(line)
         if step.returncode != 0:
@@ -85,7 +99,7 @@ def walk(page: str, cwd: Path, section: str | None = None, as_written: bool = Fa
 
 
 def test_not_walked_commands_are_on_their_pages():
-    shown = {line for page in ("README.md", "docs/lora.md", "docs/configs.md", "docs/evaluation.md")
+    shown = {one_line(line) for page in ("README.md", "docs/lora.md", "docs/configs.md", "docs/evaluation.md")
              for line in page_commands(page)}
     assert set(NOT_WALKED) <= shown, set(NOT_WALKED) - shown
 
@@ -285,9 +299,9 @@ def test_a_walk_fails_on_a_command_that_fails_its_reader(tmp_path):
         walk(str(page), fresh_directory(tmp_path / "clone"))
 
 
-def test_evaluation(tmp_path, hf_model):
-    """docs/evaluation.md: its task YAML files as the page writes them, documents of each kind,
-    then its commands; lm-eval's results file and samples land where the page says."""
+def evaluation_directory(tmp_path: Path, hf_model: Path) -> Path:
+    """docs/evaluation.md's reader's directory: its task YAML files as the page writes them,
+    documents of each kind, and the text "During training" fine-tunes on."""
     pytest.importorskip("lm_eval")
     cwd = fresh_directory(tmp_path / "clone")
     bring(hf_model, cwd, "Meta-Llama-3.1-8B")
@@ -300,12 +314,37 @@ def test_evaluation(tmp_path, hf_model):
         {"question": "What is 2+2?", "choices": [" four", " five"], "answer": 0}])
     write_jsonl(cwd / "tasks" / "tiny_text.jsonl", CORPUS)
     write_jsonl(cwd / "tasks" / "tiny_gen.jsonl", [{"prompt": "hello", "answer": " world"}])
+    write_jsonl(cwd / "corpus.jsonl", CORPUS * 4)  # what "During training" fine-tunes on
+    return cwd
+
+
+def test_evaluation(tmp_path, hf_model):
+    """docs/evaluation.md: its commands, in the directory above; lm-eval's results file and
+    samples land where the page says."""
+    cwd = evaluation_directory(tmp_path, hf_model)
     walked = walk("docs/evaluation.md", cwd)
     assert "tiny_text" in walked.steps[1].stdout and "bits_per_byte" in walked.steps[1].stdout  # the table
     (results,) = (cwd / "results" / "llama31_8b").glob("results_*.json")
     assert set(json.loads(results.read_text())["results"]) == {"tiny_choice", "tiny_text", "tiny_gen"}
     assert len(list((cwd / "results" / "llama31_8b").glob("samples_*.jsonl"))) == 3
     assert "acc" in walked.steps[2].stdout  # lm-eval's own command line, our model registered
+
+
+@pytest.mark.slow  # the page's walk with its training run, the harness at every step: 60-150 s
+def test_evaluation_during_training(tmp_path, hf_model):
+    """docs/evaluation.md walked with "During training": the harness's rows at every step."""
+    cwd = evaluation_directory(tmp_path, hf_model)
+    walked = Walk("docs/evaluation.md", cwd)
+    for line in page_commands("docs/evaluation.md"):
+        if line not in PUBLIC_TASKS:
+            step = walked.run(line)
+            assert step.returncode == 0, described(step)
+    print(walked.timings())
+    assert one_line(walked.steps[-1].line) in HARNESS_IN_TRAINING
+    harness = [m for m in metrics(cwd / "runs" / "llama31_8b") if "harness_s" in m]
+    assert [m["step"] for m in harness] == [1, 2, 3]
+    assert {"harness/tiny_choice/acc", "harness/tiny_choice/acc_norm", "harness/tiny_gen/exact_match"} < set(harness[0])
+    assert "step 1: harness tiny_choice/acc" in walked.steps[-1].stdout
 
 
 def test_grpo(tmp_path):

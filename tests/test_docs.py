@@ -174,6 +174,7 @@ def run_main_with_recorder(monkeypatch, module: str, args: list[str], tmp_path: 
                 raise SystemExit(0)
 
         monkeypatch.setattr(train, "Trainer", Recorder)
+        monkeypatch.setattr(train, "harness_hooks", lambda cfg: [])  # its task checks: test_eval_in_training
         real_help = train.config_help.help_text
         monkeypatch.setattr(train.config_help, "help_text", lambda topics: done.append(topics) or real_help(topics))
         monkeypatch.setattr(distributed, "initialize", lambda *_: None)

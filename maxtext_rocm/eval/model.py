@@ -160,6 +160,9 @@ class MaxTextLM(TemplateLM):
                 bar.update(min(step, len(rows) - start))
         return results
 
+    def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        return super().loglikelihood(requests, disable_tqdm=disable_tqdm or not self.progress)  # its tokenizing bar
+
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         windows, owners = [], []
         for index, (string,) in enumerate(req.args for req in requests):
