@@ -3,7 +3,7 @@ metrics.jsonl at the steps it is due, equal (to float noise) the scores of the s
 evaluated afterwards with `maxtext_rocm.eval`, and the training losses are those of the run without
 it, bit for bit; on a fsdp x tensor mesh and for a LoRA run. What it refuses, it refuses before any
 step, in one sentence. Tasks are tests/eval_tasks.py's local ones; the model is a tiny byte-level
-Llama. Skipped without lm-eval (the `eval` extra)."""
+Llama. The tests that run lm-eval are skipped without it (the `eval` extra); the refusals are not."""
 from __future__ import annotations
 
 import json
@@ -13,14 +13,11 @@ from pathlib import Path
 import pytest
 
 from conftest import small_config
+from eval_tasks import write_tasks
 
-lm_eval = pytest.importorskip("lm_eval")
-
-from eval_tasks import write_tasks  # noqa: E402
-
-from maxtext_rocm.config import UserError  # noqa: E402
-from maxtext_rocm.eval.in_training import harness_hooks, scores  # noqa: E402
-from maxtext_rocm.train import Trainer, main as train_main  # noqa: E402
+from maxtext_rocm.config import UserError
+from maxtext_rocm.eval.in_training import harness_hooks, scores
+from maxtext_rocm.train import Trainer, main as train_main
 
 TASKS = ("tiny_choice", "tiny_text", "tiny_gen")
 LAYOUTS = {
@@ -54,6 +51,7 @@ def train(cfg, devices, hooks=()) -> list[dict]:
 @pytest.mark.slow  # two 4-step runs, three tasks' programs and a checkpoint's evaluation: ~40 s each
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_harness_scores_its_steps_and_leaves_training_as_it_was(layout, tmp_path, devices):
+    lm_eval = pytest.importorskip("lm_eval")
     write_tasks(tmp_path / "tasks")
     plain = config(tmp_path / "plain", LAYOUTS[layout], harness=False)
     with_harness = config(tmp_path / "harness", LAYOUTS[layout], harness=True)
@@ -73,16 +71,18 @@ def test_harness_scores_its_steps_and_leaves_training_as_it_was(layout, tmp_path
     # The checkpoint of step 4, read back and evaluated as `python -m maxtext_rocm.eval` does (a
     # LoRA run's merged model): the scores the live parameters had at step 4.
     import maxtext_rocm.eval.model  # noqa: F401  registers "maxtext_rocm"
+    from lm_eval.tasks import TaskManager
 
     saved = lm_eval.simple_evaluate(
         model="maxtext_rocm", model_args={"run": with_harness.output_dir}, tasks=list(TASKS), limit=2,
-        task_manager=lm_eval.tasks.TaskManager(include_path=str(tmp_path / "tasks")), bootstrap_iters=0)
+        task_manager=TaskManager(include_path=str(tmp_path / "tasks")), bootstrap_iters=0)
     for name, value in scores(saved).items():
         assert harness[4][name] == pytest.approx(value, rel=1e-5, abs=1e-6), name
 
 
 @pytest.mark.slow  # lm-eval indexes its ~10,000 built-in task files to know a name is none of them: ~7 s
 def test_unknown_task_is_refused_before_any_step(tmp_path, capsys):
+    pytest.importorskip("lm_eval")
     write_tasks(tmp_path / "tasks")
     code = train_main(["configs/tiny_llama.py", f"--config.output_dir={tmp_path / 'run'}",
                        "--config.eval.harness_tasks=tiny_choice,no_such_task", "--config.eval.harness_every=5",
@@ -98,6 +98,7 @@ def test_unknown_task_is_refused_before_any_step(tmp_path, capsys):
     ("empty", "eval.harness_include_path {} holds no task YAML file"),
 ])
 def test_a_bad_include_path_is_one_sentence(tmp_path, bad, said):
+    pytest.importorskip("lm_eval")
     (tmp_path / "empty").mkdir()
     cfg = small_config(**{"eval.harness_tasks": ("tiny_choice",), "eval.harness_every": 1,
                           "eval.harness_include_path": str(tmp_path / bad)})
