@@ -30,7 +30,6 @@ class LiveModel:
     mesh: Any
     variables: dict  # {"params": ...} in model order; a LoRA run's adds "adapters", an fp8 run "fp8"
     rules: Callable[[], Any]  # the mesh and logical-axis rules, a context to trace the model's programs in
-    step: int
 
 
 @dataclass(frozen=True)
@@ -59,8 +58,7 @@ def live_model(trainer) -> LiveModel:
         from maxtext_rocm.numerics.fp8 import FP8_COLLECTION
 
         variables[FP8_COLLECTION] = state.fp8
-    return LiveModel(trainer.cfg, trainer.policy, trainer.mesh, variables, trainer.sharding_rules,
-                     trainer.step_count)
+    return LiveModel(trainer.cfg, trainer.policy, trainer.mesh, variables, trainer.sharding_rules)
 
 
 def check_hooks(cfg, hooks: Sequence[PeriodicHook]) -> None:
