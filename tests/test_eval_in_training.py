@@ -116,7 +116,8 @@ def test_without_lm_eval_a_harness_config_names_the_extra(monkeypatch, tmp_path,
 
 
 @pytest.mark.parametrize("overrides, said", [
-    (["--config.eval.harness_tasks=tiny_choice"], "eval.harness_tasks='tiny_choice' with eval.harness_every=0: set both"),
+    (["--config.eval.harness_tasks=tiny_choice"],
+     "eval.harness_tasks='tiny_choice' with eval.harness_every=0: set both"),
     (["--config.eval.harness_every=10"], "eval.harness_tasks='' with eval.harness_every=10: set both"),
     (["--config.eval.harness_tasks=a", "--config.eval.harness_every=1", "--config.eval.harness_limit=2.5"],
      "eval.harness_limit=2.5 must be a whole number of documents"),

@@ -154,8 +154,8 @@ LORA = Group("Low-rank adapters beside a frozen base (checkpoint.load_params_fro
 
 EVAL = Group("lm-evaluation-harness during training (pip install -e '.[eval]'): its tasks scored on the live "
              "parameters every eval.harness_every steps, beside train.eval_every's held-out loss.", {
-                 "harness_tasks": Key((), "lm-eval task names, comma-separated (its own, or eval.harness_include_path's); "
-                                          "empty: off"),
+                 "harness_tasks": Key((), "lm-eval task names, comma-separated (its own, or "
+                                          "eval.harness_include_path's); empty: off"),
                  "harness_every": Key(0, "steps between harness evaluations; 0: off", at_least=0),
                  "harness_limit": Key(0.0, "at most this many documents per task (a fraction below 1: that share); "
                                            "0: every document", at_least=0),

@@ -7,7 +7,6 @@ with --log_samples), as `lm_eval --output_path` writes them.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
