@@ -22,6 +22,8 @@ from pathlib import Path
 import numpy as np
 
 from maxtext_rocm.data import resume
+from maxtext_rocm.data.bucketed import BucketedRows, row_lengths
+from maxtext_rocm.data.buckets import row_buckets
 from maxtext_rocm.data.checks import DataError
 from maxtext_rocm.data.documents import Documents, expand_paths, tokenized_dataset
 from maxtext_rocm.data.packing import DocumentStream, RowPacker, packing_mode
@@ -122,6 +124,12 @@ class FilesSource:
         self._packer_args = dict(seq_len=seq_len, packing=self.packing, window=self.packing_window,
                                  name=f"{key} ({', '.join(map(str, self.files[:3]))}{' ...' * (len(self.files) > 3)})")
         self.shard, self.shards = process_index, process_count  # this process's group of rows, of how many
+        # Rows of one example padded to buckets, not seq_len (data/bucketed.py): the plan's lengths
+        # and the global batch it cuts, which a checkpoint's position depends on.
+        self.buckets = row_buckets(data_cfg, seq_len)
+        self.plan = {"buckets": list(self.buckets), "rows": global_batch} if self.buckets else None
+        if self.buckets:
+            self._lengths = row_lengths(self.dataset, seq_len, pairs=self.format == "preference")
         self.allow_changed = bool(data_cfg.get("allow_changed", False))
         # Taken as the files are opened (not at the first save): the version the offset index describes.
         self._fingerprint = resume.fingerprint(self.files) if split == "train" else None
@@ -138,7 +146,7 @@ class FilesSource:
             from maxtext_rocm.data.workers import WorkerPool
 
             self._pool = WorkerPool(**self._pool_args)
-        packer = self._packer(DocumentStream(**self._stream_args, pool=self._pool), **self._packer_args)
+        packer = self._make_packer()
         packer.set_state(start)
         self._queue, self._stop = queue.Queue(self.prefetch), threading.Event()
         self._next = int(start["step"])
@@ -161,6 +169,13 @@ class FilesSource:
 
         self._thread = threading.Thread(target=produce, name=f"files-{self.split}", daemon=True)
         self._thread.start()
+
+    def _make_packer(self):
+        if self.buckets:
+            args = self._stream_args
+            return BucketedRows(self.dataset, self._lengths, self.buckets, self.plan["rows"], self.rows, args["seed"],
+                                args["shuffle"], args["epochs"], self.format == "preference")
+        return self._packer(DocumentStream(**self._stream_args, pool=self._pool), **self._packer_args)
 
     def _stop_thread(self) -> None:
         if self._thread is not None:
@@ -217,6 +232,16 @@ class FilesSource:
         step = int(state.get("step", 0))
         if "files" in state:
             resume.check_files(state["files"], self.fingerprint(), step, self.allow_changed)
+        if self.buckets:  # one position for every process: the batch of the epoch's plan
+            position = resume.planned_position(state, self.plan, step, self.allow_changed)
+            if position is not None:
+                position = resume.check_planned(position, self._make_packer().batches_in(int(position["epoch"])),
+                                                step, self.allow_changed)
+                self._start = {"step": step, **position}
+            else:
+                self._start = {"step": 0, "epoch": 0, "cursor": 0, "offset": 0}
+            self._state = dict(self._start)
+            return
         position = resume.own_position(state, self.shard, self.shards, self.allow_changed)
         if position is not None:
             position = resume.check_packing(state, position, self.packing, step, self.allow_changed,
@@ -234,5 +259,7 @@ class FilesSource:
         if self.format != "text":
             kind += f", data.format={self.format!r}"
             layout = "a pair per two rows" if self.format == "preference" else layout
+        if self.buckets:
+            layout += f", padded to buckets of {', '.join(map(str, self.buckets))} positions"
         return (f"files: {self.num_docs:,} documents in {len(self.files)} file(s) ({kind}), {layout}, "
                 f"{self.split} split")
