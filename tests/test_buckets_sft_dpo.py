@@ -4,6 +4,7 @@ batches of one bucket that every process agrees on; a bucketed batch gives each 
 and gradient it has padded to train.seq_len; a run compiles one step per bucket it uses and resumes
 mid-epoch bit for bit."""
 import json
+from concurrent.futures import Future
 
 import jax
 import jax.numpy as jnp
@@ -219,3 +220,100 @@ def test_dpo_pairs_in_a_bucket_have_the_loss_and_gradient_they_have_padded_to_se
     assert float(got.metrics["pairs"]) == len(batch["inputs"]) // 2 - 1
     assert_close(float(got.metrics["loss"]), float(want.metrics["loss"]), scale=1e-6)
     assert_close(jax.device_get(got.grads), jax.device_get(want.grads), scale=1e-6)
+
+
+# ------------------------------------------------------------------------------------------------
+# Runs: one compiled step per bucket used, bit-exact resume mid-epoch
+
+
+def sft_run_config(tmp_path, fmt: str = "prompt_completion", **overrides):
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    path = write_records(tmp_path / f"{fmt}.jsonl", fmt, 28, seed=7)
+    return small_config(**ONE_DEVICE, **{
+        "model.vocab_size": 512, "train.seq_len": SEQ_LEN, "train.per_device_batch_size": 4, "train.steps": 8,
+        "data.source": "files", "data.format": fmt, "data.paths": str(path), "data.packing": "none",
+        "train.objective": "dpo" if fmt == "preference" else "lm", "log.every": 1, "checkpoint.every": 4,
+        "checkpoint.async_save": False, "optimizer.warmup_steps": 0, "optimizer.lr": 1e-3,
+        "output_dir": str(tmp_path / "run"), **overrides})
+
+
+def trained(cfg, steps=None):
+    """(the row length of each step, metrics.jsonl's rows, the final parameters, the trainer)."""
+    from maxtext_rocm.train import Trainer
+
+    trainer = Trainer(cfg, devices=jax.devices()[:1], log=lambda *_: None)
+    lengths = []
+    trainer.on_step = lambda step, metrics: lengths.append(metrics["row_length"])
+    trainer.run(steps)
+    params = jax.device_get(trainer.state.params)
+    trainer.close()
+    rows = [json.loads(line) for line in open(f"{cfg.output_dir}/metrics.jsonl")]
+    return lengths, rows, params, trainer
+
+
+@pytest.mark.slow  # three short runs compiling 3-4 buckets each: ~40 s on a shared 2-core machine
+def test_a_bucketed_run_compiles_one_step_per_bucket_and_resumes_mid_epoch_bit_for_bit(tmp_path):
+    whole = sft_run_config(tmp_path / "whole")
+    lengths, rows, params, trainer = trained(whole)
+    # One compiled program per bucket the steps used; the full-length step only if a batch needed it.
+    full = trainer._compiled_step  # a Future until a batch of train.seq_len asks for it (launch.CompiledOnFirstUse)
+    compiled = set(trainer._steps_by_length) | ({SEQ_LEN} if not isinstance(full, Future) or full.done() else set())
+    assert compiled == set(lengths) and len(set(lengths)) > 1 and set(lengths) <= set(BUCKETS)
+    # Positions per second count each step's bucket (log.every=1: each row times its own step), and
+    # real tokens those positions less the bucket's padding.
+    for row, length in list(zip(rows, lengths))[1:]:
+        assert row["tokens_per_s_per_device"] * row["step_time_s"] == pytest.approx(4 * length)
+        assert row["real_tokens_per_s_per_device"] == pytest.approx(
+            row["tokens_per_s_per_device"] * (1 - row["padding_fraction"]))
+    assert trainer.data.state()["epoch"] == 1  # 8 steps of 4 rows crossed the epoch of 28 records
+    interrupted = sft_run_config(tmp_path / "parts")
+    first, _, _, _ = trained(interrupted, 4)
+    second, both, resumed, again = trained(interrupted)  # resumes from step 4's checkpoint, mid-epoch
+    assert again.data._start == {"step": 4, "epoch": 0, "cursor": 4, "offset": 0}  # restored, not replayed
+    assert first + second == lengths
+    # metrics.jsonl holds both launches' rows: the same losses and norms as the uninterrupted run's
+    assert [(r["step"], r["loss"], r["grad_norm"]) for r in both] == \
+        [(r["step"], r["loss"], r["grad_norm"]) for r in rows]
+    assert jax.tree_util.tree_all(jax.tree_util.tree_map(np.array_equal, resumed, params))
+
+
+@pytest.mark.slow  # a DPO run compiling 2-3 buckets: ~20 s on a shared 2-core machine
+def test_a_bucketed_dpo_run_trains_its_pairs_in_buckets(tmp_path):
+    cfg = sft_run_config(tmp_path, "preference", **{"train.steps": 6, "train.eval_every": 6, "train.eval_steps": 2,
+                                                    "data.eval_paths": str(tmp_path / "preference.jsonl")})
+    lengths, rows, _, trainer = trained(cfg)
+    assert set(lengths) <= set(BUCKETS) and len(set(lengths)) > 1
+    train = [row for row in rows if "eval_loss" not in row]
+    assert train[0]["loss"] == pytest.approx(np.log(2.0), abs=1e-6) and np.isfinite(train[-1]["loss"])
+    assert [row for row in rows if "eval_loss" in row][0]["eval_pairs"] == 4
+
+
+def test_pairs_planned_over_buckets_are_tokenized_once_at_start_up(tmp_path, monkeypatch):
+    """The plan needs every pair's length: the start-up check tokenizes every pair (not only the
+    first, as without buckets), and the source trains on those examples, tokenizing none again."""
+    import collections
+
+    from chat_helpers import make_chat_tokenizer
+    from maxtext_rocm.data import formats, kept
+
+    pytest.importorskip("tokenizers")  # a tokenizer loaded once per file: the check's and the source's are one
+    tokenizer = make_chat_tokenizer(tmp_path / "tok") / "tokenizer.json"
+    path = write_records(tmp_path / "pairs.jsonl", "preference", 20)
+    monkeypatch.setattr(kept, "_WAITING", collections.OrderedDict())
+    calls = collections.Counter()
+    tokenize = formats.Tokenize.__call__
+
+    def counting(self, item):
+        calls[item[1]] += 1  # item: (record, "FILE line N")
+        return tokenize(self, item)
+
+    monkeypatch.setattr(formats.Tokenize, "__call__", counting)
+    cfg = data_cfg(path, "preference", epochs=1, tokenizer=str(tokenizer))
+    check_inputs(cfg, 320, SEQ_LEN)
+    assert len(calls) == 20 and kept._WAITING  # every pair, kept for the source
+    source = FilesSource(cfg, vocab_size=320, global_batch=8, seq_len=SEQ_LEN)
+    assert not kept._WAITING  # the source took what the check kept
+    for step in range(5):  # 20 pairs, 4 a batch: the whole (and only) epoch
+        source.batch(step)
+    source.close()
+    assert len(calls) == 20 and set(calls.values()) == {1}
