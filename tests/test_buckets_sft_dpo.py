@@ -317,3 +317,30 @@ def test_pairs_planned_over_buckets_are_tokenized_once_at_start_up(tmp_path, mon
         source.batch(step)
     source.close()
     assert len(calls) == 20 and set(calls.values()) == {1}
+
+
+@pytest.mark.slow  # two 2-process launches: ~1-2 min on a shared 2-core machine
+def test_two_processes_agree_on_the_buckets_and_resume_mid_epoch_bit_for_bit(tmp_path):
+    """2 processes x 4 devices, 8 rows a step over a plan of 28 records: each step's positions are
+    its planned bucket's on both processes, each checkpoint holds one position for both, and a run
+    resumed from step 3 trains steps 4-6 as the uninterrupted run did, bit for bit."""
+    from test_multihost_data import FILES, SAVING, TWO, assert_bit_for_bit, two_processes
+    from test_distributed import SMALL, read_rows
+
+    data = write_records(tmp_path / "records.jsonl", "prompt_completion", 28, seed=7)
+    args = [*SMALL, *TWO, *FILES, *SAVING, f"--config.data.paths={data}", "--config.data.format=prompt_completion",
+            "--config.data.packing=none", f"--config.train.seq_len={SEQ_LEN}", "--config.train.steps=6"]
+    two_processes(tmp_path, "logs_whole", *args, "--config.checkpoint.every=3", f"--config.output_dir={tmp_path}/whole")
+    whole = read_rows(tmp_path / "whole" / "metrics.jsonl")
+    planned = FilesSource(data_cfg(data, "prompt_completion"), vocab_size=512, global_batch=8, seq_len=SEQ_LEN)
+    lengths = [planned.batch(step)["inputs"].shape[1] for step in range(6)]
+    assert len(set(lengths)) > 1
+    for row, length in list(zip(whole, lengths))[1:]:  # positions a second: 8 rows of the step's bucket, 8 devices
+        assert row["tokens_per_s_per_device"] * row["step_time_s"] == pytest.approx(length)
+    saved = json.loads((tmp_path / "whole" / "checkpoints" / "3" / "data" / "metadata").read_text())
+    assert saved["positions"] == [{"epoch": 0, "cursor": 3, "offset": 0}] * 2
+    assert saved["plan"] == {"buckets": list(BUCKETS), "rows": 8}
+    log0 = two_processes(tmp_path, "logs_resumed", *args, f"--config.checkpoint.resume={tmp_path}/whole/checkpoints/3",
+                         f"--config.output_dir={tmp_path}/resumed")
+    assert "resumed from" in log0
+    assert_bit_for_bit(read_rows(tmp_path / "resumed" / "metrics.jsonl"), whole, [4, 5, 6])
