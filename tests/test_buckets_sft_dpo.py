@@ -107,7 +107,12 @@ def test_processes_agree_on_each_steps_bucket_and_read_every_record_once_per_epo
     assert shares[0].state()["epoch"] == 1 and shares[0].state() == shares[1].state()
 
 
-def test_a_bucket_list_that_is_not_ascending_lengths_up_to_seq_len_is_refused(tmp_path):
+def test_a_bucket_list_that_is_not_ascending_lengths_up_to_seq_len_is_refused(tmp_path, capsys):
+    from test_bad_inputs import assert_one_sentence, run_main
+
+    status, err = run_main(capsys, "configs/tiny_llama.py", "--config.data.buckets=512,128",
+                           f"--config.output_dir={tmp_path}/run")
+    assert_one_sentence(status, err, "data.buckets='512,128' is not valid for train.seq_len=", "ascending row lengths")
     for bad in ("64,32", "0,32", "16,128", "short", "16,16,32"):
         with pytest.raises(ConfigError, match=r"data\.buckets=.* is not valid"):
             config_lib.validate(small_config(**{"data.buckets": bad}))

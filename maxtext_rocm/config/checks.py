@@ -342,7 +342,7 @@ def _check_buckets(data, seq_len: int) -> None:
     explicit = lengths is not None and str(data.buckets).strip() != "auto"
     _require(not explicit or buckets.one_example_rows(data),
              f"data.buckets={data.buckets!r} pads rows that hold one example (data.format chat or prompt_completion "
-             f"with data.packing='none', or preference pairs), and this run's rows hold packed documents "
+             f"with data.packing='none', preference pairs, GRPO's prompts), and this run's rows hold packed documents "
              f"(data.source={data.source!r}, data.format={data.format!r}, data.packing={data.packing!r}); set "
              "data.packing='none', or data.buckets='auto'")
 

@@ -32,7 +32,7 @@ import numpy as np
 from maxtext_rocm.data.buckets import bucket_of
 from maxtext_rocm.data.checks import DataError
 from maxtext_rocm.data.example import as_example
-from maxtext_rocm.data.preference import pair_row, truncate_pair
+from maxtext_rocm.data.preference import truncate_pair
 
 EMPTY = -1  # a record index that stands for an empty row (or pair) completing the last batch
 _ORDER_STREAM = 0x62756B74  # folded into (seed, epoch): the bucketed order, apart from any other draw
@@ -86,7 +86,9 @@ def _batch(lengths, records, per_batch: int, buckets, seq_len: int) -> PlannedBa
 
 
 def _row(example, length: int) -> dict[str, np.ndarray]:
-    """One example in a row of `length` positions (seq_len's truncation already applied)."""
+    """One example in a row of `length` positions, then padding (as data/packing.py and
+    data/preference.py lay out a row of seq_len: segment 1 on its tokens, weights on its trained
+    targets); an example longer than the row is cut at its end."""
     n = min(len(example.tokens) - 1, length)
     row = {"inputs": np.zeros(length, np.int32), "targets": np.zeros(length, np.int32),
            "positions": np.zeros(length, np.int32), "segment_ids": np.zeros(length, np.int32),
@@ -110,10 +112,10 @@ class BucketedRows:
     the global batch's rows; `pairs`: each record is a preference pair (two rows)."""
 
     def __init__(self, dataset, lengths: np.ndarray, buckets: tuple[int, ...], global_rows: int, rows: slice,
-                 seed: int, shuffle: bool, epochs: int, pairs: bool, name: str = "the data"):
+                 seed: int, shuffle: bool, epochs: int, pairs: bool):
         self.dataset, self.lengths, self.buckets = dataset, lengths, buckets
         self.per_row = 2 if pairs else 1
-        self.per_batch, self.pairs, self.name = global_rows // self.per_row, pairs, name
+        self.per_batch, self.pairs = global_rows // self.per_row, pairs
         self.records = slice(rows.start // self.per_row, rows.stop // self.per_row)  # this process's records
         self.seed, self.shuffle, self.epochs = seed, shuffle, epochs
         self.epoch, self.cursor = 0, 0
@@ -132,6 +134,7 @@ class BucketedRows:
         self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
 
     def batch(self, rows: int) -> dict[str, np.ndarray]:
+        """This process's `rows` rows of the next planned batch (which rows: fixed at construction)."""
         if self.epochs and self.epoch >= self.epochs:
             raise DataError(f"the data ran out after data.epochs={self.epochs} epochs; raise data.epochs "
                             "(0: no limit) or lower train.steps")
@@ -140,12 +143,12 @@ class BucketedRows:
         for record in planned.records[self.records]:
             if record == EMPTY:
                 made += [_empty(planned.length)] * self.per_row
-            elif self.pairs:
-                item = self.dataset[int(record)]
-                made += [pair_row(e, planned.length) for e in truncate_pair(*item, self.seq_len)]
+            elif self.pairs:  # chosen, rejected: cut as rows of seq_len cut them, then laid out in the bucket
+                made += [_row(e, planned.length) for e in truncate_pair(*self.dataset[int(record)], self.seq_len)]
             else:
                 made.append(_row(as_example(self.dataset[int(record)]), planned.length))
-        del rows  # this process's block of every planned batch, fixed at construction
+        if len(made) != rows:
+            raise ValueError(f"{len(made)} rows planned for this process, {rows} asked for")
         self.cursor += 1
         if self.cursor >= len(self.plan(self.epoch)):
             self.epoch, self.cursor = self.epoch + 1, 0

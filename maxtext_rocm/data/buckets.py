@@ -37,10 +37,11 @@ def bucket_of(longest: int, seq_len: int, buckets: tuple[int, ...] | None = None
 def one_example_rows(data_cfg) -> bool:
     """Whether each row of the files source holds one example whose length start-up knows: records
     of chat / prompt_completion under data.packing='none' (the start-up check tokenizes every one),
-    and preference pairs (never packed). Text documents are tokenized as the stream reads them."""
+    preference pairs (never packed) and GRPO's prompts with their sampled completions (each batch
+    padded to the bucket of its longest row). Text documents are tokenized as the stream reads them."""
     fmt = data_cfg.get("format", "text")
     return data_cfg.get("source") == "files" and (
-        fmt == "preference" or (fmt in ("chat", "prompt_completion") and data_cfg.get("packing") == "none"))
+        fmt in ("preference", "prompt") or (fmt in ("chat", "prompt_completion") and data_cfg.get("packing") == "none"))
 
 
 def parse(value, seq_len: int) -> tuple[int, ...] | None:

@@ -9,6 +9,10 @@ The pipeline, per process:
          segment ids and per-document positions; padding has segment 0 and weight 0
       -> local batches, built ahead of the trainer by a background thread (FilesSource)
 
+Rows of one example under data.buckets (data.packing="none" records, preference pairs) take
+another path: the epoch's global batches are planned from every record's length, each padded to
+a bucket (data/bucketed.py), and this process builds its rows of each.
+
 The position in that stream is three integers per process (epoch, document cursor, token offset
 in the current document), so `state()` is a small JSON dict that a checkpoint keeps and
 `restore()` continues from exactly: a resumed run sees the batches it would have seen.
@@ -232,26 +236,26 @@ class FilesSource:
         step = int(state.get("step", 0))
         if "files" in state:
             resume.check_files(state["files"], self.fingerprint(), step, self.allow_changed)
-        if self.buckets:  # one position for every process: the batch of the epoch's plan
-            position = resume.planned_position(state, self.plan, step, self.allow_changed)
-            if position is not None:
-                position = resume.check_planned(position, self._make_packer().batches_in(int(position["epoch"])),
-                                                step, self.allow_changed)
-                self._start = {"step": step, **position}
-            else:
-                self._start = {"step": 0, "epoch": 0, "cursor": 0, "offset": 0}
-            self._state = dict(self._start)
-            return
-        position = resume.own_position(state, self.shard, self.shards, self.allow_changed)
-        if position is not None:
-            position = resume.check_packing(state, position, self.packing, step, self.allow_changed,
-                                            self.packing_window)
-            position = resume.check_position(position, self.num_docs, self.shard, self.shards, step,
-                                             self.allow_changed)
-            self._start = {"step": step, **{k: int(position[k]) for k in resume.POSITION_KEYS}}
-        else:
-            self._start = {"step": 0, "epoch": 0, "cursor": 0, "offset": 0}
+        position = self._planned_position(state, step) if self.buckets else self._own_position(state, step)
+        self._start = ({"step": step, **{k: int(position[k]) for k in resume.POSITION_KEYS}} if position is not None
+                       else {"step": 0, "epoch": 0, "cursor": 0, "offset": 0})
         self._state = dict(self._start)
+
+    def _own_position(self, state: dict, step: int) -> dict | None:
+        """This process's own position in a checkpoint's data item, checked against this run, or None (replay)."""
+        position = resume.own_position(state, self.shard, self.shards, self.allow_changed)
+        if position is None:
+            return None
+        position = resume.check_packing(state, position, self.packing, step, self.allow_changed, self.packing_window)
+        return resume.check_position(position, self.num_docs, self.shard, self.shards, step, self.allow_changed)
+
+    def _planned_position(self, state: dict, step: int) -> dict | None:
+        """Under buckets every process's position is the same (a batch of the epoch's plan), or None (replay)."""
+        position = resume.planned_position(state, self.plan, step, self.allow_changed)
+        if position is None:
+            return None
+        batches = self._make_packer().batches_in(position["epoch"])
+        return resume.check_planned(position, batches, step, self.allow_changed)
 
     def describe(self) -> str:
         kind = "pre-tokenized ArrayRecord" if self.pretokenized else f"{type(self.tokenizer).__name__}"

@@ -147,7 +147,7 @@ def planned_position(saved: dict, plan: dict, step: int, allow_changed: bool) ->
     saved plan (its buckets and global batch) must be this run's, or the batch index would point
     at other records: a DataError, or under data.allow_changed the start of the next epoch."""
     if "positions" not in saved:
-        return None if "epoch" not in saved else {k: int(saved[k]) for k in POSITION_KEYS}
+        return None  # no position (or an older checkpoint's flat one, of no plan): replay
     position = {k: int(saved["positions"][0][k]) for k in POSITION_KEYS}
     was = saved.get("plan")
     if was == plan or position["cursor"] == 0 and position["offset"] == 0:
