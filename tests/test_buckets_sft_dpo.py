@@ -29,6 +29,18 @@ SEQ_LEN, BUCKETS = 64, (16, 32, 48, 64)  # bucket_lengths(64): quarters, multipl
 DPO_CFG = {"beta": 0.5, "label_smoothing": 0.0}
 
 
+@pytest.fixture(autouse=True)
+def own_kept_examples(monkeypatch):
+    """What the start-up checks here keep for a source (data/kept.py) stays in this module: the byte
+    tokenizer is made anew for each reader, so a source never takes what a check of it kept, and a
+    later test of the cache (test_tokenize_once.py) would find it there."""
+    import collections
+
+    from maxtext_rocm.data import kept
+
+    monkeypatch.setattr(kept, "_WAITING", collections.OrderedDict())
+
+
 def write_records(path, fmt: str, count: int, seed: int = 0):
     """Byte-tokenized records of many lengths (all within SEQ_LEN), each told apart by its number."""
     rng = np.random.default_rng(seed)
@@ -304,7 +316,6 @@ def test_pairs_planned_over_buckets_are_tokenized_once_at_start_up(tmp_path, mon
     pytest.importorskip("tokenizers")  # a tokenizer loaded once per file: the check's and the source's are one
     tokenizer = make_chat_tokenizer(tmp_path / "tok") / "tokenizer.json"
     path = write_records(tmp_path / "pairs.jsonl", "preference", 20)
-    monkeypatch.setattr(kept, "_WAITING", collections.OrderedDict())
     calls = collections.Counter()
     tokenize = formats.Tokenize.__call__
 
