@@ -360,3 +360,21 @@ def test_two_processes_agree_on_the_buckets_and_resume_mid_epoch_bit_for_bit(tmp
                          f"--config.output_dir={tmp_path}/resumed")
     assert "resumed from" in log0
     assert_bit_for_bit(read_rows(tmp_path / "resumed" / "metrics.jsonl"), whole, [4, 5, 6])
+
+
+def test_the_key_decides_which_rows_are_bucketed_and_resolves_to_lengths():
+    """'auto' gives quarters to rows of one example (packing 'none' records, pairs, GRPO's prompts)
+    and nothing to packed rows; 'none' and a list say so everywhere; the resolve step writes lengths."""
+    from maxtext_rocm.data.buckets import resolved, row_buckets
+
+    def data(fmt, packing="concat", buckets="auto"):
+        return {"source": "files", "format": fmt, "packing": packing, "buckets": buckets}
+
+    assert row_buckets(data("chat", "none"), SEQ_LEN) == BUCKETS
+    assert row_buckets(data("preference"), SEQ_LEN) == row_buckets(data("prompt"), SEQ_LEN) == BUCKETS
+    assert row_buckets(data("chat"), SEQ_LEN) is None and row_buckets(data("text", "none"), SEQ_LEN) is None
+    assert row_buckets(data("prompt", buckets="none"), SEQ_LEN) is None  # GRPO's rows then all train.seq_len
+    assert row_buckets(data("preference", buckets="24, 40"), SEQ_LEN) == (24, 40, SEQ_LEN)
+    assert row_buckets({"source": "files", "format": "preference"}, SEQ_LEN) is None  # a config without the key
+    assert resolved(data("preference"), SEQ_LEN) == "16,32,48,64" and resolved(data("text"), SEQ_LEN) == "none"
+    assert resolved(data("preference"), SEQ_LEN, divisor=32) == "32,64"  # each splits over 32 sequence chunks
