@@ -16,7 +16,7 @@ class RunSummary:
     step: int  # the step the run reached
     total_steps: int  # train.steps
     launch_steps: int  # steps taken by this launch (a resumed run started later than 0)
-    token_positions: int  # this launch's: each step's global batch x its row length (train.seq_len, or a bucket's)
+    token_positions: int  # this launch's: launch_steps x the global batch x train.seq_len
     wall_s: float  # from the Trainer's start to now: launch, restore and compilation included
     loss: float | None  # the last logged step's
     loss_step: int | None

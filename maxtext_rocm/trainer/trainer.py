@@ -95,7 +95,6 @@ class Trainer:
         self.state, step_metrics = self.compiled_step_for(row_length)(self.state, batch, self.hyperparameters)
         step_metrics = {**step_metrics, **sampled, "row_length": row_length}
         self.step_count += 1
-        self._launch_positions += row_length * self.global_batch
         if self.on_step is not None:
             self.on_step(self.step_count, step_metrics)
         self.profiler.after_step(self.step_count, step_metrics)
@@ -289,7 +288,6 @@ class Trainer:
         self.state, self.step_count, self._compiled_step = launched.state, launched.step_count, launched.compiled_step
         self._jitted_step, self._steps_by_length = launched.jitted_step, {}  # other row lengths' steps
         self.launched_at_step = launched.step_count  # where this launch began: 0, or the step it resumed from
-        self._launch_positions = 0  # token positions this launch's steps computed (each step's rows: seq_len or a bucket)
         self.last_logged = self.last_eval = None  # (step, row) of the newest logged row and evaluation
         self._schedule_said = False  # run_report.warmup_warning, said by the first run() that trains
         self.state_sharding = launched.state_sharding
@@ -398,7 +396,7 @@ class Trainer:
         (loss_step, row), (eval_step, evaluated) = self.last_logged or (None, {}), self.last_eval or (None, {})
         return RunSummary(
             name=self.cfg.name, output_dir=self.cfg.output_dir, step=self.step_count, total_steps=self.cfg.train.steps,
-            launch_steps=launch_steps, token_positions=self._launch_positions,
+            launch_steps=launch_steps, token_positions=launch_steps * self.global_batch * self.cfg.train.seq_len,
             wall_s=time.perf_counter() - self._started, loss=row.get("loss"), loss_step=loss_step,
             objective=self.cfg.train.objective, eval_loss=evaluated.get("eval_loss"), eval_step=eval_step,
             checkpoint=str(self.checkpointer.directory / str(steps[-1])) if steps else None,
