@@ -14,6 +14,7 @@ What each "auto" becomes, and where that knowledge lives (each decision is calle
 | pipeline.microbatches | 0: the most, up to 4 per stage, that split each batch shard; 1 without a pipeline | config.checks |
 | model.moe_impl | "dropless" everywhere | models/moe.py |
 | model.context_parallel | "all_gather" | parallel/context.py |
+| data.buckets | the lengths one-example rows pad to ("256,512,768,1024"), or "none" where rows are packed | data/buckets.py |
 
 The result is an `ml_collections.FrozenConfigDict`: nothing after this step may write the config
 (a write raises); a part that needs a variant (the planner's CPU stand-in for a GPU kernel) copies
@@ -30,6 +31,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from maxtext_rocm.config.checks import global_batch_size, pipeline_microbatches
+from maxtext_rocm.data import buckets
 from maxtext_rocm.models import attention, moe
 from maxtext_rocm.numerics import fp8
 from maxtext_rocm.numerics.precision import compute_dtype
@@ -74,6 +76,8 @@ def resolve(cfg, mesh: Mesh, target: Target, seq_len: int | None = None) -> ml_c
     m.moe_impl = moe.resolve_implementation(m.moe_impl)
     m.context_parallel = context.resolve_mode(m.context_parallel)
     out.pipeline.microbatches = microbatches(cfg, mesh)
+    sequence = context.layout(cfg.model, mesh.shape.get(context.AXIS, 1))  # each bucket splits over it
+    out.data.buckets = buckets.resolved(cfg.data, cfg.train.seq_len, sequence.n_shards * sequence.chunks)
     return ml_collections.FrozenConfigDict(out)
 
 

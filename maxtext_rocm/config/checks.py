@@ -310,6 +310,7 @@ def _check_data(cfg) -> None:
         packing_mode(data.packing)
     except DataError as error:
         raise ConfigError(str(error)) from None
+    _check_buckets(data, t.seq_len)
     if data.source == "files":
         _require(bool(data.paths), "data.source='files' needs data.paths: files or globs of .jsonl, "
                  ".parquet, .txt or .arrayrecord, comma-separated")
@@ -326,6 +327,22 @@ def _check_data(cfg) -> None:
         _require(data.tokenizer in ("", "byte"),
                  f"data.tokenizer={data.tokenizer!r} cannot apply to data.source='embedded', whose corpus is "
                  "byte-tokenized; use data.tokenizer='byte' with it")
+
+
+def _check_buckets(data, seq_len: int) -> None:
+    """data.buckets reads as lengths (data/buckets.py), and a list of them names rows that hold one example."""
+    from maxtext_rocm.data import buckets
+
+    try:
+        lengths = buckets.parse(data.buckets, seq_len)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    explicit = lengths is not None and str(data.buckets).strip() != "auto"
+    _require(not explicit or buckets.one_example_rows(data),
+             f"data.buckets={data.buckets!r} pads rows that hold one example (data.format chat or prompt_completion "
+             f"with data.packing='none', preference pairs, GRPO's prompts), and this run's rows hold packed documents "
+             f"(data.source={data.source!r}, data.format={data.format!r}, data.packing={data.packing!r}); set "
+             "data.packing='none', or data.buckets='auto'")
 
 
 def built_in_template(name: str) -> bool:

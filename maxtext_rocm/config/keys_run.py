@@ -45,6 +45,11 @@ DATA = Group("Where batches come from and how documents become rows.", {
     "packing": Key("concat", "concat (rows filled to the last token), best_fit (documents whole, the rest "
                              "padding) or none (one document per row, truncated)",
                    valid="concat, best_fit or none"),
+    # Its values are checked by data/buckets.py:parse (config/checks.py calls it).
+    "buckets": Key("auto", "rows of one example (packing none, preference pairs) padded to the shortest of these "
+                           "lengths, each batch from one, not to train.seq_len: auto (quarters of train.seq_len), "
+                           "none, or ascending lengths '256,512'",
+                   valid="'auto', 'none', or ascending row lengths such as '256,512,1024' (at most train.seq_len)"),
     "packing_window": Key(512, "best_fit: documents packed together (more: less padding, more memory)",
                           at_least=1),
     "epochs": Key(0, "passes over data.paths before the run stops with an error; 0: no limit", at_least=0,

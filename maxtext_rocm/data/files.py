@@ -9,6 +9,10 @@ The pipeline, per process:
          segment ids and per-document positions; padding has segment 0 and weight 0
       -> local batches, built ahead of the trainer by a background thread (FilesSource)
 
+Rows of one example under data.buckets (data.packing="none" records, preference pairs) take
+another path: the epoch's global batches are planned from every record's length, each padded to
+a bucket (data/bucketed.py), and this process builds its rows of each.
+
 The position in that stream is three integers per process (epoch, document cursor, token offset
 in the current document), so `state()` is a small JSON dict that a checkpoint keeps and
 `restore()` continues from exactly: a resumed run sees the batches it would have seen.
@@ -22,6 +26,8 @@ from pathlib import Path
 import numpy as np
 
 from maxtext_rocm.data import resume
+from maxtext_rocm.data.bucketed import BucketedRows, row_lengths
+from maxtext_rocm.data.buckets import row_buckets
 from maxtext_rocm.data.checks import DataError
 from maxtext_rocm.data.documents import Documents, expand_paths, tokenized_dataset
 from maxtext_rocm.data.packing import DocumentStream, RowPacker, packing_mode
@@ -122,6 +128,12 @@ class FilesSource:
         self._packer_args = dict(seq_len=seq_len, packing=self.packing, window=self.packing_window,
                                  name=f"{key} ({', '.join(map(str, self.files[:3]))}{' ...' * (len(self.files) > 3)})")
         self.shard, self.shards = process_index, process_count  # this process's group of rows, of how many
+        # Rows of one example padded to buckets, not seq_len (data/bucketed.py): the plan's lengths
+        # and the global batch it cuts, which a checkpoint's position depends on.
+        self.buckets = row_buckets(data_cfg, seq_len)
+        self.plan = {"buckets": list(self.buckets), "rows": global_batch} if self.buckets else None
+        if self.buckets:
+            self._lengths = row_lengths(self.dataset, seq_len, pairs=self.format == "preference")
         self.allow_changed = bool(data_cfg.get("allow_changed", False))
         # Taken as the files are opened (not at the first save): the version the offset index describes.
         self._fingerprint = resume.fingerprint(self.files) if split == "train" else None
@@ -138,7 +150,7 @@ class FilesSource:
             from maxtext_rocm.data.workers import WorkerPool
 
             self._pool = WorkerPool(**self._pool_args)
-        packer = self._packer(DocumentStream(**self._stream_args, pool=self._pool), **self._packer_args)
+        packer = self._make_packer()
         packer.set_state(start)
         self._queue, self._stop = queue.Queue(self.prefetch), threading.Event()
         self._next = int(start["step"])
@@ -161,6 +173,13 @@ class FilesSource:
 
         self._thread = threading.Thread(target=produce, name=f"files-{self.split}", daemon=True)
         self._thread.start()
+
+    def _make_packer(self):
+        if self.buckets:
+            args = self._stream_args
+            return BucketedRows(self.dataset, self._lengths, self.buckets, self.plan["rows"], self.rows, args["seed"],
+                                args["shuffle"], args["epochs"], self.format == "preference")
+        return self._packer(DocumentStream(**self._stream_args, pool=self._pool), **self._packer_args)
 
     def _stop_thread(self) -> None:
         if self._thread is not None:
@@ -217,16 +236,26 @@ class FilesSource:
         step = int(state.get("step", 0))
         if "files" in state:
             resume.check_files(state["files"], self.fingerprint(), step, self.allow_changed)
-        position = resume.own_position(state, self.shard, self.shards, self.allow_changed)
-        if position is not None:
-            position = resume.check_packing(state, position, self.packing, step, self.allow_changed,
-                                            self.packing_window)
-            position = resume.check_position(position, self.num_docs, self.shard, self.shards, step,
-                                             self.allow_changed)
-            self._start = {"step": step, **{k: int(position[k]) for k in resume.POSITION_KEYS}}
-        else:
-            self._start = {"step": 0, "epoch": 0, "cursor": 0, "offset": 0}
+        position = self._planned_position(state, step) if self.buckets else self._own_position(state, step)
+        self._start = ({"step": step, **{k: int(position[k]) for k in resume.POSITION_KEYS}} if position is not None
+                       else {"step": 0, "epoch": 0, "cursor": 0, "offset": 0})
         self._state = dict(self._start)
+
+    def _own_position(self, state: dict, step: int) -> dict | None:
+        """This process's own position in a checkpoint's data item, checked against this run, or None (replay)."""
+        position = resume.own_position(state, self.shard, self.shards, self.allow_changed)
+        if position is None:
+            return None
+        position = resume.check_packing(state, position, self.packing, step, self.allow_changed, self.packing_window)
+        return resume.check_position(position, self.num_docs, self.shard, self.shards, step, self.allow_changed)
+
+    def _planned_position(self, state: dict, step: int) -> dict | None:
+        """Under buckets every process's position is the same (a batch of the epoch's plan), or None (replay)."""
+        position = resume.planned_position(state, self.plan, step, self.allow_changed)
+        if position is None:
+            return None
+        batches = self._make_packer().batches_in(position["epoch"])
+        return resume.check_planned(position, batches, step, self.allow_changed)
 
     def describe(self) -> str:
         kind = "pre-tokenized ArrayRecord" if self.pretokenized else f"{type(self.tokenizer).__name__}"
@@ -234,5 +263,7 @@ class FilesSource:
         if self.format != "text":
             kind += f", data.format={self.format!r}"
             layout = "a pair per two rows" if self.format == "preference" else layout
+        if self.buckets:
+            layout += f", padded to buckets of {', '.join(map(str, self.buckets))} positions"
         return (f"files: {self.num_docs:,} documents in {len(self.files)} file(s) ({kind}), {layout}, "
                 f"{self.split} split")

@@ -212,11 +212,13 @@ def check_format_inputs(files, data_cfg, tokenizer, seq_len: int | None, key: st
     record of each sequence of roles (a template refuses a role or an order of turns, e.g. "roles
     must alternate", by the roles, so one of each is rendered, not every record); without packing
     (chat, prompt_completion) no example loses every trained token to the row's end, which
-    tokenizes every record once; and the data trains something: some record leaves a trained
-    token (preference: some pair whose rows differ). Usually the first record does, so that costs
+    tokenizes every record once (so do preference pairs padded to data.buckets, whose batches are
+    planned from every length); and the data trains something: some record leaves a trained token
+    (preference: some pair whose rows differ). Usually the first record does, so that costs
     nothing more; data that trains nothing costs one pass over it, once, to be refused. What it
     tokenized is kept for the source that trains on it (data/kept.py), so no record is tokenized
     twice in a start-up."""
+    from maxtext_rocm.data.buckets import row_buckets
     from maxtext_rocm.data.chat_template import load_chat_template, reply_problem
     from maxtext_rocm.data.kept import KeptExamples, TokenizedRecords, leave_for_source
 
@@ -228,7 +230,9 @@ def check_format_inputs(files, data_cfg, tokenizer, seq_len: int | None, key: st
             raise TemplateError(problem)
     preference = data_cfg.get("format") == "preference"
     unpacked = data_cfg.get("packing", "concat") == "none"  # the one mode that truncates
-    exhaustive = not preference and unpacked and seq_len
+    within = not preference and unpacked and seq_len
+    # Batches planned over buckets need every record's length (data/bucketed.py): all are tokenized.
+    exhaustive = within or (seq_len and row_buckets(data_cfg, seq_len))
     trains = lambda item: usable_pair(item, seq_len) if preference else trains_a_token(item)  # noqa: E731
     seen, trained = set(), False
     kept = KeptExamples(len(records), owners=(tokenize.tokenizer, tokenize.template))
@@ -241,7 +245,7 @@ def check_format_inputs(files, data_cfg, tokenizer, seq_len: int | None, key: st
         example = dataset[index]
         kept.keep(index, example)
         trained = trained or trains(example)
-        if exhaustive:
+        if within:
             check_trained_within(example, seq_len, records.where(index))
     if not trained and not any(trains(dataset[index]) for index in range(len(records))):
         raise _trains_nothing(data_cfg, files, key)

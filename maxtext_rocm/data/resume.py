@@ -8,6 +8,9 @@ process's position, gathered before the save, and a fingerprint of the data file
      "files": [{"file": "corpus/a.jsonl", "size": 123456, "hash": "9f0c...", "sha256": "e3b0..."}, ...],
      "packing": "concat"}
 
+A source whose batches are planned over buckets (data/bucketed.py) adds "plan": {"buckets": [...],
+"rows": global batch}, and its positions are all the same: (epoch, batch index, 0).
+
 `shards` counts the groups of processes that load distinct batch rows (sharding.batch_rows_of_process:
 usually the process count; pipeline stages across hosts load the same rows); `positions[i]` is
 group i's (epoch, document cursor, token offset; under data.packing="best_fit" the offset counts
@@ -137,6 +140,46 @@ def check_position(position: dict, documents: int, shard: int, shards: int, step
                     "to go on from the next epoch")
 
 
+def planned_position(saved: dict, plan: dict, step: int, allow_changed: bool) -> dict | None:
+    """The position in checkpoint data item `saved` of a source whose batches are planned over
+    buckets (data/bucketed.py: every process holds the same one, so any number of processes can
+    continue it), or None: replay up to the saved step (an item without positions). Mid-epoch the
+    saved plan (its buckets and global batch) must be this run's, or the batch index would point
+    at other records: a DataError, or under data.allow_changed the start of the next epoch."""
+    if "positions" not in saved:
+        return None  # no position (or an older checkpoint's flat one, of no plan): replay
+    position = {k: int(saved["positions"][0][k]) for k in POSITION_KEYS}
+    was = saved.get("plan")
+    if was == plan or position["cursor"] == 0 and position["offset"] == 0:
+        return {**position, "offset": 0}
+    if allow_changed:
+        warn(f"checkpoint step {step} was saved with other batches ({_plan_words(was)}) than this run's "
+             f"({_plan_words(plan)}); data.allow_changed=true: the data continues from the next epoch")
+        return {"epoch": position["epoch"] + 1, "cursor": 0, "offset": 0}
+    raise DataError(f"checkpoint step {step} was saved in the middle of epoch {position['epoch']} with "
+                    f"{_plan_words(was)}, and this run has {_plan_words(plan)}, which cut the epoch into other "
+                    f"batches; resume with the checkpoint's data.buckets and global batch, or {ALLOW} to go on "
+                    "from the next epoch")
+
+
+def _plan_words(plan: dict | None) -> str:
+    if not plan:
+        return "rows of train.seq_len (no data.buckets)"
+    return f"data.buckets={','.join(map(str, plan['buckets']))} and a global batch of {plan['rows']} rows"
+
+
+def check_planned(position: dict, batches: int, step: int, allow_changed: bool) -> dict:
+    """`position` if its epoch still has its batch; else the data shrank: a DataError, or under
+    data.allow_changed the start of the next epoch."""
+    if position["cursor"] < batches:
+        return position
+    if allow_changed:
+        return {"epoch": position["epoch"] + 1, "cursor": 0, "offset": 0}
+    raise DataError(f"the data position of checkpoint step {step} (batch {position['cursor'] + 1} of epoch "
+                    f"{position['epoch']}) lies past the {batches} batches an epoch has now: the data files shrank "
+                    f"since it was saved; restore them, or {ALLOW} to go on from the next epoch")
+
+
 def packing_label(packing: str, window: int | None) -> str:
     """data.packing as a position depends on it: best_fit's rows of a window change with its size."""
     return f"{packing!r} (data.packing_window={window})" if packing == "best_fit" and window else repr(packing)
@@ -198,6 +241,7 @@ def saved_state(source, step: int) -> dict:
         raise ValueError(f"data positions of shards {sorted(positions)} were gathered, not of all {shards}")
     return {"step": step, "shards": shards, "positions": [positions[i] for i in range(shards)],
             "files": source.fingerprint(), "packing": getattr(source, "packing", "concat"),
+            **({"plan": source.plan} if getattr(source, "plan", None) else {}),
             **({"packing_window": source.packing_window} if getattr(source, "packing", "") == "best_fit" else {})}
 
 

@@ -111,6 +111,15 @@ def pair_terms(policy_logps: Array, reference_logps: Array, beta: float, label_s
     return PairTerms(losses, chosen, rejected)
 
 
+def real_pairs(batch: dict, pairs: int) -> Array:
+    """[pairs] fp32: 1 for a pair, 0 for the empty rows that complete an epoch's last batch under
+    data.buckets (data/bucketed.py: no token, segment id 0 throughout), which then count in no
+    sum and no pair mean. A batch without segment ids holds pairs only."""
+    if "segment_ids" not in batch:
+        return jnp.ones((pairs,), jnp.float32)
+    return jnp.any(batch["segment_ids"].reshape(pairs, -1) != 0, axis=1).astype(jnp.float32)  # rows 2i, 2i+1
+
+
 def summed_loss(params, reference, model, batch: dict, dpo_cfg, *, fused: bool, fp8_state=None, frozen=None,
                 dropout_key=None):
     """(objective, sums): the DPO loss summed over this batch's pairs (plus the MoE router losses
@@ -120,7 +129,9 @@ def summed_loss(params, reference, model, batch: dict, dpo_cfg, *, fused: bool, 
                                dropout_key=dropout_key)
     ref = jax.lax.stop_gradient(sequence_logprobs(reference, model, batch, fused=fused, fp8_state=fp8_state).logps)
     terms = pair_terms(policy.logps, ref, dpo_cfg.beta, dpo_cfg.label_smoothing)
-    pairs = terms.losses.shape[0]
+    real = real_pairs(batch, terms.losses.shape[0])
+    terms = PairTerms(*(term * real for term in terms))
+    pairs = jnp.sum(real)
     # Router losses are batch means: times the pair count they average over micro-batches like
     # the DPO loss once the step divides by the global pair count.
     router = {name: value * pairs for name, value in policy.router.items()}
@@ -128,7 +139,7 @@ def summed_loss(params, reference, model, batch: dict, dpo_cfg, *, fused: bool, 
     sums = {"dpo_loss": objective, "chosen_reward": jnp.sum(terms.chosen_rewards),
             "rejected_reward": jnp.sum(terms.rejected_rewards),
             "correct": jnp.sum((terms.chosen_rewards > terms.rejected_rewards).astype(jnp.float32)),
-            "pairs": jnp.asarray(pairs, jnp.float32), "tokens": jnp.sum(batch["weights"].astype(jnp.float32)),
+            "pairs": pairs, "tokens": jnp.sum(batch["weights"].astype(jnp.float32)),
             **router}
     return objective + moe.weighted_router_loss(router, model.cfg), sums
 

@@ -14,6 +14,7 @@ import time
 
 import jax
 
+from maxtext_rocm.data.buckets import row_buckets
 from maxtext_rocm.data.prompts import load_prompts
 from maxtext_rocm.data.tokenizer import load_tokenizer
 from maxtext_rocm.finetune.grpo import rewards as rewards_lib
@@ -37,6 +38,8 @@ class Rollouts:
         per_process = global_batch // count
         self.local_rows = slice(index * per_process, (index + 1) * per_process)
         self.key = jax.random.fold_in(jax.random.key(cfg.train.seed), _SAMPLER_STREAM)
+        # The rows' lengths (data.buckets; 'none': every row train.seq_len long).
+        self.buckets = row_buckets(cfg.data, cfg.train.seq_len) or (cfg.train.seq_len,)
 
     def describe(self) -> str:
         g = self.cfg.grpo
@@ -55,6 +58,6 @@ class Rollouts:
         sampled = gathered(self.sampler(state, tokens, positions, jax.random.fold_in(self.key, step))[0])
         sampling_s = time.perf_counter() - started
         scored = score_and_lay_out(prompts, sampled, self.tokenizer, self.rewards, g, self.cfg.train.seq_len,
-                                   self.prompts.stop_ids)
+                                   self.prompts.stop_ids, self.buckets)
         local = {name: rows[self.local_rows] for name, rows in scored.batch.items()}
         return self.to_device(local), dict(scored.metrics, grpo_sampling_s=sampling_s)

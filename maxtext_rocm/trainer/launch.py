@@ -25,6 +25,7 @@ import ml_collections
 import numpy as np
 from flax import linen as nn
 
+from maxtext_rocm.data.buckets import row_buckets
 from maxtext_rocm.finetune import lora, lora_base
 from maxtext_rocm.trainer import compilation, optimizer as optim
 from maxtext_rocm.parallel import sharding
@@ -206,9 +207,11 @@ def launch(cfg, model, mesh, batch_sharding, batch_dtypes, checkpointer, shardin
         with sharding_rules():
             return lower_step(step, cfg, mesh, layout.abstract, batch_sharding, batch_dtypes)
 
-    if (resume and resume.newest == cfg.train.steps) or cfg.train.objective == "grpo":
-        # A finished run relaunched: compiled only if a step runs. GRPO's rows come in buckets
-        # (data/buckets.py): its full-length step is compiled only if a batch needs it.
+    if (resume and resume.newest == cfg.train.steps) or cfg.train.objective == "grpo" or \
+            row_buckets(cfg.data, cfg.train.seq_len):
+        # A finished run relaunched: compiled only if a step runs. GRPO's rows, and rows of one
+        # example under data.buckets, come in buckets (data/buckets.py): the full-length step is
+        # compiled only if a batch needs it.
         compiled = CompiledOnFirstUse(lowered)
         state, step_count, data_state = made.result()
     elif compilation.compile_overlaps_init():
@@ -230,8 +233,8 @@ def launch(cfg, model, mesh, batch_sharding, batch_dtypes, checkpointer, shardin
 class CompiledOnFirstUse(Future):
     """A train step compiled when it is first asked for: a run whose checkpoint is at train.steps
     already (`Trainer.run(n)` past the end, a notebook's `step()`), never for a relaunch that only
-    says the run is done (an 8B step takes minutes to compile); and GRPO's full-length step, which
-    only a batch whose longest row needs the last bucket asks for."""
+    says the run is done (an 8B step takes minutes to compile); and the full-length step of rows
+    padded to buckets (GRPO's, data.buckets'), which only a batch that needs the last bucket asks for."""
 
     def __init__(self, lowered: Callable[[], jax.stages.Lowered]):
         super().__init__()

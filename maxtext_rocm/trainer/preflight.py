@@ -129,8 +129,20 @@ def _validate_against_mesh(cfg, shape, device_count: int, process_count: int = 1
         _require(t.seq_len % chunks == 0,
                  f"train.seq_len={t.seq_len} does not split into the 2 x sequence = {chunks} chunks that "
                  f"model.context_load_balance needs; use a multiple of {chunks}, or model.context_load_balance=false")
+    _check_buckets_split(cfg, sizes["sequence"] * (2 if sizes["sequence"] > 1 and m.context_load_balance else 1))
     problem = check_param_divisibility(m, sizes)
     _require(problem is None, problem or "")
+
+
+def _check_buckets_split(cfg, chunks: int) -> None:
+    """Each of data.buckets' lengths splits over the mesh's sequence shards as train.seq_len does
+    ('auto' keeps only the quarters that do: maxtext_rocm/resolve.py)."""
+    from maxtext_rocm.data.buckets import row_buckets
+
+    lengths = () if str(cfg.data.buckets).strip() == "auto" else row_buckets(cfg.data, cfg.train.seq_len) or ()
+    odd = [n for n in lengths if n % chunks]
+    _require(not odd, f"data.buckets={cfg.data.buckets!r} has row lengths {', '.join(map(str, odd))} that do not "
+             f"split into the {chunks} sequence chunks of this mesh; use multiples of {chunks}, or data.buckets='auto'")
 
 
 def _validate_pipeline_against_mesh(cfg, stages: int, micro_batch: int, batch_shards: int) -> None:

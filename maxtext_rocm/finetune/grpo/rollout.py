@@ -99,8 +99,9 @@ class Scored(NamedTuple):
 
 
 def score_and_lay_out(prompts: list[Prompt], sampled: np.ndarray, tokenizer, rewards, grpo_cfg, seq_len: int,
-                      stop_ids: tuple[int, ...]) -> Scored:
-    """Rewards, advantages and the batch of one step from its completions `sampled` [rows, max_new]."""
+                      stop_ids: tuple[int, ...], buckets: tuple[int, ...] | None = None) -> Scored:
+    """Rewards, advantages and the batch of one step from its completions `sampled` [rows, max_new];
+    `buckets`: the row lengths data.buckets gives (data/buckets.py row_buckets; default its 'auto')."""
     g = grpo_cfg.group_size
     done = completions(sampled, stop_ids)
     started = time.perf_counter()
@@ -123,8 +124,8 @@ def score_and_lay_out(prompts: list[Prompt], sampled: np.ndarray, tokenizer, rew
         metrics[f"grpo_reward/{reward.name}"] = float(table[:, column].mean())
         metrics[f"grpo_reward_std/{reward.name}"] = float(table[:, column].std())
     # The rows' length: the bucket of the longest (data/buckets.py), not train.seq_len.
-    return Scored(training_rows(prompts, done, advantages, g, bucket_of(longest_row(prompts, done, g), seq_len)),
-                  metrics)
+    length = bucket_of(longest_row(prompts, done, g), seq_len, buckets)
+    return Scored(training_rows(prompts, done, advantages, g, length), metrics)
 
 
 def gathered(array: jax.Array) -> np.ndarray:
