@@ -52,9 +52,11 @@ def files_config(tok_dir, path, fmt: str, packing: str, out):
     return small_config(**overrides)
 
 
-@pytest.mark.parametrize("fmt,packing", [("chat", "none"), ("chat", "best_fit"), ("prompt_completion", "none"),
-                                         ("prompt_completion", "best_fit"), ("preference", "none")])
-def test_a_trainer_start_up_and_its_epoch_tokenize_each_record_once(fmt, packing, tok_dir, tmp_path, devices,
+@pytest.mark.parametrize("fmt,packing,buckets", [
+    ("chat", "none", "auto"), ("chat", "best_fit", "auto"), ("prompt_completion", "none", "auto"),
+    ("prompt_completion", "best_fit", "auto"), ("preference", "none", "auto"), ("preference", "none", "none"),
+    ("chat", "none", "none")])
+def test_a_trainer_start_up_and_its_epoch_tokenize_each_record_once(fmt, packing, buckets, tok_dir, tmp_path, devices,
                                                                      monkeypatch):
     from maxtext_rocm.trainer.trainer import Trainer
 
@@ -69,7 +71,7 @@ def test_a_trainer_start_up_and_its_epoch_tokenize_each_record_once(fmt, packing
 
     monkeypatch.setattr(formats.Tokenize, "__call__", counting)
     cfg = files_config(tok_dir, path, fmt, packing, tmp_path / "run")
-    cfg.data.buckets = "none"  # rows of seq_len: under data.buckets every pair is read at start-up (test_buckets_sft_dpo.py)
+    cfg.data.buckets = buckets
     trainer = Trainer(cfg, devices, log=lambda *_: None)
     try:
         at_start_up = sum(calls.values())
@@ -79,8 +81,10 @@ def test_a_trainer_start_up_and_its_epoch_tokenize_each_record_once(fmt, packing
             step += 1
     finally:
         trainer.close()
-    # Under 'none' the check reads every record; otherwise the first of each sequence of roles.
-    assert at_start_up == (count if packing == "none" and fmt != "preference" else 3 if fmt == "chat" else 1)
+    # Under packing 'none' the check reads every record (bucketed pairs too: their plan needs every
+    # length); otherwise the first of each sequence of roles.
+    reads_all = packing == "none" and (fmt != "preference" or buckets != "none")
+    assert at_start_up == (count if reads_all else 3 if fmt == "chat" else 1)
     assert len(calls) == count and set(calls.values()) == {1}, collections.Counter(calls.values())
     assert not kept._WAITING  # the source took what the check kept: nothing else holds it
 
@@ -107,3 +111,22 @@ def test_the_kept_examples_give_the_rows_a_fresh_tokenization_gives(fmt, packing
         finally:
             fresh.close()
             from_check.close()
+
+
+def test_the_byte_tokenizer_finds_what_its_check_kept(tmp_path):
+    """data.tokenizer='byte' (the default) is one object, so the source finds the examples the
+    check kept by it: once it was made anew per call, and every record was tokenized twice."""
+    from maxtext_rocm.data.tokenizer import load_tokenizer
+
+    assert load_tokenizer("byte") is load_tokenizer("byte") is load_tokenizer("")
+    path = write_jsonl(tmp_path / "data.jsonl", records("prompt_completion", 12))
+    cfg = small_config(**{"data.source": "files", "data.paths": str(path), "data.format": "prompt_completion",
+                          "data.packing": "none", "data.tokenizer": "byte", "train.seq_len": 256,
+                          "output_dir": str(tmp_path / "run"), "checkpoint.enabled": False}).data
+    check_inputs(cfg, 320, seq_len=256)
+    assert kept._WAITING
+    source = FilesSource(cfg, vocab_size=320, global_batch=4, seq_len=256)
+    try:
+        assert not kept._WAITING  # taken by the source
+    finally:
+        source.close()

@@ -181,12 +181,15 @@ def _looks_like_tiktoken(path: Path) -> bool:
 _KINDS = {"hf": HFTokenizer, "sentencepiece": SentencePieceTokenizer, "tiktoken": TiktokenTokenizer}
 
 
+_BYTE = ByteTokenizer()
+
+
 def load_tokenizer(spec: str):
     """The tokenizer `data.tokenizer` names: "byte", or a path to a tokenizer.json, a SentencePiece
     .model or a tiktoken rank file (a folder: its tokenizer.json, else its tokenizer.model). The kind
     is found from the file; a prefix `hf:`, `sentencepiece:` or `tiktoken:` forces it."""
     if spec in ("", "byte"):
-        return ByteTokenizer()
+        return _BYTE  # one object, as files are cached below: what a start-up check kept is found by it (data/kept.py)
     kind, sep, rest = spec.partition(":")
     kind, text = (kind, rest) if sep and kind in _KINDS else (None, spec)
     path = Path(text).expanduser()
