@@ -117,3 +117,20 @@ def test_real_tokens_are_the_positions_less_the_padding_of_the_timed_steps():
                                   peak_tflops=None)
     assert alone["real_tokens_per_s_per_device"] == 32.0
     assert "64 tok/s/dev (48 real)" in metrics.format_line(3, 10, row)
+
+
+def test_under_buckets_the_tflops_count_each_steps_rows_at_their_own_length():
+    """Timed steps of rows 16, 16 and 32 long (seq_len 32): the FLOPs are each step's positions
+    times the FLOPs per token at its own row length (train_flops_per_token), summed, over the time."""
+    cfg = small_config()
+    assert cfg.train.seq_len == 32
+    lengths, step_time, batch, devices = [16, 16, 32], 0.5, 8, 8
+    flops = sum(batch * length * metrics.train_flops_per_token(cfg.model, length) for length in lengths)
+    want_tflops = flops / (len(lengths) * step_time) / devices / 1e12
+    row = run_report.logged_row(cfg, FETCHED, step_time, global_batch=batch, n_devices=devices,
+                                flops_per_token=metrics.train_flops_per_token(cfg.model, 32), peak_tflops=None,
+                                timed_row_lengths=lengths)
+    assert row["tokens_per_s_per_device"] == pytest.approx(batch * sum(lengths) / len(lengths) / step_time / devices)
+    assert row["tflops_per_s_per_device"] == pytest.approx(want_tflops, rel=1e-12)
+    at_seq_len = metrics.train_flops_per_token(cfg.model, 32) * row["tokens_per_s_per_device"] / 1e12
+    assert row["tflops_per_s_per_device"] < at_seq_len  # the short rows' attention did less

@@ -66,12 +66,22 @@ def matmul_params(model_cfg) -> int:
 
 def train_flops_per_token(model_cfg, seq_len: int) -> float:
     """Training (forward + backward) FLOPs per token under FLOPS_CONVENTION."""
-    m = model_cfg
-    dense = 6 * matmul_params(m)
-    # QK^T and AV: 2 matmuls x 2 FLOPs/MAC x seq_len x n_heads x head_dim forward per token, halved
-    # because the causal mask skips the upper triangle, x3 for forward + backward.
-    attention = 6 * seq_len * m.n_heads * m.head_dim * m.n_layers
-    return float(dense + attention)
+    return float(6 * matmul_params(model_cfg) + seq_len * attention_flops_per_position(model_cfg))
+
+
+def attention_flops_per_position(m) -> float:
+    """What one more position of a row adds to each token's training FLOPs: QK^T and AV, 2 matmuls
+    x 2 FLOPs/MAC x n_heads x head_dim forward, halved because the causal mask skips the upper
+    triangle, x3 for forward + backward."""
+    return float(6 * m.n_heads * m.head_dim * m.n_layers)
+
+
+def flops_per_token_over_rows(model_cfg, flops_at_seq_len: float, seq_len: int, row_lengths) -> float:
+    """Training FLOPs per position of steps whose rows are `row_lengths` long (buckets: shorter rows
+    attend over fewer positions), each step weighted by its positions, from the figure at seq_len."""
+    lengths = [float(length) for length in row_lengths]
+    mean_attended = sum(length * length for length in lengths) / sum(lengths)
+    return flops_at_seq_len + (mean_attended - seq_len) * attention_flops_per_position(model_cfg)
 
 
 def executed_flops_per_token(model_cfg, seq_len: int, remat: str) -> dict[str, float]:

@@ -4,6 +4,7 @@ scalars logged at each logging step (to the console, metrics.jsonl, TensorBoard 
 from __future__ import annotations
 
 import jax
+import numpy as np
 
 from maxtext_rocm.numerics import fp8
 from maxtext_rocm.reporting import metrics as metrics_lib
@@ -50,22 +51,25 @@ def warmup_warning(cfg) -> str | None:
 
 def logged_row(cfg, step_metrics: dict, step_time: float | None, global_batch: int, n_devices: int,
                flops_per_token: float, peak_tflops: float | None, timed_padding: float | None = None,
-               timed_row_length: float | None = None, goodput: float | None = None) -> dict:
+               timed_row_lengths=None, goodput: float | None = None) -> dict:
     """The logged row for the step just taken, from its fetched metrics and its time per step.
 
     Speeds are per device over the steps `step_time` timed: `tokens_per_s_per_device` counts every
-    position the step computes (a row's positions: train.seq_len, or under buckets `timed_row_length`,
-    the mean of those steps; padding included), and so do the TFLOP/s and MFU (what the hardware
-    did); `real_tokens_per_s_per_device` counts the positions that hold a token (segment id not 0: a
+    position the step computes (a row's positions: train.seq_len, or under buckets the mean of
+    `timed_row_lengths`, those steps' row lengths; padding included), and so do the TFLOP/s and MFU
+    (what the hardware did: `flops_per_token` is at train.seq_len, and a shorter row's attention
+    does less); `real_tokens_per_s_per_device` counts the positions that hold a token (segment id not 0: a
     masked prompt is real, padding is not), from `timed_padding`, the padding fraction of those
     steps' positions (the logged step's own where not given). `goodput`: the run's so far
     (reporting/timeline.py)."""
     tokens_per_s = real_tokens_per_s = tflops = None
     padding = float(step_metrics.get("padding", 0.0))
-    row_length = timed_row_length or step_metrics.get("row_length") or cfg.train.seq_len
+    lengths = (timed_row_lengths if timed_row_lengths is not None and len(timed_row_lengths)
+               else [step_metrics.get("row_length") or cfg.train.seq_len])
     if step_time:
-        tokens_per_s = global_batch * row_length / step_time / n_devices
+        tokens_per_s = global_batch * float(np.mean(lengths)) / step_time / n_devices
         real_tokens_per_s = tokens_per_s * (1.0 - (padding if timed_padding is None else timed_padding))
+        flops_per_token = metrics_lib.flops_per_token_over_rows(cfg.model, flops_per_token, cfg.train.seq_len, lengths)
         tflops = flops_per_token * tokens_per_s / 1e12
     row = {
         "loss": float(step_metrics["loss"]), "lr": float(step_metrics["lr"]),

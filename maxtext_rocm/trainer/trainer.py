@@ -193,15 +193,14 @@ class Trainer:
         """Fetches the step's metrics (the loop's only host sync), writes and prints its row and
         marks the step clock. Returns (the fetched metrics, the row)."""
         fetched, paddings = jax.device_get((step_metrics, clock.paddings))
-        timed_padding = timed_length = None
+        timed_padding = lengths = None
         if paddings:  # over the timed steps' positions, whose rows may differ in length (buckets)
             lengths = np.asarray(clock.row_lengths, np.float64)
-            timed_length = float(np.mean(lengths))
-            timed_padding = 1.0 - float(np.mean(lengths * (1.0 - np.asarray(paddings, np.float64)))) / timed_length
+            timed_padding = 1.0 - float(np.mean(lengths * (1.0 - np.asarray(paddings, np.float64)))) / np.mean(lengths)
         self.timeline.steps_until(self.step_count)  # the devices are done with every step up to here
         logged = run_report.logged_row(self.cfg, fetched, clock.step_time(self.step_count), self.global_batch,
                                        self.n_devices, self.flops_per_token, self.peak_tflops,
-                                       timed_padding=timed_padding, timed_row_length=timed_length,
+                                       timed_padding=timed_padding, timed_row_lengths=lengths,
                                        goodput=self.timeline.goodput_so_far())
         self.writer.write(self.step_count, logged)
         self.last_logged = (self.step_count, logged)
