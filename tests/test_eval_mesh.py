@@ -174,7 +174,7 @@ def test_mesh_model_arguments_do_not_move_parameters_given_whole(recorded_run):
 
 @pytest.mark.parametrize("environment, said", [
     ({"device_count": 4, "process_count": 1, "mesh": {"fsdp": 2, "tensor": 2}},
-     "trained on fsdp=2 x tensor=2 (4 devices, 1 processes) and this evaluation sees 8 devices in 1"),
+     "trained on fsdp=2 x tensor=2 over 4 devices (1 process) and this evaluation has 8 devices (1 process)"),
     (None, "records no mesh of its own (an import)"),
 ])
 def test_a_run_whose_mesh_does_not_fit_says_so_in_one_line(recorded_run, environment, said):

@@ -101,6 +101,10 @@ def _shown(sizes: Mapping[str, int]) -> str:
     return " x ".join(f"{axis}={size}" for axis, size in sizes.items() if size > 1) or "one device"
 
 
+def _counted(devices: int, processes: int) -> str:
+    return (f"{devices} device{'s' * (devices != 1)} ({processes} process{'es' * (processes != 1)})")
+
+
 def own_mesh_config(run, cfg) -> tuple[ml_collections.ConfigDict | None, str]:
     """(the run's config on its own mesh, "") where this process sees the devices it trained on;
     else (None, the line that says why the parameters are placed as load_params places them)."""
@@ -117,8 +121,8 @@ def own_mesh_config(run, cfg) -> tuple[ml_collections.ConfigDict | None, str]:
             return mesh_config(cfg, {}), ""
         except ConfigError:
             pass
-    return None, (f"{run} trained on {_shown(trained['mesh'])} ({count} devices, {processes} processes) and this "
-                  f"evaluation sees {devices} devices in {jax.process_count()}; its parameters are placed as "
+    return None, (f"{run} trained on {_shown(trained['mesh'])} over {_counted(count, processes)} and this "
+                  f"evaluation has {_counted(devices, jax.process_count())}; its parameters are placed as "
                   "load_params places them and batches are not split over a data axis; give --config.mesh.* "
                   "(mesh.* in --model_args) for a mesh of these devices")
 
