@@ -190,3 +190,18 @@ def test_a_run_whose_mesh_does_not_fit_says_so_in_one_line(recorded_run, environ
     (recorded_run / "config.json").write_text(json.dumps(record))
     on_mesh, note = own_mesh_config(recorded_run, recorded(recorded_run))
     assert on_mesh is None and said in note and "\n" not in note
+
+
+@pytest.mark.slow  # lm-eval's own command line indexes its ~10,000 built-in task files first: ~10 s
+def test_lm_evals_command_line_says_a_mesh_that_cannot_be_in_one_sentence(recorded_run, tmp_path, monkeypatch,
+                                                                          capsys):
+    pytest.importorskip("lm_eval")
+    from maxtext_rocm.eval import lm_eval_cli
+
+    tasks = write_tasks(tmp_path / "tasks")
+    monkeypatch.setattr("sys.argv", ["lm_eval", "--model", "maxtext_rocm", "--model_args",
+                                     f"run={recorded_run},mesh.ici.fsdp=3", "--tasks", "tiny_choice",
+                                     "--include_path", str(tasks)])
+    assert lm_eval_cli.main() == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: mesh.ici sizes (fsdp=3, tensor=2) multiply to 6 but there are 8 devices")

@@ -33,7 +33,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--output_path", help="a folder for the results file (and --log_samples' samples)")
     parser.add_argument("--log_samples", action="store_true", help="also write every request and response")
     parser.add_argument("--apply_chat_template", action="store_true", help="render prompts with the run's chat template")
-    parser.add_argument("--model_args", default="", help="more model arguments: max_length, max_gen_toks, add_bos_token, precision")
+    parser.add_argument("--model_args", default="",
+                        help="more model arguments: max_length, max_gen_toks, add_bos_token, precision, mesh.*")
     parser.add_argument("--seed", type=int, default=0, help="for sampled generation and few-shot draws (default 0)")
     return parser
 

@@ -58,7 +58,8 @@ def overrides_from_flags(flags: list[str]) -> dict[str, str]:
     while i < len(flags):
         flag = flags[i]
         if not flag.startswith("--config."):
-            raise ConfigError(f"unexpected argument {flag!r}; a mesh to evaluate on is given as --config.mesh.ici.fsdp=4")
+            raise ConfigError(f"unexpected argument {flag!r}; a mesh to evaluate on is given as "
+                              "--config.mesh.ici.fsdp=4")
         key, has_value, text = flag[len("--config."):].partition("=")
         if not has_value:
             if i + 1 == len(flags):
@@ -116,15 +117,15 @@ def own_mesh_config(run, cfg) -> tuple[ml_collections.ConfigDict | None, str]:
                 "--model_args) shards it like training")
         return None, "" if devices == 1 else said
     count, processes = int(trained.get("device_count", 0)), int(trained.get("process_count", 1))
+    why = f"this evaluation has {_counted(devices, jax.process_count())}"
     if (count, processes) == (devices, jax.process_count()):
         try:
             return mesh_config(cfg, {}), ""
-        except ConfigError:
-            pass
-    return None, (f"{run} trained on {_shown(trained['mesh'])} over {_counted(count, processes)} and this "
-                  f"evaluation has {_counted(devices, jax.process_count())}; its parameters are placed as "
-                  "load_params places them and batches are not split over a data axis; give --config.mesh.* "
-                  "(mesh.* in --model_args) for a mesh of these devices")
+        except ConfigError as error:  # a config.json edited, or checks that grew since it was written
+            why = f"it cannot be built again here ({str(error).rstrip('.')})"
+    return None, (f"{run} trained on {_shown(trained['mesh'])} over {_counted(count, processes)} and {why}; its "
+                  "parameters are placed as load_params places them and batches are not split over a data axis; "
+                  "give --config.mesh.* (mesh.* in --model_args) for a mesh of these devices")
 
 
 def place(run, cfg, overrides: Mapping[str, str], precision: str | None) -> Placed:
