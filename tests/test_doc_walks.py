@@ -56,6 +56,14 @@ PUBLIC_TASKS = {
     "--output_path results/": "downloads HellaSwag and ARC from the Hugging Face Hub",
     "python -m maxtext_rocm.eval runs/llama31_8b/ --tasks gsm8k --num_fewshot 5 --output_path results/":
         "downloads GSM8K from the Hugging Face Hub",
+    # "Sharded like training": Llama 3.1 70B on one 8-GPU node.
+    "python -m maxtext_rocm.eval runs/llama31_70b/ --tasks hellaswag --batch_size 32 --output_path results/":
+        "downloads HellaSwag; evaluates a 70B run on the 8 GPUs it trained on",
+    "python -m maxtext_rocm.eval runs/llama31_70b/ --tasks hellaswag --batch_size 32 --config.mesh.ici.fsdp=4 "
+    "--config.mesh.ici.tensor=2": "downloads HellaSwag; evaluates a 70B run on a mesh of 8 GPUs given",
+    "python -m maxtext_rocm.eval.lm_eval_cli --model maxtext_rocm --model_args "
+    "run=runs/llama31_70b/,mesh.ici.fsdp=4,mesh.ici.tensor=2 --tasks hellaswag":
+        "downloads HellaSwag; the same through lm-eval's command line",
 }
 # docs/evaluation.md's "During training" fine-tunes with lm-eval's harness at every step: its start,
 # the harness's programs and three evaluations take 25-50 s on a 2-core CPU. test_evaluation_during_training

@@ -82,13 +82,16 @@ class LoraRun(NamedTuple):
     warning: str | None
 
 
-def load_run(path, cfg, warn: bool = True) -> LoraRun:
+def load_run(path, cfg, warn: bool = True, placed=None) -> LoraRun:
     """The base and adapters of the LoRA run at `path` (a run directory: its newest intact step;
     or a checkpoints/<step>), verified against their checksums and against the run's record
     (BaseChanged if the base or the adapters' settings are not the run's). `cfg`: its config.
     A warning (a checkpoint older than the records, whose base is used unverified) is printed by
-    process 0 unless `warn` is False (the caller says it itself)."""
-    read = read_params(path, initialised(cfg, lora.ADAPTERS, abstract_only=True))
+    process 0 unless `warn` is False (the caller says it itself). `placed`: (base, adapters) as
+    ShapeDtypeStructs with shardings, to read them into (an evaluation on the run's mesh); by
+    default both come to the host (a seed-made base is made on the host either way)."""
+    placed_base, placed_adapters = placed if placed is not None else (None, None)
+    read = read_params(path, placed_adapters or initialised(cfg, lora.ADAPTERS, abstract_only=True))
     record = lora_base.recorded(checkpoint_meta(read.directory))
     lora_base.check_hyperparameters(record, cfg.lora, read.directory)
     pointer = lora_base.base_pointer(cfg)
@@ -96,7 +99,7 @@ def load_run(path, cfg, warn: bool = True) -> LoraRun:
         if not Path(pointer).is_dir():
             raise BaseChanged(f"the LoRA run's base, checkpoint.load_params_from={pointer!r} in its config.json, is "
                               f"not a directory; put the base the run trained on back there to read {read.directory}")
-        base, sums = restore_params_checked(pointer, host_abstract_params(cfg))
+        base, sums = restore_params_checked(pointer, placed_base or host_abstract_params(cfg))
         identity = loaded_identity(pointer, sums)
     else:
         base = initialised(cfg, "params")
@@ -105,10 +108,13 @@ def load_run(path, cfg, warn: bool = True) -> LoraRun:
             held = lora.to_compute_dtype(jax.tree_util.tree_map(lambda x: jax.device_put(x, cpu), base),
                                          _compute_dtype(cfg))
             identity = seed_identity(cfg.train.seed, held, "reader")
+        if placed_base is not None:
+            base = jax.tree_util.tree_map(lambda x, a: jax.device_put(x, a.sharding), base, placed_base)
     warning = lora_base.check_base(record, identity, cfg.lora, read.directory, resuming=False)
     if warning and warn:
         say_warning(warning)
-    return LoraRun(base, jax.tree_util.tree_map(np.asarray, read.params), read.directory, identity, warning)
+    adapters = read.params if placed is not None else jax.tree_util.tree_map(np.asarray, read.params)
+    return LoraRun(base, adapters, read.directory, identity, warning)
 
 
 def merged_params(run: LoraRun, cfg):

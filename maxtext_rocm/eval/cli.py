@@ -2,6 +2,9 @@
 `simple_evaluate` on a run's own model, with lm-eval's flag names, its results table on stdout and
 its results file (`OUTPUT_PATH/<run name>/results_<time>.json`, plus `samples_<task>_<time>.jsonl`
 with --log_samples), as `lm_eval --output_path` writes them.
+
+The model is placed on the run's own mesh, or on the one `--config.mesh.*` flags give (checked as
+training checks them, before lm-eval indexes its tasks): eval/placement.py.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from maxtext_rocm.eval.tasks import not_installed, task_manager
 
 USAGE = ("python -m maxtext_rocm.eval RUN_OR_EXPORT --tasks T1,T2 [--include_path DIR] [--limit N] "
          "[--num_fewshot K] [--batch_size B] [--output_path DIR] [--log_samples] [--apply_chat_template] "
-         "[--model_args KEY=VALUE,...]")
+         "[--model_args KEY=VALUE,...] [--config.mesh.ici.AXIS=N ...]")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -30,7 +33,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--output_path", help="a folder for the results file (and --log_samples' samples)")
     parser.add_argument("--log_samples", action="store_true", help="also write every request and response")
     parser.add_argument("--apply_chat_template", action="store_true", help="render prompts with the run's chat template")
-    parser.add_argument("--model_args", default="", help="more model arguments: max_length, max_gen_toks, add_bos_token")
+    parser.add_argument("--model_args", default="",
+                        help="more model arguments: max_length, max_gen_toks, add_bos_token, precision, mesh.*")
     parser.add_argument("--seed", type=int, default=0, help="for sampled generation and few-shot draws (default 0)")
     return parser
 
@@ -42,11 +46,17 @@ def run(args: argparse.Namespace) -> dict:
 
     import maxtext_rocm.eval.model  # noqa: F401  registers "maxtext_rocm" with lm-eval
     from maxtext_rocm.api import run_config
+    from maxtext_rocm.eval import placement
 
-    run_config(args.run)  # a wrong path is one sentence before lm-eval indexes its tasks
+    # A wrong path, or a mesh these devices cannot hold, is one sentence before lm-eval indexes its tasks.
+    cfg = run_config(args.run)
+    mesh = {**placement.mesh_overrides(simple_parse_args_string(args.model_args)),
+            **placement.overrides_from_flags(args.config)}
+    if mesh:
+        placement.mesh_config(cfg, mesh)
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     manager = task_manager(args.include_path, tasks)
-    model_args = {**simple_parse_args_string(args.model_args), "run": args.run, "seed": args.seed}
+    model_args = {**simple_parse_args_string(args.model_args), **mesh, "run": args.run, "seed": args.seed}
     tracker = EvaluationTracker(output_path=args.output_path) if args.output_path else None
     results = lm_eval.simple_evaluate(
         model="maxtext_rocm", model_args=model_args, tasks=tasks, num_fewshot=args.num_fewshot,
@@ -68,7 +78,8 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args, rest = _parser().parse_known_args(argv)
+    args.config = rest  # --config.mesh.* flags: the mesh to evaluate on (eval/placement.py)
     try:
         import lm_eval  # noqa: F401
     except ImportError:

@@ -5,8 +5,11 @@
 
 Model arguments (`--model_args run=RUN,batch_size=16,...`):
   run             a run directory, one of its checkpoints/<step>, or a params export (required);
-                  its parameters are verified as every checkpoint reader verifies them, a LoRA run
-                  evaluates its merged model
+                  its parameters are verified as every checkpoint reader verifies them and read into
+                  their shardings on the run's own mesh (eval/placement.py; a LoRA run's adapters
+                  applied inside the dots), else placed as load_params places them (a LoRA run merged)
+  mesh.ici.fsdp=4, mesh.ici.tensor=2, ...
+                  a mesh to evaluate on instead (config keys mesh.*, checked as training checks them)
   batch_size      rows per forward pass (default 16; "auto" is not measured here and means 16)
   max_length      the window in tokens (default the run's train.seq_len)
   max_gen_toks    generate_until's default budget (default 256, as the `hf` backend's)
@@ -26,9 +29,12 @@ text, the run's end-of-text ids stop the sampler).
 
 from __future__ import annotations
 
+import contextlib
 import json
+import sys
 from typing import Any
 
+import jax
 import ml_collections
 from lm_eval import utils as lm_utils
 from lm_eval.api.model import TemplateLM
@@ -39,6 +45,7 @@ from tqdm import tqdm
 from maxtext_rocm.errors import UserError
 from maxtext_rocm.eval.scoring import Scorer, ScoredRow, bucket_for
 from maxtext_rocm.eval.text import TextCodec
+from maxtext_rocm.parallel import sharding
 
 DEFAULT_BATCH = 16
 DEFAULT_MAX_GEN_TOKS = 256  # lm-eval's `hf` backend's
@@ -97,15 +104,24 @@ class MaxTextLM(TemplateLM):
                  precision: str | None = None, seed: int = 0, params=None, cfg=None, policy=None, mesh=None,
                  progress: bool = True, **unused: Any):
         super().__init__()
-        from maxtext_rocm.api import load_params, run_config
+        from maxtext_rocm.api import run_config
+        from maxtext_rocm.eval import placement
 
         if run is None and (params is None or cfg is None):
             raise UserError("the maxtext_rocm model needs run=RUN (a run directory, one of its "
                             "checkpoints/<step>, or a params export) in --model_args")
         self.run = None if run is None else str(run)
         self.cfg = run_config(self.run) if cfg is None else cfg
-        params = load_params(self.run, self.cfg) if params is None else params
-        if precision is not None:  # after loading: the parameters are stored in fp32 whatever the policy
+        mesh_args = placement.mesh_overrides(unused)
+        if params is None:  # a saved run: on its own mesh or the one mesh_args give (eval/placement.py)
+            placed = placement.place(self.run, self.cfg, mesh_args, precision)
+            if placed.note and jax.process_index() == 0:
+                print(f"note: {placed.note}", file=sys.stderr, flush=True)
+            self.cfg, params, policy, mesh = placed.cfg, placed.variables, placed.policy, placed.mesh
+        elif mesh_args:
+            raise UserError(f"model argument {next(iter(mesh_args))} places a run read from run=RUN; parameters "
+                            "given whole stay where they lie")
+        elif precision is not None:
             self.cfg = ml_collections.ConfigDict(self.cfg.to_dict())
             self.cfg.precision.policy = str(precision)
         self.batch_size = _positive(batch_size, "batch_size", DEFAULT_BATCH)
@@ -117,7 +133,7 @@ class MaxTextLM(TemplateLM):
         record = self.run or self.cfg.get("output_dir")
         self.stop_ids = stop_token_ids(record, self.cfg, self.codec.tokenizer) if record else (
             () if self.codec.tokenizer.eos_id is None else (int(self.codec.tokenizer.eos_id),))
-        self.params, self.policy, self.progress = params, policy, progress
+        self.params, self.policy, self.mesh, self.progress = params, policy, mesh, progress
         self.scorer = Scorer(self.cfg, params, self.batch_size, self.max_length, policy=policy, mesh=mesh)
         self.batch_size = self.scorer.batch_size  # a multiple of the mesh's batch shards
 
@@ -201,12 +217,13 @@ class MaxTextLM(TemplateLM):
                 chunk = ordered[start:start + self.batch_size]
                 rows = [prompts[i] for i in chunk]
                 rows += [rows[-1]] * (self.batch_size - len(rows))  # a fixed batch: one program per bucket
-                new = generate(self.cfg, self.params, rows, max_new,
-                               temperature=float(kwargs.get("temperature", 0.0)) if sampled else 0.0,
-                               top_k=int(kwargs.get("top_k") or 0) if sampled else 0,
-                               top_p=float(kwargs.get("top_p") or 1.0) if sampled else 1.0,
-                               seed=self.seed + start, eos_id=self.stop_ids,
-                               pad_to=bucket_for(len(rows[0]), room), policy=self.policy)
+                with self._mesh_rules():
+                    new = generate(self.cfg, self.params, rows, max_new,
+                                   temperature=float(kwargs.get("temperature", 0.0)) if sampled else 0.0,
+                                   top_k=int(kwargs.get("top_k") or 0) if sampled else 0,
+                                   top_p=float(kwargs.get("top_p") or 1.0) if sampled else 1.0,
+                                   seed=self.seed + start, eos_id=self.stop_ids,
+                                   pad_to=bucket_for(len(rows[0]), room), policy=self.policy)
                 for i, tokens in zip(chunk, new):
                     text = postprocess_generated_text(self.codec.decode(tokens), until, None)
                     out[i] = text
@@ -214,6 +231,11 @@ class MaxTextLM(TemplateLM):
                 bar.update(len(chunk))
         bar.close()
         return out
+
+    def _mesh_rules(self):
+        """The mesh and logical-axis rules the model's sharding constraints resolve against, where
+        the parameters lie on a mesh (its batch rows then split as a training batch's)."""
+        return contextlib.nullcontext() if self.mesh is None else sharding.rules_context(self.mesh)
 
     def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         """`--apply_chat_template`: the run's chat template (data.chat_template, else the tokenizer's)."""
