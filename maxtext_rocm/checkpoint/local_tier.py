@@ -232,6 +232,13 @@ class LocalTier:
         folder = self.directory / str(step)
         reader = _orbax_checkpointer(asynchronous=False)
         try:
+            return self._read(reader, folder, step, abstract_state)
+        finally:
+            reader.close()
+
+    @staticmethod
+    def _read(reader, folder: Path, step: int, abstract_state) -> tuple[object, dict, dict]:
+        try:
             meta = reader.restore(folder, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()}))[META]
         except Exception as error:  # noqa: BLE001
             raise LocalDamaged(f"cannot be read ({cause(error)})") from None
@@ -251,8 +258,6 @@ class LocalTier:
                 DATA: ocp.args.JsonRestore()}))
         except Exception as error:  # noqa: BLE001 - orbax and tensorstore raise many types
             raise LocalDamaged(f"cannot be read ({cause(error)})") from None
-        finally:
-            reader.close()
         return restored[STATE], restored[DATA], meta
 
     def set_aside(self, step: int) -> Path:
