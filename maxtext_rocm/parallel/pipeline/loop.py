@@ -102,7 +102,8 @@ def pipelined(layers: nn.Module, make_layers: Callable, embedding: TokenEmbeddin
     fp8_per_iteration = None if stack.fp8_state is None else fan_out(stack.fp8_state, real_uses(layout, microbatches))
     staged = embedded_per_stage(embedding, tokens, layout.stages, microbatches, schedule.mesh,  # [S, M, mb, seq, d]
                                 tables_per_stage=table_on_its_stage)
-    gathered = (GatheredOnce.of(stack.chunk_layers, staged[0, 0], positions, segment_ids, schedule.mesh)
+    gathered = (GatheredOnce.of(stack.chunk_layers, staged[0, 0], positions, segment_ids, schedule.mesh,
+                                stack.first_chunk_args())
                 if gather_once else None)
     if gathered is not None:
         params = gathered.before_loop(params)

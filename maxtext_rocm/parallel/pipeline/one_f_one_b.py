@@ -108,7 +108,8 @@ class OneFOneB:
         stack = stage_stack(layers, make_layers, schedule)
         staged = embedded_per_stage(embedding, tokens, schedule.stages, schedule.microbatches, schedule.mesh,
                                     tables_per_stage=self.ends_on_their_stages)
-        gathered = GatheredOnce.of(stack.chunk_layers, staged[0, 0], positions, segment_ids, schedule.mesh)
+        gathered = GatheredOnce.of(stack.chunk_layers, staged[0, 0], positions, segment_ids, schedule.mesh,
+                                   stack.first_chunk_args())
         chunk = functools.partial(run_chunk, stack.chunk_layers, stack.padded)
         if self.remat == "none":  # see the module's docstring: no residual may depend on the weights alone
             chunk = jax.checkpoint(chunk, policy=REMAT_POLICIES["save_dots"])

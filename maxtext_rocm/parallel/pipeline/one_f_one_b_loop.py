@@ -21,6 +21,7 @@ from maxtext_rocm.parallel.pipeline.gpipe_recompute import SAVED_AXES, read_row,
 from maxtext_rocm.parallel.pipeline.one_f_one_b_order import OneFOneBOrder
 from maxtext_rocm.parallel.pipeline.real_work import real_work
 from maxtext_rocm.parallel.pipeline.schedules import Schedule
+from maxtext_rocm.parallel.pipeline.stages import Slots
 from maxtext_rocm.parallel.pipeline.tail import TailOnLastStage
 from maxtext_rocm.parallel.pipeline.transfers import is_first, permute
 
@@ -78,11 +79,11 @@ class _Pullback(NamedTuple):
 class OneFOneBLoop:
     """The schedule's loop for `schedule` (its stages, repeats and microbatches, in
     one_f_one_b_order's order), `chunk` (stages.run_chunk's contract, its layers bound), `real`
-    [S, R, K] (False: an empty slot) and `tail` (tail.py). `gathered`: a GatheredOnce when
+    the stages.Slots [S, R, K] (its `real` False: an empty slot) and `tail` (tail.py). `gathered`: a GatheredOnce when
     pipeline.weight_gather="once"; `stored`: the weights' stored NamedShardings, the gradient's
     layout in every iteration."""
 
-    def __init__(self, schedule: Schedule, chunk: Callable, real: Array, tail: TailOnLastStage,
+    def __init__(self, schedule: Schedule, chunk: Callable, real: Slots, tail: TailOnLastStage,
                  gathered: GatheredOnce | None, stored):
         self.schedule, self.mesh = schedule, schedule.mesh
         self.stages, self.repeats, self.microbatches = schedule.stages, schedule.repeats, schedule.microbatches
@@ -112,7 +113,7 @@ class OneFOneBLoop:
         """The chunk `repeat` of one stage's [R, K, ...] block and its [K] slots' reality, as the
         schedule picks it (GPipe's static index with one repeat, Circular's dynamic one)."""
         pick = functools.partial(self.schedule.pick_chunk, repeat=repeat)
-        return jax.tree_util.tree_map(pick, stage_vars), pick(stage_real)
+        return jax.tree_util.tree_map(pick, (stage_vars, stage_real))
 
     def _stage(self, stage_vars, stage_real, repeat, h, pos, seg):
         """One stage's forward: its chunk `repeat` on `h`; (out, sown)."""
@@ -143,7 +144,7 @@ class OneFOneBLoop:
 
     @staticmethod
     def _inputs(chunk_vars, chunk_real, pos, seg) -> list:
-        return [*jax.tree_util.tree_leaves(chunk_vars), chunk_real, pos, *([] if seg is None else [seg])]
+        return [*jax.tree_util.tree_leaves((chunk_vars, chunk_real)), pos, *([] if seg is None else [seg])]
 
     # The schedule
 
@@ -286,7 +287,7 @@ class OneFOneBLoop:
             self.stored)
         d_fp8 = carry.d_fp8
         if d_fp8 is not None:  # a real layer of the chunk run, on a real microbatch: [S, R, K]
-            uses = (work.real[:, None] & (work.repeat[:, None] == jnp.arange(self.repeats)))[..., None] & self.real
+            uses = (work.real[:, None] & (work.repeat[:, None] == jnp.arange(self.repeats)))[..., None] & self.real.real
             d_fp8 = _merged(d_fp8, jax.tree_util.tree_map(lambda d: d[:, None], d_vars[FP8_COLLECTION]), uses)
         d_h = nn.with_logical_constraint(d_h, STATE_AXES)
         # Stage 0's cotangent of its first chunk's input is the embeddings'.
