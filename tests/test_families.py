@@ -34,8 +34,8 @@ FAMILIES = {
     "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", dict(head_dim=24),
               dict(family="qwen3", qk_norm=True, qkv_bias=False, head_dim=24)),
     "qwen3_moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig", dict(**MOE, norm_topk_prob=True),
-                  dict(family="qwen3_moe", qk_norm=True, n_experts=4, experts_per_token=2, mlp_dim=32,
-                       moe_renormalize=True)),
+                  dict(family="qwen3_moe", qk_norm=True, n_experts=4, experts_per_token=2, mlp_dim=96,
+                       moe_mlp_dim=32, moe_renormalize=True)),
     # the chosen experts' weights left as the softmax gave them (the published default)
     "qwen3_moe-unnormalised": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig", dict(**MOE, norm_topk_prob=False),
                                dict(family="qwen3_moe", moe_renormalize=False)),

@@ -89,6 +89,9 @@ def _check_moe(m, seq_len: int) -> None:
         _require(m.n_experts == 1,
                  f"model.n_experts={m.n_experts} has no effect on model.family={m.family!r}; "
                  f"use a mixture-of-experts family ({', '.join(MOE_FAMILIES)}) for a mixture of experts")
+        _require(m.moe_mlp_dim == 0,
+                 f"model.moe_mlp_dim={m.moe_mlp_dim} has no effect on model.family={m.family!r}, which has no "
+                 "experts; set it to 0 and give the feed-forward's size as model.mlp_dim")
         return
     _require(m.n_experts >= 2,
              f"model.n_experts={m.n_experts} is not valid for model.family={m.family!r}; a mixture needs at "

@@ -29,6 +29,8 @@ from typing import Callable
 
 import numpy as np
 
+from maxtext_rocm.config.choices import feed_forward_dim
+
 
 @dataclasses.dataclass(frozen=True)
 class Slot:
@@ -193,7 +195,7 @@ def aliases(m) -> dict[str, tuple[tuple[int, ...], list[tuple[str, Extract]]]]:
         return {}
     experts = EXPERTS[m.family]
     gate, up, down = experts.weights  # the published suffixes, in that order
-    f, d, n = m.mlp_dim, m.d_model, m.n_experts
+    f, d, n = feed_forward_dim(m), m.d_model, m.n_experts
     table = {}
     for i in range(m.n_layers):
         prefix = f"model.layers.{i}."

@@ -242,7 +242,8 @@ class Attention(nn.Module):
         else:
             if self.decode:  # `init` sizes the cache [batch, max_len, kv_heads, head_dim]
                 self.cache_variables(k, positions)
-            if self.context_attention is not None and not self.decode:  # no sinks: the config checks refuse them
+            split = self.context_attention is not None and not self.decode
+            if split:  # no sinks: the config checks refuse them
                 def attend(window):
                     return self.context_attention(q, k, v, segment_ids, window=window)
             else:
@@ -251,7 +252,7 @@ class Attention(nn.Module):
                                                  sliding_window=window, dot_general=self.policy.dot_general,
                                                  sinks=sinks)
             out = by_window(attend, kind.window, sliding, m.sliding_window or 0,
-                            traced=self.context_attention is None and m.attention == "xla")
+                            traced=not split and m.attention == "xla")
         out = nn.with_logical_constraint(out, ("activation_batch", "activation_length", "activation_heads", None))
         out = Dense((m.n_heads, hd), (d,), ("heads", "head_dim", "embed"), self.policy, name="o")(out)
         if m.out_bias:  # gpt-oss: after the dot, as the q/k/v biases

@@ -15,7 +15,7 @@ from flax import linen as nn
 
 from maxtext_rocm.models.activations import gated
 from maxtext_rocm.models.attention import CACHE, Attention
-from maxtext_rocm.models.layer_kinds import kinds_differ, layer_kinds  # noqa: F401  (layer_kinds: read from here)
+from maxtext_rocm.models.layer_kinds import kinds_differ, layer_kinds
 from maxtext_rocm.models.layers import ADAPTERS, EMBED_TABLE_AXES, HEAD_AXES, Dense, Embed, Kernel, RMSNorm, fused_projections
 from maxtext_rocm.models.moe import AUX_LOSSES
 from maxtext_rocm.numerics.fp8 import FP8_COLLECTION
