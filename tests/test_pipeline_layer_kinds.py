@@ -37,6 +37,10 @@ SCHEDULES = {
     "gpipe_recompute": {"pipeline.schedule": "gpipe_recompute"},
     "1f1b": {"pipeline.schedule": "1f1b"},
     "interleaved_1f1b": {"pipeline.schedule": "1f1b", "pipeline.repeats": 2},
+    # the stages' weights gathered before the loop, from an abstract init of one chunk of slots
+    "circular_gathered_once": {"pipeline.schedule": "circular", "pipeline.repeats": 2, "pipeline.weight_gather": "once"},
+    # a static-window kernel: each slot runs its kind's window under lax.cond (both, vmapped)
+    "1f1b_blockwise": {"pipeline.schedule": "1f1b", "model.attention": "blockwise"},
 }
 
 
@@ -60,7 +64,7 @@ def one_device(tmp_path_factory):
     return reference
 
 
-@pytest.mark.slow  # ten pipelines compiled on 2 cores: about 2 minutes
+@pytest.mark.slow  # fourteen pipelines compiled on 2 cores: about 5 minutes
 @pytest.mark.parametrize("schedule", list(SCHEDULES))
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_every_schedule_on_a_stack_of_kinds_matches_one_device(name, schedule, one_device, devices, tmp_path):
