@@ -38,7 +38,8 @@ SCHEDULES = {
     "1f1b": {"pipeline.schedule": "1f1b"},
     "interleaved_1f1b": {"pipeline.schedule": "1f1b", "pipeline.repeats": 2},
     # the stages' weights gathered before the loop, from an abstract init of one chunk of slots
-    "circular_gathered_once": {"pipeline.schedule": "circular", "pipeline.repeats": 2, "pipeline.weight_gather": "once"},
+    "circular_gathered_once": {"pipeline.schedule": "circular", "pipeline.repeats": 2,
+                               "pipeline.weight_gather": "once"},
     # a static-window kernel: each slot runs its kind's window under lax.cond (both, vmapped)
     "1f1b_blockwise": {"pipeline.schedule": "1f1b", "model.attention": "blockwise"},
 }
@@ -89,7 +90,8 @@ def test_a_slot_run_as_another_kind_would_be_seen(one_device, devices, tmp_path)
 
 
 @pytest.mark.slow  # three context-parallel compilations
-@pytest.mark.parametrize("name, mode", [("gemma3", "ring"), ("gemma3", "all_gather"), ("gpt_oss_without_sinks", "ring")])
+@pytest.mark.parametrize("name, mode", [("gemma3", "ring"), ("gemma3", "all_gather"),
+                                        ("gpt_oss_without_sinks", "ring")])
 def test_context_parallelism_on_a_stack_of_kinds_matches_one_device(name, mode, devices, tmp_path):
     """mesh sequence 2 x fsdp 4: each layer's window (sliding or none) reaches the ring's and the
     gathered attention's own masks. gpt-oss without sinks: sinks under sequence > 1 are refused."""

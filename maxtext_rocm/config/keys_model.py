@@ -102,8 +102,10 @@ MODEL = Group("The transformer: its family, sizes and how its layers compute.", 
 
 def feed_forward_dim(m) -> int:
     """The hidden size of the stack's feed-forward layers: each expert's in a mixture
-    (model.moe_mlp_dim, or mlp_dim where it is 0), mlp_dim in a dense family."""
-    return (m.moe_mlp_dim or m.mlp_dim) if m.family in MOE_FAMILIES else m.mlp_dim
+    (model.moe_mlp_dim, or mlp_dim where it is 0), mlp_dim in a dense model. A mixture is told by
+    n_experts > 1, as the planner's formulas tell it, which also take model groups written by hand
+    without the newer keys (moe_mlp_dim then 0)."""
+    return (m.n_experts > 1 and m.get("moe_mlp_dim", 0)) or m.mlp_dim
 
 
 def _mesh_axes(fill: str | None, where: str) -> Group:

@@ -230,7 +230,8 @@ def state_bytes(model_cfg, sizes: dict[str, int], grad_accum: int) -> float:
     F, Fe = sizes["fsdp"] * sizes["sequence"] * E, sizes["fsdp"] * sizes["sequence"]
     attention = m.d_model * m.head_dim * (2 * m.n_heads + 2 * m.n_kv_heads)
     if m.n_experts > 1:
-        layer = (attention / t + m.d_model * m.n_experts) / F + 3 * m.d_model * feed_forward_dim(m) * m.n_experts / (E * t * Fe)
+        experts = 3 * m.d_model * feed_forward_dim(m) * m.n_experts / (E * t * Fe)
+        layer = (attention / t + m.d_model * m.n_experts) / F + experts
     else:
         layer = (attention + 3 * m.d_model * m.mlp_dim) / (t * F)
     slots = math.ceil(m.n_layers / S)

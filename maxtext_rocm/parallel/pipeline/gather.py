@@ -52,7 +52,8 @@ class GatheredOnce:
     per_stage: object
 
     @classmethod
-    def of(cls, chunk_layers: nn.Module, x, positions, segment_ids, mesh: Mesh, layer_args: tuple = ()) -> "GatheredOnce":
+    def of(cls, chunk_layers: nn.Module, x, positions, segment_ids, mesh: Mesh,
+           layer_args: tuple = ()) -> "GatheredOnce":
         """From the layers' logical axes, read off an abstract init of one chunk (`chunk_layers`,
         unbound, on one row of the stack's inputs and `layer_args`, stages.StageStack's
         first_chunk_args; nothing is computed): a stored leaf [S R K, ...] is ("layers", *rest),

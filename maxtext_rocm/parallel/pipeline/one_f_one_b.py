@@ -117,7 +117,7 @@ class OneFOneB:
         rows = jax.tree_util.tree_map(split, tail.rows)
         pos_in, seg_in = (None if a is None else split(a) for a in (positions, segment_ids))
         on_last = TailOnLastStage.of(tail, schedule.mesh, self.ends_on_their_stages)
-        loop = OneFOneBLoop(schedule, chunk, stack.real, on_last,
+        loop = OneFOneBLoop(schedule, chunk, stack.slots, on_last,
                      gathered if self.gather_once else None, gathered.stored)
         sown_shape = loop.sown_shape(stack.params, stack.fp8_state, staged, pos_in, seg_in)
         sown_cotangent = _sown_cotangent(tail.of_sown, sown_shape, loop.real_work)

@@ -50,19 +50,19 @@ class Slots(NamedTuple):
 
 class StageStack(NamedTuple):
     """The scanned layers' variables as the stages run them: `params` and `fp8_state` (None
-    without delayed fp8 scaling) viewed [S, R, K, ...]; `real`, the Slots [S, R, K] (its `real`
-    False: an empty slot); `chunk_layers`, an unbound scan that runs one chunk, or where some slots
-    are empty (`padded`) one unscanned layer that run_chunk runs a slot at a time."""
+    without delayed fp8 scaling) viewed [S, R, K, ...]; `slots` [S, R, K] (Slots: which are
+    empty, which layer each holds); `chunk_layers`, an unbound scan that runs one chunk, or where
+    some slots are empty (`padded`) one unscanned layer that run_chunk runs a slot at a time."""
     params: object
     fp8_state: object
-    real: Slots
+    slots: Slots
     padded: bool
     chunk_layers: nn.Module
 
     def first_chunk_args(self) -> tuple:
         """chunk_layers' extra arguments for the first chunk (its layer indices, or ()): what an
         abstract init of one chunk passes (gather.GatheredOnce.of)."""
-        layer = self.real.layer
+        layer = self.slots.layer
         if layer is None:
             return ()
         return (layer[0, 0, 0],) if self.padded else (layer[0, 0],)
