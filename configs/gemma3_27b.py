@@ -3,7 +3,7 @@ GeGLU MLP 21504, a 262K vocabulary.
 
 Layers come in units of five sliding-window layers (1024 tokens, rope base 10,000) and one full
 layer (rope base 1,000,000, linearly scaled by 8); 62 = 10 units of six and two sliding layers
-after them, which the decoder scans as one unit plus the two (model.attention_kinds). Gemma's
+after them (model.attention_kinds), one scan of 62 layers, each handed its index. Gemma's
 other departures from Llama are layer options: an RMSNorm over each head's queries and keys, norms
 after attention and the MLP as well as before, norm scales applied as 1 + w, the embedding scaled
 by sqrt(d_model), scores scaled by 168 ** -0.5. 27.0B parameters in the text model (the published

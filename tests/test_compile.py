@@ -117,6 +117,15 @@ def test_70b_fits_mi300x_only_with_a_flash_attention(devices, tmp_path):
     assert json.loads(out.read_text())["xla_fits"]
 
 
+def test_the_flash_attention_a_plan_suggests_takes_the_models_sinks():
+    """gpt-oss's attention sinks have no input in cuDNN's kernel: where the scores do not fit, the
+    search suggests the attention the resolve step would pick, blockwise on NVIDIA GPUs too."""
+    from maxtext_rocm.planner.report import flash_attention_for
+
+    assert flash_attention_for("h100", sinks=True) == "blockwise" == flash_attention_for("mi355x", sinks=True)
+    assert flash_attention_for("h100", sinks=False) == "cudnn"
+
+
 def bench(*args, timeout=900):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     return subprocess.run([sys.executable, "scripts/benchmark.py", *args], cwd=REPO, env=env,

@@ -137,3 +137,15 @@ def test_active_count_leaves_out_exactly_the_unchosen_experts():
     total, active = transformers_counts(meta_model(config))
     experts_per_layer = 4 * 3 * 32 * 16
     assert total - active == 2 * experts_per_layer * 3 // 4
+
+
+def test_an_experts_width_apart_from_the_dense_one_is_exported_as_published():
+    """Qwen3-MoE's moe_intermediate_size (model.moe_mlp_dim) beside its intermediate_size
+    (model.mlp_dim), neither lost on the way out; a dense family refuses the key in one sentence."""
+    cfg = config_lib.load("qwen3_30b_a3b")
+    exported = hf_config(cfg.model)
+    assert (exported["intermediate_size"], exported["moe_intermediate_size"]) == (6144, 768)
+    dense = config_lib.load("qwen3_8b")
+    dense.model.moe_mlp_dim = 768
+    with pytest.raises(config_lib.ConfigError, match="model.moe_mlp_dim=768 has no effect on model.family='qwen3'"):
+        config_lib.validate(dense)

@@ -41,7 +41,7 @@ def validate(cfg: ml_collections.ConfigDict, device_count: int | None = None,
     """
     declared.check_values(cfg)
     _check_model(cfg.model, cfg.train.seq_len)
-    _check_layer_kinds(cfg.model, cfg.mesh)
+    _check_layer_kinds(cfg.model)
     check_sinks(cfg.model, cfg.mesh)
     _check_pipeline(cfg.pipeline)
     _validate_1f1b(cfg)  # first: what 1f1b refuses, it refuses on every jax
@@ -61,8 +61,9 @@ def validate(cfg: ml_collections.ConfigDict, device_count: int | None = None,
 ATTENTION_KINDS = ("full", "sliding")
 
 
-def _check_layer_kinds(m, mesh) -> None:
-    """model.attention_kinds against the window and the layouts that take such stacks so far."""
+def _check_layer_kinds(m) -> None:
+    """model.attention_kinds against the window. Stacks whose layers differ run under every layout
+    (each layer takes its index: models/layer_kinds.py)."""
     kinds = tuple(m.attention_kinds)
     _require(all(kind in ATTENTION_KINDS for kind in kinds),
              f"model.attention_kinds={','.join(map(str, kinds))} is not valid; list the kinds of the layers' "
@@ -70,14 +71,6 @@ def _check_layer_kinds(m, mesh) -> None:
     _require("sliding" not in kinds or bool(m.sliding_window),
              f"model.attention_kinds={','.join(kinds)} has sliding layers but model.sliding_window is "
              f"{m.sliding_window}; set the window's size, or make every kind full")
-    if len(kinds) < 2:
-        return
-    for axis in ("stage", "sequence"):
-        sizes = [mesh[group][axis] for group in ("ici", "dcn")]
-        _require(all(size == 1 for size in sizes),
-                 f"model.attention_kinds={','.join(kinds)} (layers of different kinds) does not yet run with mesh "
-                 f"{axis} > 1 (mesh.ici.{axis}={sizes[0]}, mesh.dcn.{axis}={sizes[1]}); set both to 1 and use "
-                 "fsdp or tensor to spread the model")
 
 
 def _check_model(m, seq_len: int) -> None:
@@ -97,6 +90,9 @@ def _check_moe(m, seq_len: int) -> None:
         _require(m.n_experts == 1,
                  f"model.n_experts={m.n_experts} has no effect on model.family={m.family!r}; "
                  f"use a mixture-of-experts family ({', '.join(MOE_FAMILIES)}) for a mixture of experts")
+        _require(m.moe_mlp_dim == 0,
+                 f"model.moe_mlp_dim={m.moe_mlp_dim} has no effect on model.family={m.family!r}, which has no "
+                 "experts; set it to 0 and give the feed-forward's size as model.mlp_dim")
         return
     _require(m.n_experts >= 2,
              f"model.n_experts={m.n_experts} is not valid for model.family={m.family!r}; a mixture needs at "

@@ -24,6 +24,7 @@ CHAT_TEMPLATES = keys_run.CHAT_TEMPLATES
 MODEL_FAMILIES = _choices("model.family")
 DENSE_FAMILIES = keys_model.DENSE_FAMILIES
 MOE_FAMILIES = keys_model.MOE_FAMILIES
+feed_forward_dim = keys_model.feed_forward_dim
 MOE_IMPLEMENTATIONS = _choices("model.moe_impl")
 PROJECTION_FUSIONS = _choices("model.fuse_projections")
 CONTEXT_PARALLEL_MODES = _choices("model.context_parallel")

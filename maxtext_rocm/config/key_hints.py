@@ -57,6 +57,7 @@ SYNONYMS = {
     "n_head": "model.n_heads",
     "num_key_value_heads": "model.n_kv_heads",
     "intermediate_size": "model.mlp_dim",
+    "moe_intermediate_size": "model.moe_mlp_dim",
     "rms_norm_eps": "model.norm_eps",
     "remat_policy": "model.remat",
     # lora (PEFT's LoraConfig)

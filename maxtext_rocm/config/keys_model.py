@@ -25,7 +25,11 @@ MODEL = Group("The transformer: its family, sizes and how its layers compute.", 
     "n_kv_heads": Key(4, "key/value heads (grouped-query attention shares each among n_heads / n_kv_heads)",
                       **POSITIVE),
     "head_dim": Key(64, "the size of each head (even, for rotary embeddings)", **POSITIVE),
-    "mlp_dim": Key(1024, "the hidden size of each SwiGLU feed-forward (of each expert in a mixture)", **POSITIVE),
+    "mlp_dim": Key(1024, "the hidden size of each SwiGLU feed-forward (of each expert in a mixture, unless "
+                         "model.moe_mlp_dim says otherwise)", **POSITIVE),
+    "moe_mlp_dim": Key(0, "the hidden size of each expert in a mixture where it is not model.mlp_dim (Qwen3-MoE's "
+                          "moe_intermediate_size beside its intermediate_size); 0: mlp_dim", at_least=0,
+                       valid="an expert's hidden size >= 1, or 0 for model.mlp_dim"),
     "rope_theta": Key(500000.0, "the rotary embeddings' base frequency", above=0),
     "rope_scaling": Key(None, "None, or Llama 3.1's frequency scaling: {factor, low_freq_factor, "
                               "high_freq_factor, original_max_position}", kind=dict, nullable=True),
@@ -94,6 +98,14 @@ MODEL = Group("The transformer: its family, sizes and how its layers compute.", 
     "moe_aux_loss_weight": Key(0.02, "the load-balancing loss's weight, scaled as Mixtral's", at_least=0),
     "moe_router_z_loss_weight": Key(0.0, "ST-MoE's router z-loss weight; 0: off (still reported)", at_least=0),
 }, page="configs.md")
+
+
+def feed_forward_dim(m) -> int:
+    """The hidden size of the stack's feed-forward layers: each expert's in a mixture
+    (model.moe_mlp_dim, or mlp_dim where it is 0), mlp_dim in a dense model. A mixture is told by
+    n_experts > 1, as the planner's formulas tell it, which also take model groups written by hand
+    without the newer keys (moe_mlp_dim then 0)."""
+    return (m.n_experts > 1 and m.get("moe_mlp_dim", 0)) or m.mlp_dim
 
 
 def _mesh_axes(fill: str | None, where: str) -> Group:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import os
 
+from maxtext_rocm.config.keys_model import feed_forward_dim
 from maxtext_rocm.config.loading import ConfigError
 
 GIB = 1 << 30
@@ -63,7 +64,7 @@ def stored_params(m) -> int:
     """The parameters the model stores, norm scales aside: embedding, LM head (unless tied), and per
     layer the attention projections and the feed-forward weights (all experts and the router)."""
     attention = m.d_model * m.head_dim * (2 * m.n_heads + 2 * m.n_kv_heads)
-    ffn = 3 * m.d_model * m.mlp_dim * m.n_experts + (m.d_model * m.n_experts if m.n_experts > 1 else 0)
+    ffn = 3 * m.d_model * feed_forward_dim(m) * m.n_experts + (m.d_model * m.n_experts if m.n_experts > 1 else 0)
     embeddings = m.vocab_size * m.d_model * (1 if m.tie_embeddings else 2)
     return m.n_layers * (attention + ffn) + embeddings
 

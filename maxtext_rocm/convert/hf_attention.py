@@ -142,7 +142,7 @@ def window_keys(hf: Mapping[str, Any], n_layers: int, windowed: bool, layered: b
 
 def write_windows(m, out: dict, windowed: bool) -> None:
     """sliding_window and layer_types of `m` into config.json `out`."""
-    from maxtext_rocm.models.llama import layer_kinds
+    from maxtext_rocm.models.layer_kinds import layer_kinds
 
     if not windowed:
         if "layer_types" in out:

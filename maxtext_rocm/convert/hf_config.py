@@ -14,6 +14,7 @@ import copy
 from typing import Any, Mapping
 
 from maxtext_rocm.config import MOE_FAMILIES
+from maxtext_rocm.config.choices import feed_forward_dim
 from maxtext_rocm.models.activations import CLAMP_LIMIT, SIGMOID_ALPHA
 from maxtext_rocm.convert.families import ARCHITECTURES, FAMILIES, MODEL_TYPES, MULTIMODAL, mismatched_options
 from maxtext_rocm.convert.hf_attention import ConvertError, rope_keys, window_keys, write_rope, write_windows
@@ -62,7 +63,10 @@ def model_updates(hf: Mapping[str, Any], where: str) -> dict[str, Any]:
             n_layers=int(hf["num_hidden_layers"]), n_heads=n_heads,
             n_kv_heads=int(hf.get("num_key_value_heads") or n_heads),
             head_dim=int(hf.get("head_dim") or d_model // n_heads),
-            mlp_dim=int(hf["moe_intermediate_size" if family == "qwen3_moe" else "intermediate_size"]),
+            # Qwen3-MoE: the experts' width beside the dense layers' (which no supported stack has)
+            mlp_dim=int((hf.get("intermediate_size") or hf["moe_intermediate_size"]) if family == "qwen3_moe"
+                        else hf["intermediate_size"]),
+            moe_mlp_dim=int(hf["moe_intermediate_size"]) if family == "qwen3_moe" else 0,
             norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
             query_pre_attn_scalar=float(hf["query_pre_attn_scalar"]) if hf.get("query_pre_attn_scalar") else None,
@@ -144,8 +148,12 @@ def _family_keys(m, out: Mapping[str, Any]) -> dict[str, Any]:
     """The config.json keys that differ by family; `out` the config so far (the original's keys)."""
     if m.family == "qwen3_moe":  # `num_experts` as published unless the original spelled it otherwise
         experts = "num_local_experts" if "num_local_experts" in out else "num_experts"
-        return {experts: m.n_experts, "num_experts_per_tok": m.experts_per_token, "moe_intermediate_size": m.mlp_dim,
-                "intermediate_size": out.get("intermediate_size", m.mlp_dim), "norm_topk_prob": m.moe_renormalize,
+        # intermediate_size: model.mlp_dim where moe_mlp_dim is set apart (an import of this version
+        # does), else the original's (mlp_dim is then the experts')
+        dense = m.mlp_dim if m.moe_mlp_dim else out.get("intermediate_size", m.mlp_dim)
+        return {experts: m.n_experts, "num_experts_per_tok": m.experts_per_token,
+                "moe_intermediate_size": feed_forward_dim(m), "intermediate_size": dense,
+                "norm_topk_prob": m.moe_renormalize,
                 "decoder_sparse_step": 1, "mlp_only_layers": [], "router_aux_loss_coef": m.moe_aux_loss_weight,
                 "attention_bias": False, "use_sliding_window": False}
     keys = {"intermediate_size": m.mlp_dim}

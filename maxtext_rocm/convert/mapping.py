@@ -29,6 +29,8 @@ from typing import Callable
 
 import numpy as np
 
+from maxtext_rocm.config.choices import feed_forward_dim
+
 
 @dataclasses.dataclass(frozen=True)
 class Slot:
@@ -143,13 +145,10 @@ IGNORED = re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")
 
 
 def layer_path(m, i: int) -> tuple[tuple[str, ...], tuple[int, ...]]:
-    """Where layer i's variables are: a slice of the scanned stack, of its unit's block under
-    model.attention_kinds (the remainder's layers on their own), or an unrolled layer's."""
-    unit = len(m.attention_kinds)
-    if not m.scan_layers or (unit > 1 and i >= m.n_layers // unit * unit):
+    """Where layer i's variables are: a slice of the scanned stack (whatever its layers' kinds:
+    models/layer_kinds.py), or an unrolled layer's."""
+    if not m.scan_layers:
         return (f"layers_{i}",), ()
-    if unit > 1:
-        return ("layers", f"block_{i % unit}"), (i // unit,)
     return ("layers",), (i,)
 
 
@@ -196,7 +195,7 @@ def aliases(m) -> dict[str, tuple[tuple[int, ...], list[tuple[str, Extract]]]]:
         return {}
     experts = EXPERTS[m.family]
     gate, up, down = experts.weights  # the published suffixes, in that order
-    f, d, n = m.mlp_dim, m.d_model, m.n_experts
+    f, d, n = feed_forward_dim(m), m.d_model, m.n_experts
     table = {}
     for i in range(m.n_layers):
         prefix = f"model.layers.{i}."

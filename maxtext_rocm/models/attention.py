@@ -22,8 +22,8 @@ from flax import linen as nn
 
 from maxtext_rocm.config import ConfigError
 from maxtext_rocm.models.blockwise_attention import blockwise_attention
-from maxtext_rocm.models.layers import (Dense, Kernel, RMSNorm, apply_rope, fused_projections, rope_attention_factor,
-                                       rope_inv_frequencies)
+from maxtext_rocm.models.layer_kinds import kind_settings, settings_of_layer
+from maxtext_rocm.models.layers import Dense, Kernel, RMSNorm, apply_rope, fused_projections
 from maxtext_rocm.numerics.precision import Policy
 
 Array = jax.Array
@@ -34,10 +34,14 @@ CACHE = "cache"
 def attention_mask(seq_len: int, segment_ids: Array | None, sliding_window: int | None = None) -> Array:
     """Causal mask [batch or 1, 1, seq, seq]; with segment ids, documents never see each other.
 
-    With a sliding window W (Mistral's), a query sees the W tokens ending at itself.
+    With a sliding window W (Mistral's), a query sees the W tokens ending at itself; a traced W
+    (a layer given by its index, models/layer_kinds.py) is applied as a value, 0 meaning none.
     """
     causal = jnp.tril(jnp.ones((seq_len, seq_len), dtype=bool))
-    if sliding_window:
+    if isinstance(sliding_window, jax.Array):
+        index = jnp.arange(seq_len)
+        causal = within_window(causal, index[:, None], index[None, :], sliding_window)
+    elif sliding_window:
         causal = jnp.triu(causal, k=1 - sliding_window)
     causal = causal[None, None]
     if segment_ids is None:
@@ -164,10 +168,26 @@ def position_mask(q_positions: Array, k_positions: Array, sliding_window: int | 
     own position (within the sliding window, if any). A negative position marks padding or an
     empty cache slot, which no query sees."""
     q_pos, k_pos = q_positions[:, None, :, None], k_positions[:, None, None, :]
-    mask = (k_pos >= 0) & (k_pos <= q_pos)
-    if sliding_window:
-        mask &= q_pos - k_pos < sliding_window
-    return mask
+    return within_window((k_pos >= 0) & (k_pos <= q_pos), q_pos, k_pos, sliding_window)
+
+
+def within_window(mask: Array, q_pos: Array, k_pos: Array, window) -> Array:
+    """`mask` where the key lies within the query's `window` (a static size, 0 or None for none;
+    or a traced one, 0 meaning none)."""
+    if isinstance(window, jax.Array):
+        return mask & ((window == 0) | (q_pos - k_pos < window))
+    return mask & (q_pos - k_pos < window) if window else mask
+
+
+def by_window(attend: Callable, window, sliding, local_window: int, traced: bool) -> Array:
+    """attend(window) under a layer's window. A static window (`sliding` None) goes as it is. A
+    layer given by its index has a traced one: an implementation that takes it as a mask value
+    (`traced`: the xla attention) gets it so; the others, whose kernels take a static window, run
+    under lax.cond between the sliding kind's `local_window` and none. In a scan one branch runs;
+    in a pipeline's stages, vmapped, both do (a cond on a batched predicate is a select)."""
+    if sliding is None or traced:
+        return attend(window)
+    return jax.lax.cond(sliding, lambda: attend(local_window), lambda: attend(0))
 
 
 class Attention(nn.Module):
@@ -178,23 +198,14 @@ class Attention(nn.Module):
     # Decoding (generate.py): keys and values accumulate in the "cache" collection, sized by the
     # input of `init`; each call appends its tokens and attends over the cache by position.
     decode: bool = False
-    # Attention over a sequence split across devices, f(q, k, v, segment_ids) -> out, built from
+    # Attention over a sequence split across devices, f(q, k, v, segment_ids, window=) -> out, built from
     # the config and the mesh outside the model (maxtext_rocm/parallel/context.py); None: this
     # module's own attention (one device, or no `sequence` axis).
     context_attention: Callable | None = None
-    # "full" or "sliding" (model.attention_kinds, models.layer_kinds): the window and the rope this
-    # layer uses; "": as model.sliding_window says for every layer.
+    # "full" or "sliding" (model.attention_kinds): the window and the rope this layer uses; "": as
+    # model.sliding_window says for every layer. A layer called with its index (a stack whose
+    # kinds differ) looks its kind up instead (models/layer_kinds.py).
     kind: str = ""
-
-    @property
-    def window(self) -> int:
-        """The tokens a query sees under this layer's kind (0: all before it)."""
-        return 0 if self.kind == "full" else (self.cfg.sliding_window or 0)
-
-    @property
-    def uses_yarn(self) -> bool:
-        """Whether this layer's rope is rope_theta's with model.rope_yarn (not a local base)."""
-        return not (self.kind == "sliding" and self.cfg.rope_local_theta)
 
     def sinks(self) -> Array:
         """model.attention_sinks: one logit per query head, in fp32 (a softmax input)."""
@@ -202,17 +213,12 @@ class Attention(nn.Module):
         return self.param("sinks", nn.with_logical_partitioning(init, ("heads",)), (self.cfg.n_heads,),
                           self.policy.param_dtype).astype(jnp.float32)
 
-    def rope_frequencies(self):
-        """A sliding layer's own rope base where model.rope_local_theta gives one (Gemma 3's local
-        layers: no scaling either); else rope_theta with rope_scaling and the linear factor."""
-        m = self.cfg
-        if self.kind == "sliding" and m.rope_local_theta:
-            return rope_inv_frequencies(m.head_dim, m.rope_local_theta, None)
-        return rope_inv_frequencies(m.head_dim, m.rope_theta, m.rope_scaling, m.rope_yarn) / m.rope_linear_factor
-
     @nn.compact
-    def __call__(self, x: Array, positions: Array, segment_ids: Array | None) -> Array:
+    def __call__(self, x: Array, positions: Array, segment_ids: Array | None, layer: Array | None = None) -> Array:
+        """`layer`: this layer's index in a stack whose kinds differ (traced, scanned with the
+        weights), which decides its kind; None: the module's own `kind`."""
         m = self.cfg
+        sliding, kind = (None, kind_settings(m, self.kind)) if layer is None else settings_of_layer(m, layer)
         d, hd = m.d_model, m.head_dim
         q, k, v = self.project(x)
         if m.qkv_bias:  # Qwen2.5: added after the dot, so fp8, fused projections and LoRA never see them
@@ -224,25 +230,29 @@ class Attention(nn.Module):
         k = nn.with_logical_constraint(k, ("activation_batch", "activation_length", "activation_kv_heads", None))
         v = nn.with_logical_constraint(v, ("activation_batch", "activation_length", "activation_kv_heads", None))
 
-        inv_freq = self.rope_frequencies()
-        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
-        if m.rope_yarn is not None and self.uses_yarn:  # YaRN's factor on the rotated q and k, as on cos and sin
-            factor = jnp.asarray(rope_attention_factor(m.rope_yarn), q.dtype)
+        q, k = apply_rope(q, positions, kind.inv_freq), apply_rope(k, positions, kind.inv_freq)
+        if kind.attention_factor is not None:  # YaRN's factor on the rotated q and k, as on cos and sin
+            factor = jnp.asarray(kind.attention_factor, q.dtype)
             q, k = q * factor, k * factor
         sinks = self.sinks() if m.attention_sinks else None
         if m.query_pre_attn_scalar:  # Gemma 3's score scale, by every implementation's head_dim ** -0.5
             q = q * jnp.asarray((hd / m.query_pre_attn_scalar) ** 0.5, q.dtype)
         if self.decode and self.has_variable(CACHE, "key"):
-            out = self.cached_attention(q, k, v, positions, sinks)
+            out = self.cached_attention(q, k, v, positions, kind.window, sinks)
         else:
             if self.decode:  # `init` sizes the cache [batch, max_len, kv_heads, head_dim]
                 self.cache_variables(k, positions)
-            if self.context_attention is not None and not self.decode:  # no sinks: the config checks refuse them
-                out = self.context_attention(q, k, v, segment_ids)
+            split = self.context_attention is not None and not self.decode
+            if split:  # no sinks: the config checks refuse them
+                def attend(window):
+                    return self.context_attention(q, k, v, segment_ids, window=window)
             else:
-                out = dot_product_attention(q, k, v, segment_ids=segment_ids, implementation=m.attention,
-                                            sliding_window=self.window, dot_general=self.policy.dot_general,
-                                            sinks=sinks)
+                def attend(window):
+                    return dot_product_attention(q, k, v, segment_ids=segment_ids, implementation=m.attention,
+                                                 sliding_window=window, dot_general=self.policy.dot_general,
+                                                 sinks=sinks)
+            out = by_window(attend, kind.window, sliding, m.sliding_window or 0,
+                            traced=not split and m.attention == "xla")
         out = nn.with_logical_constraint(out, ("activation_batch", "activation_length", "activation_heads", None))
         out = Dense((m.n_heads, hd), (d,), ("heads", "head_dim", "embed"), self.policy, name="o")(out)
         if m.out_bias:  # gpt-oss: after the dot, as the q/k/v biases
@@ -284,7 +294,8 @@ class Attention(nn.Module):
         index = self.variable(CACHE, "index", lambda: jnp.zeros((), jnp.int32))
         return key, value, pos, index
 
-    def cached_attention(self, q: Array, k: Array, v: Array, positions: Array, sinks: Array | None = None) -> Array:
+    def cached_attention(self, q: Array, k: Array, v: Array, positions: Array, window: int | Array = 0,
+                         sinks: Array | None = None) -> Array:
         """Writes this call's keys/values at the cache's next slots, then attends over the cache.
 
         A negative position (left padding) is stored as such and never attended to."""
@@ -294,5 +305,5 @@ class Attention(nn.Module):
         value.value = jax.lax.dynamic_update_slice(value.value, v.astype(value.value.dtype), (0, start, 0, 0))
         pos.value = jax.lax.dynamic_update_slice(pos.value, positions.astype(jnp.int32), (0, start))
         index.value = start + k.shape[1]
-        mask = position_mask(positions, pos.value, self.window)
+        mask = position_mask(positions, pos.value, window)
         return masked_attention(q, key.value, value.value, mask, self.policy.dot_general, sinks)

@@ -15,6 +15,7 @@ from flax import linen as nn
 
 from maxtext_rocm.models.activations import gated
 from maxtext_rocm.models.attention import CACHE, Attention
+from maxtext_rocm.models.layer_kinds import kinds_differ, layer_kinds
 from maxtext_rocm.models.layers import ADAPTERS, EMBED_TABLE_AXES, HEAD_AXES, Dense, Embed, Kernel, RMSNorm, fused_projections
 from maxtext_rocm.models.moe import AUX_LOSSES
 from maxtext_rocm.numerics.fp8 import FP8_COLLECTION
@@ -69,14 +70,17 @@ class LlamaBlock(nn.Module):
     decode: bool = False  # attention keeps a KV cache (generate.py)
     expert_exchange: Callable | None = None  # a Mixtral block's MoE across devices (models/moe.py)
     context_attention: Callable | None = None  # attention over a sequence-split batch (models/attention.py)
-    attention_kind: str = ""  # "full" or "sliding" (models.layer_kinds); "": model.sliding_window's
+    attention_kind: str = ""  # "full" or "sliding" (models/layer_kinds.py); "": model.sliding_window's
 
     @nn.compact
-    def __call__(self, x: Array, positions: Array, segment_ids: Array | None):
+    def __call__(self, x: Array, positions: Array, segment_ids: Array | None, layer: Array | None = None):
+        """`layer`: the block's index where the stack's kinds differ (scanned with the weights;
+        it decides the attention's kind); None: `attention_kind`."""
         m = self.cfg
         attention = Attention(m, self.policy, self.decode, self.context_attention, self.attention_kind,
                               name="attention")
-        x = x + self.normed("post_attention_norm", attention(self.norm("attention_norm", x), positions, segment_ids))
+        attended = attention(self.norm("attention_norm", x), positions, segment_ids, layer)
+        x = x + self.normed("post_attention_norm", attended)
         x = x + self.normed("post_mlp_norm", self.feed_forward()(self.norm("mlp_norm", x)))
         # (carry, per-layer output): the signature nn.scan expects.
         return nn.with_logical_constraint(x, BLOCK_OUTPUT_AXES), None
@@ -94,41 +98,15 @@ class LlamaBlock(nn.Module):
         return MLP(m.d_model, m.mlp_dim, self.policy, m.fuse_projections, m.mlp_activation, name="mlp")
 
 
-class LayerUnit(nn.Module):
-    """The repeating unit of a stack whose layers differ in attention kind (model.attention_kinds):
-    one block per kind, in order. The Decoder scans it, so a 62-layer Gemma 3 compiles one unit of
-    six blocks, not 62."""
-
-    block: type[nn.Module]
-    kinds: tuple[str, ...]
-    cfg: "ml_collections.FrozenConfigDict"  # noqa: F821 - cfg.model
-    policy: Policy
-    decode: bool = False
-    expert_exchange: Callable | None = None
-    context_attention: Callable | None = None
-
-    @nn.compact
-    def __call__(self, x: Array, positions: Array, segment_ids: Array | None):
-        for j, kind in enumerate(self.kinds):
-            x, _ = self.block(self.cfg, self.policy, self.decode, self.expert_exchange, self.context_attention,
-                              attention_kind=kind, name=f"block_{j}")(x, positions, segment_ids)
-        return x, None
-
-
-def scanned_over_layers(module: type[nn.Module], length: int) -> type[nn.Module]:
-    """`module` (a block, or a LayerUnit of blocks) scanned `length` times: its variables, router
-    losses, fp8 state, KV cache and adapters stacked on a leading "layers" axis, each repeat
-    drawing its own initialisation and dropout, positions and segments the same for all."""
+def scanned_over_layers(module: type[nn.Module], length: int, indexed: bool = False) -> type[nn.Module]:
+    """`module` (a block) scanned `length` times: its variables, router losses, fp8 state, KV
+    cache and adapters stacked on a leading "layers" axis, each repeat drawing its own
+    initialisation and dropout, positions and segments the same for all. `indexed`: each repeat
+    also takes its own layer index (a scanned [length] input; kinds_differ)."""
     return nn.scan(module, variable_axes={"params": 0, AUX_LOSSES: 0, FP8_COLLECTION: 0, CACHE: 0, ADAPTERS: 0},
-                   split_rngs={"params": True, "dropout": True}, in_axes=(nn.broadcast, nn.broadcast),
+                   split_rngs={"params": True, "dropout": True},
+                   in_axes=(nn.broadcast, nn.broadcast) + ((0,) if indexed else ()),
                    length=length, metadata_params={nn.PARTITION_NAME: "layers"})
-
-
-def layer_kinds(m) -> tuple[str, ...]:
-    """Each layer's attention kind: model.attention_kinds repeated over n_layers (its remainder
-    where the count does not divide), or every layer sliding under model.sliding_window, else full."""
-    unit = tuple(m.attention_kinds) or (("sliding",) if m.sliding_window else ("full",))
-    return tuple(unit[i % len(unit)] for i in range(m.n_layers))
 
 
 class TokenEmbedding(NamedTuple):
@@ -207,16 +185,20 @@ class Decoder(nn.Module):
             # over layers like the parameters; each layer draws its own dropout. `length` None: one
             # layer, unscanned, whose variables are one layer's slice of the stack's (a pipeline
             # runs a stack with empty slots a layer at a time: parallel/pipeline/, run_chunk).
+            # Where the layers' kinds differ each takes its index too (models/layer_kinds.py): one
+            # structure for every layer, so the stack scans, pipelines and converts as Llama's.
+            indexed = kinds_differ(m)
+
             def scanned(length: int | None, **kwargs) -> nn.Module:
                 if length is None:
                     return block(m, self.policy, self.decode, self.expert_exchange, self.context_attention, **kwargs)
-                return scanned_over_layers(block, length)(m, self.policy, self.decode, self.expert_exchange,
-                                                          self.context_attention, **kwargs)
+                return scanned_over_layers(block, length, indexed)(m, self.policy, self.decode, self.expert_exchange,
+                                                                   self.context_attention, **kwargs)
 
-            if len(m.attention_kinds) > 1 and not stacked_elsewhere:  # layers that differ: scan their unit
-                x = self._units(block, x, positions, segment_ids)
-            elif not stacked_elsewhere:
-                x, _ = scanned(m.n_layers, name="layers", attention_kind=layer_kinds(m)[0])(x, positions, segment_ids)
+            if not stacked_elsewhere:
+                index = (jnp.arange(m.n_layers, dtype=jnp.int32),) if indexed else ()
+                x, _ = scanned(m.n_layers, name="layers", attention_kind=layer_kinds(m)[0])(
+                    x, positions, segment_ids, *index)
             else:
                 stack = scanned(m.n_layers, name="layers", attention_kind=layer_kinds(m)[0])
                 # The strategy runs the stack's own variables through `scanned` stacks of its
@@ -246,18 +228,6 @@ class Decoder(nn.Module):
             head_policy = self.policy if self.policy.fp8_lm_head else without_fp8(self.policy)
             logits = Dense((m.d_model,), (m.vocab_size,), HEAD_AXES, head_policy, name="lm_head")(x)
         return nn.with_logical_constraint(logits, ("activation_batch", "activation_length", "activation_vocab"))
-
-    def _units(self, block, x: Array, positions: Array, segment_ids: Array | None) -> Array:
-        """The stack as scanned repeats of its LayerUnit ("layers", each leaf [units, ...] under
-        block_j), then the remainder's layers one by one ("layers_{i}")."""
-        m = self.cfg
-        kinds = tuple(m.attention_kinds)
-        units = m.n_layers // len(kinds)
-        if units:
-            stack = scanned_over_layers(LayerUnit, units)
-            x, _ = stack(block, kinds, m, self.policy, self.decode, self.expert_exchange, self.context_attention,
-                         name="layers")(x, positions, segment_ids)
-        return self._unrolled(block, range(units * len(kinds), m.n_layers), x, positions, segment_ids)
 
     def _unrolled(self, block, layers, x: Array, positions: Array, segment_ids: Array | None) -> Array:
         kinds = layer_kinds(self.cfg)

@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
+from maxtext_rocm.config.choices import feed_forward_dim
 from maxtext_rocm.models.blocked_experts import blocked_groups, blocked_swiglu, dropless_block, take_rows
 from maxtext_rocm.models.activations import gated
 from maxtext_rocm.models.layers import Dense
@@ -343,7 +344,7 @@ class MoE(nn.Module):
     @nn.compact
     def __call__(self, x: Array) -> Array:
         m = self.cfg
-        n_experts, d, f = m.n_experts, m.d_model, m.mlp_dim
+        n_experts, d, f = m.n_experts, m.d_model, feed_forward_dim(m)
         # The router runs in fp32 whatever the policy: its softmax and top-k decide where tokens
         # go, and bf16 logits would flip near-ties. It is d_model x n_experts, so this is free.
         router_policy = dataclasses.replace(without_fp8(self.policy), compute_dtype=jnp.float32)

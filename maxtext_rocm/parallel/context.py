@@ -144,8 +144,10 @@ def attention_pairs(lay: Layout, seq_len: int, window: int = 0) -> list[int]:
 
 
 def context_attention(model_cfg, mesh: Mesh) -> Callable | None:
-    """The Attention module's `context_attention` for `mesh`: f(q, k, v, segment_ids) -> out,
-    q [batch, seq, heads, head_dim], k, v [batch, seq, kv_heads, head_dim] as global arrays.
+    """The Attention module's `context_attention` for `mesh`: f(q, k, v, segment_ids, window=) -> out,
+    q [batch, seq, heads, head_dim], k, v [batch, seq, kv_heads, head_dim] as global arrays;
+    `window`, the layer's sliding window (a static size, 0: none; default model.sliding_window's),
+    so that a stack whose layers differ in kind passes each layer's own.
     None without a `sequence` axis (one device, or sequence=1): attention stays as it was."""
     if AXIS not in mesh.shape or mesh.shape[AXIS] == 1:
         return None

@@ -62,6 +62,6 @@ def search(cfg, kind: str, n_devices: int, usable: float, max_compiles: int, log
                                           analytic_total_bytes=r.memory.analytic_total_bytes,
                                           xla_total_bytes=xla.total_bytes if xla else None, fits=r.fits))
     if result.largest_batch is None and cfg.model.attention == "xla":
-        result.flash_attention = flash_attention_for(kind)
+        result.flash_attention = flash_attention_for(kind, cfg.model.attention_sinks)
         result.largest_batch_by_remat_flash = largest_by_remat(result.flash_attention)
     return result

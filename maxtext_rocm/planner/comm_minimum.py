@@ -107,6 +107,7 @@ and metrics.
 from __future__ import annotations
 
 from maxtext_rocm.config.checks import chunks_per_device
+from maxtext_rocm.config.choices import feed_forward_dim
 
 GRAD_BYTES = 4  # parameters and gradients are fp32 under every policy (precision.Policy.param_dtype)
 
@@ -116,7 +117,7 @@ def _params(m, t: int, E: int) -> tuple[float, float]:
     expert x tensor shard."""
     attention = (2 * m.n_heads + 2 * m.n_kv_heads) * m.head_dim * m.d_model
     if m.n_experts > 1:
-        return attention / t + m.d_model * m.n_experts, 3 * m.d_model * m.mlp_dim * m.n_experts / (E * t)
+        return attention / t + m.d_model * m.n_experts, 3 * m.d_model * feed_forward_dim(m) * m.n_experts / (E * t)
     return (attention + 3 * m.d_model * m.mlp_dim) / t, 0.0
 
 

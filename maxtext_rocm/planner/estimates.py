@@ -50,6 +50,7 @@ import jax
 
 from maxtext_rocm import config as config_lib
 from maxtext_rocm.config.checks import chunks_per_device
+from maxtext_rocm.config.choices import feed_forward_dim
 from maxtext_rocm.numerics import cross_entropy
 from maxtext_rocm.parallel.pipeline.one_f_one_b_order import OneFOneBOrder
 from maxtext_rocm.parallel.pipeline.layout import loss_on_the_last_stage
@@ -80,7 +81,7 @@ def analytic_activations(cfg, axis_sizes: dict[str, int], n_devices: int, microb
     d, L, V = m.d_model, m.n_layers, m.vocab_size
     q = m.n_heads * m.head_dim / t
     kv = 2 * m.n_kv_heads * m.head_dim / t
-    f = m.mlp_dim / t
+    f = feed_forward_dim(m) / t
     if m.n_experts > 1:
         f *= m.experts_per_token * m.moe_capacity_factor
     S = b * (m.n_heads / t) * s * (s / axis_sizes["sequence"])
@@ -129,7 +130,7 @@ def layer_param_bytes(cfg, axis_sizes) -> float:
     """One layer's parameters in fp32, gathered (tensor and expert parallelism still split them)."""
     m = cfg.model
     per_layer = metrics._attention_params(m) + (  # expert weights stay split over `expert`
-        3 * m.d_model * m.mlp_dim * m.n_experts / axis_sizes["expert"] + m.d_model * m.n_experts
+        3 * m.d_model * feed_forward_dim(m) * m.n_experts / axis_sizes["expert"] + m.d_model * m.n_experts
         if m.n_experts > 1 else metrics._ffn_params(m))
     return 4 * per_layer / axis_sizes["tensor"]
 

@@ -102,7 +102,9 @@ def resolve_target(kind: str) -> Target:
     return Target("cuda" if kind.startswith(NVIDIA_PREFIXES) else "rocm", kind in FNUZ_TARGETS)
 
 
-def flash_attention_for(kind: str) -> str:
+def flash_attention_for(kind: str, sinks: bool = False) -> str:
     """The attention that keeps no [seq, seq] scores on a target: cuDNN's fused kernel on NVIDIA
-    GPUs, the blockwise XLA attention elsewhere (ROCm)."""
-    return implementation_for("auto", resolve_target(kind).platform)  # the resolve step's own rule, in bf16
+    GPUs, the blockwise XLA attention elsewhere (ROCm) and wherever the model has attention sinks
+    (`sinks`, model.attention_sinks: gpt-oss), which cuDNN's kernel has no input for."""
+    # the resolve step's own rule, in bf16
+    return implementation_for("auto", resolve_target(kind).platform, sinks=sinks)

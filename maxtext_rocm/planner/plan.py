@@ -41,6 +41,7 @@ import math
 import time
 
 from maxtext_rocm import config as config_lib
+from maxtext_rocm.config.choices import feed_forward_dim
 from maxtext_rocm.parallel import pipeline as pipeline_lib
 from maxtext_rocm.planner import comm as comm_lib
 from maxtext_rocm.planner import comm_minimum, estimates
@@ -229,7 +230,8 @@ def state_bytes(model_cfg, sizes: dict[str, int], grad_accum: int) -> float:
     F, Fe = sizes["fsdp"] * sizes["sequence"] * E, sizes["fsdp"] * sizes["sequence"]
     attention = m.d_model * m.head_dim * (2 * m.n_heads + 2 * m.n_kv_heads)
     if m.n_experts > 1:
-        layer = (attention / t + m.d_model * m.n_experts) / F + 3 * m.d_model * m.mlp_dim * m.n_experts / (E * t * Fe)
+        experts = 3 * m.d_model * feed_forward_dim(m) * m.n_experts / (E * t * Fe)
+        layer = (attention / t + m.d_model * m.n_experts) / F + experts
     else:
         layer = (attention + 3 * m.d_model * m.mlp_dim) / (t * F)
     slots = math.ceil(m.n_layers / S)
@@ -264,7 +266,8 @@ def compute_seconds(cfg, sizes, n_devices: int, microbatches: int, kind: str) ->
     peak = metrics.peak_tflops(kind, "fp8" if cfg.precision.policy == "fp8" else "bf16")
     dense = copy.deepcopy(cfg)
     if dense.model.n_experts > 1:  # the formula of the active parameters, as a dense model's
-        dense.model.mlp_dim *= dense.model.experts_per_token
+        dense.model.mlp_dim = feed_forward_dim(dense.model) * dense.model.experts_per_token
+        dense.model.moe_mlp_dim = 0
         dense.model.n_experts = 1
     flops = estimates.analytic_device_flops(dense, sizes, n_devices, microbatches)
     return flops.total / (MFU * peak * 1e12)

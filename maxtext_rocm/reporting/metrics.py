@@ -16,7 +16,7 @@ import os
 import resource
 from typing import Any, Mapping
 
-from maxtext_rocm.config.choices import DENSE_FAMILIES, MOE_FAMILIES
+from maxtext_rocm.config.choices import DENSE_FAMILIES, MOE_FAMILIES, feed_forward_dim
 from maxtext_rocm.reporting.sinks import JsonlFile, TensorBoardSink, WandbSink
 
 FLOPS_CONVENTION = (
@@ -47,7 +47,7 @@ def _ffn_params(m) -> int:
     is not model FLOPs.
     """
     if m.family in MOE_FAMILIES:
-        return m.d_model * m.n_experts + m.experts_per_token * 3 * m.d_model * m.mlp_dim
+        return m.d_model * m.n_experts + m.experts_per_token * 3 * m.d_model * feed_forward_dim(m)
     if m.family in DENSE_FAMILIES:
         return 3 * m.d_model * m.mlp_dim  # SwiGLU: gate, up, down
     raise NotImplementedError(f"matmul_params does not know model.family={m.family!r} yet")

@@ -52,13 +52,16 @@ class GatheredOnce:
     per_stage: object
 
     @classmethod
-    def of(cls, chunk_layers: nn.Module, x, positions, segment_ids, mesh: Mesh) -> "GatheredOnce":
+    def of(cls, chunk_layers: nn.Module, x, positions, segment_ids, mesh: Mesh,
+           layer_args: tuple = ()) -> "GatheredOnce":
         """From the layers' logical axes, read off an abstract init of one chunk (`chunk_layers`,
-        unbound, on one row of the stack's inputs; nothing is computed): a stored leaf
-        [S R K, ...] is ("layers", *rest), viewed by the pipeline as [S, R, K, *rest]."""
+        unbound, on one row of the stack's inputs and `layer_args`, stages.StageStack's
+        first_chunk_args; nothing is computed): a stored leaf [S R K, ...] is ("layers", *rest),
+        viewed by the pipeline as [S, R, K, *rest]."""
         key = jax.random.key(0)
         seg = None if segment_ids is None else segment_ids[:1]
-        boxed = jax.eval_shape(lambda: chunk_layers.init({"params": key, "dropout": key}, x[:1], positions[:1], seg))
+        boxed = jax.eval_shape(lambda: chunk_layers.init({"params": key, "dropout": key}, x[:1], positions[:1], seg,
+                                                         *layer_args))
         logical = nn.get_partition_spec(boxed)["params"]
 
         def layer_axes(spec) -> tuple:

@@ -102,7 +102,8 @@ def pipelined(layers: nn.Module, make_layers: Callable, embedding: TokenEmbeddin
     fp8_per_iteration = None if stack.fp8_state is None else fan_out(stack.fp8_state, real_uses(layout, microbatches))
     staged = embedded_per_stage(embedding, tokens, layout.stages, microbatches, schedule.mesh,  # [S, M, mb, seq, d]
                                 tables_per_stage=table_on_its_stage)
-    gathered = (GatheredOnce.of(stack.chunk_layers, staged[0, 0], positions, segment_ids, schedule.mesh)
+    gathered = (GatheredOnce.of(stack.chunk_layers, staged[0, 0], positions, segment_ids, schedule.mesh,
+                                stack.first_chunk_args())
                 if gather_once else None)
     if gathered is not None:
         params = gathered.before_loop(params)
@@ -112,10 +113,10 @@ def pipelined(layers: nn.Module, make_layers: Callable, embedding: TokenEmbeddin
         gathered = None
     run_stage = functools.partial(run_picked_chunk, stack.chunk_layers, stack.padded, schedule.pick_chunk, gathered)
     if tail is None:
-        y, sown = loop(schedule, run_stage, params, fp8_per_iteration, stack.real, staged, positions, segment_ids)
+        y, sown = loop(schedule, run_stage, params, fp8_per_iteration, stack.slots, staged, positions, segment_ids)
         return y, {AUX_LOSSES: jax.tree_util.tree_map(functools.partial(real_work, layout, microbatches), sown)}
     # The stack's outputs stay where the last stage made them; the tail runs there on them all.
-    per_stage, sown = loop(schedule, run_stage, params, fp8_per_iteration, stack.real, staged, positions,
+    per_stage, sown = loop(schedule, run_stage, params, fp8_per_iteration, stack.slots, staged, positions,
                            segment_ids, by_stage=True)
     kept = {AUX_LOSSES: jax.tree_util.tree_map(functools.partial(real_work, layout, microbatches), sown)}
     y = nn.with_logical_constraint(jax.vmap(merge_microbatches)(per_stage), STATE_AXES)  # [S, B, seq, d]

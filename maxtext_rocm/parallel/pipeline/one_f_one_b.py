@@ -108,7 +108,8 @@ class OneFOneB:
         stack = stage_stack(layers, make_layers, schedule)
         staged = embedded_per_stage(embedding, tokens, schedule.stages, schedule.microbatches, schedule.mesh,
                                     tables_per_stage=self.ends_on_their_stages)
-        gathered = GatheredOnce.of(stack.chunk_layers, staged[0, 0], positions, segment_ids, schedule.mesh)
+        gathered = GatheredOnce.of(stack.chunk_layers, staged[0, 0], positions, segment_ids, schedule.mesh,
+                                   stack.first_chunk_args())
         chunk = functools.partial(run_chunk, stack.chunk_layers, stack.padded)
         if self.remat == "none":  # see the module's docstring: no residual may depend on the weights alone
             chunk = jax.checkpoint(chunk, policy=REMAT_POLICIES["save_dots"])
@@ -116,7 +117,7 @@ class OneFOneB:
         rows = jax.tree_util.tree_map(split, tail.rows)
         pos_in, seg_in = (None if a is None else split(a) for a in (positions, segment_ids))
         on_last = TailOnLastStage.of(tail, schedule.mesh, self.ends_on_their_stages)
-        loop = OneFOneBLoop(schedule, chunk, stack.real, on_last,
+        loop = OneFOneBLoop(schedule, chunk, stack.slots, on_last,
                      gathered if self.gather_once else None, gathered.stored)
         sown_shape = loop.sown_shape(stack.params, stack.fp8_state, staged, pos_in, seg_in)
         sown_cotangent = _sown_cotangent(tail.of_sown, sown_shape, loop.real_work)

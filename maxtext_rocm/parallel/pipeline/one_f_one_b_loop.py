@@ -21,6 +21,7 @@ from maxtext_rocm.parallel.pipeline.gpipe_recompute import SAVED_AXES, read_row,
 from maxtext_rocm.parallel.pipeline.one_f_one_b_order import OneFOneBOrder
 from maxtext_rocm.parallel.pipeline.real_work import real_work
 from maxtext_rocm.parallel.pipeline.schedules import Schedule
+from maxtext_rocm.parallel.pipeline.stages import Slots
 from maxtext_rocm.parallel.pipeline.tail import TailOnLastStage
 from maxtext_rocm.parallel.pipeline.transfers import is_first, permute
 
@@ -77,17 +78,17 @@ class _Pullback(NamedTuple):
 
 class OneFOneBLoop:
     """The schedule's loop for `schedule` (its stages, repeats and microbatches, in
-    one_f_one_b_order's order), `chunk` (stages.run_chunk's contract, its layers bound), `real`
-    [S, R, K] (False: an empty slot) and `tail` (tail.py). `gathered`: a GatheredOnce when
-    pipeline.weight_gather="once"; `stored`: the weights' stored NamedShardings, the gradient's
-    layout in every iteration."""
+    one_f_one_b_order's order), `chunk` (stages.run_chunk's contract, its layers bound), `slots`
+    [S, R, K] (stages.Slots: which are empty, which layer each holds) and `tail` (tail.py).
+    `gathered`: a GatheredOnce when pipeline.weight_gather="once"; `stored`: the weights' stored
+    NamedShardings, the gradient's layout in every iteration."""
 
-    def __init__(self, schedule: Schedule, chunk: Callable, real: Array, tail: TailOnLastStage,
+    def __init__(self, schedule: Schedule, chunk: Callable, slots: Slots, tail: TailOnLastStage,
                  gathered: GatheredOnce | None, stored):
         self.schedule, self.mesh = schedule, schedule.mesh
         self.stages, self.repeats, self.microbatches = schedule.stages, schedule.repeats, schedule.microbatches
         self.order = OneFOneBOrder(self.stages, self.repeats, self.microbatches)
-        self.chunk, self.real, self.tail = chunk, real, tail
+        self.chunk, self.slots, self.tail = chunk, slots, tail
         self.gathered, self.stored = gathered, stored
         self.pullback: _Pullback | None = None  # set by the first trace of a stage's forward
         # Plain 1F1B sends activations one stage on and cotangents one back; interleaved, both go
@@ -112,7 +113,7 @@ class OneFOneBLoop:
         """The chunk `repeat` of one stage's [R, K, ...] block and its [K] slots' reality, as the
         schedule picks it (GPipe's static index with one repeat, Circular's dynamic one)."""
         pick = functools.partial(self.schedule.pick_chunk, repeat=repeat)
-        return jax.tree_util.tree_map(pick, stage_vars), pick(stage_real)
+        return jax.tree_util.tree_map(pick, (stage_vars, stage_real))
 
     def _stage(self, stage_vars, stage_real, repeat, h, pos, seg):
         """One stage's forward: its chunk `repeat` on `h`; (out, sown)."""
@@ -143,7 +144,7 @@ class OneFOneBLoop:
 
     @staticmethod
     def _inputs(chunk_vars, chunk_real, pos, seg) -> list:
-        return [*jax.tree_util.tree_leaves(chunk_vars), chunk_real, pos, *([] if seg is None else [seg])]
+        return [*jax.tree_util.tree_leaves((chunk_vars, chunk_real)), pos, *([] if seg is None else [seg])]
 
     # The schedule
 
@@ -168,7 +169,7 @@ class OneFOneBLoop:
         """The sown values' shapes, [R M + S - 1, S, K, ...] (nothing is computed)."""
         def one(params, fp8_state, staged, pos_in, seg_in):
             first = jnp.zeros((self.stages,), jnp.int32)
-            _, sown = self._all_forward(self.variables(params, fp8_state), self.real, first, staged[:, 0],
+            _, sown = self._all_forward(self.variables(params, fp8_state), self.slots, first, staged[:, 0],
                                         *self._tokens(pos_in, seg_in, first))
             return sown
         per_iteration = jax.eval_shape(one, params, fp8_state, staged, pos_in, seg_in)
@@ -206,7 +207,7 @@ class OneFOneBLoop:
         if not inputs.with_backward:
             return carry
         first = jnp.zeros((self.stages,), jnp.int32)
-        kept_shapes = jax.eval_shape(lambda *a: self._all_forward_keeping(*a)[2], inputs.stage_vars, self.real, first,
+        kept_shapes = jax.eval_shape(lambda *a: self._all_forward_keeping(*a)[2], inputs.stage_vars, self.slots, first,
                                      staged[:, 0], *self._tokens(inputs.pos_in, inputs.seg_in, first))
         return carry._replace(
             slots=[jnp.zeros((s.shape[0], self.order.n_slots, *s.shape[1:]), s.dtype) for s in kept_shapes],
@@ -243,9 +244,9 @@ class OneFOneBLoop:
         h = nn.with_logical_constraint(h, STATE_AXES)
         pos, seg = self._tokens(inputs.pos_in, inputs.seg_in, work.micro)
         if not inputs.with_backward:
-            out, sown = self._all_forward(inputs.stage_vars, self.real, work.repeat, h, pos, seg)
+            out, sown = self._all_forward(inputs.stage_vars, self.slots, work.repeat, h, pos, seg)
         else:
-            out, sown, kept = self._all_forward_keeping(inputs.stage_vars, self.real, work.repeat, h, pos, seg)
+            out, sown, kept = self._all_forward_keeping(inputs.stage_vars, self.slots, work.repeat, h, pos, seg)
             slot = self.order.slot(work.micro, work.repeat)
             carry = carry._replace(slots=[self._all_write(buffer, leaf, slot, work.real)
                                           for buffer, leaf in zip(carry.slots, kept)])
@@ -276,7 +277,7 @@ class OneFOneBLoop:
         slot = self.order.slot(work.micro, work.repeat)
         kept = [self._all_read(buffer, slot) for buffer in carry.slots]
         pos, seg = self._tokens(inputs.pos_in, inputs.seg_in, work.micro)
-        d_vars, d_h = self._all_backward(inputs.stage_vars, self.real, work.repeat, kept, pos, seg, d_out, d_sown)
+        d_vars, d_h = self._all_backward(inputs.stage_vars, self.slots, work.repeat, kept, pos, seg, d_out, d_sown)
         # A clamped pass's slot holds another's residuals (or none): its results are dropped.
         d_vars, d_h = _where(work.real, d_vars), _where(work.real, d_h)
         d_params = jax.tree_util.tree_map(
@@ -286,7 +287,8 @@ class OneFOneBLoop:
             self.stored)
         d_fp8 = carry.d_fp8
         if d_fp8 is not None:  # a real layer of the chunk run, on a real microbatch: [S, R, K]
-            uses = (work.real[:, None] & (work.repeat[:, None] == jnp.arange(self.repeats)))[..., None] & self.real
+            chunk_run = work.real[:, None] & (work.repeat[:, None] == jnp.arange(self.repeats))
+            uses = chunk_run[..., None] & self.slots.real
             d_fp8 = _merged(d_fp8, jax.tree_util.tree_map(lambda d: d[:, None], d_vars[FP8_COLLECTION]), uses)
         d_h = nn.with_logical_constraint(d_h, STATE_AXES)
         # Stage 0's cotangent of its first chunk's input is the embeddings'.
