@@ -48,6 +48,10 @@ SLOW_IN_CI = {
     # 66 s in CI's run of 2026-12-07; test_gpt_oss.py's sharded gradients (sinks, biases, router on
     # fsdp x tensor x expert) stay in the default run.
     "tests/test_families.py::test_sharded_run_matches_one_device_resumes_and_exports[gpt_oss]",
+    # 62 s in CI's run of 2026-12-07; qwen3's (fsdp x tensor) and qwen3_moe's (fsdp x expert) stay, and
+    # Gemma 3's stack of kinds is held to one device's under every pipeline schedule in
+    # test_pipeline_layer_kinds.py.
+    "tests/test_families.py::test_sharded_run_matches_one_device_resumes_and_exports[gemma3]",
     "tests/test_moe.py::test_expert_parallel_mesh_matches_single_device[mesh0-capacity]",  # mesh3-dropless stays
     "tests/test_moe.py::test_expert_parallel_mesh_matches_single_device[mesh2-capacity]",
     "tests/test_compile.py::test_70b_fits_mi300x_only_with_a_flash_attention",  # the 8B fit check stays
