@@ -11,6 +11,13 @@ from maxtext_rocm.data.tokenizer import ByteTokenizer
 __all__ = ["ByteTokenizer", "EmbeddedSource", "SyntheticSource", "batch_spec", "build_source"]
 
 
+def packs_pairs(data_cfg) -> bool:
+    """Whether rows hold several preference pairs as segments (data/packed_pairs.py), not one
+    sequence each: data.format='preference' with data.packing='best_fit'."""
+    return data_cfg.get("source") == "files" and data_cfg.get("format") == "preference" and \
+        data_cfg.get("packing") == "best_fit"
+
+
 def batch_spec(data_cfg) -> dict[str, np.dtype]:
     """The arrays of a batch and their dtypes (each [rows, seq_len]), known before any batch exists,
     so the train step can be compiled from shapes alone."""
@@ -19,6 +26,8 @@ def batch_spec(data_cfg) -> dict[str, np.dtype]:
         spec.update(positions=np.dtype(np.int32), segment_ids=np.dtype(np.int32))
     if data_cfg.get("format") == "prompt":  # GRPO's scored samples: each row's advantage on its positions
         spec["advantages"] = np.dtype(np.float32)
+    if packs_pairs(data_cfg):  # each position's pair in its row (data/packed_pairs.py)
+        spec["pair_ids"] = np.dtype(np.int32)
     return spec
 
 

@@ -262,7 +262,8 @@ class FilesSource:
         layout = DESCRIBE_PACKING[self.packing]
         if self.format != "text":
             kind += f", data.format={self.format!r}"
-            layout = "a pair per two rows" if self.format == "preference" else layout
+            if self.format == "preference":
+                layout = "whole pairs best-fit into rows" if self.packing == "best_fit" else "a pair per two rows"
         if self.buckets:
             layout += f", padded to buckets of {', '.join(map(str, self.buckets))} positions"
         return (f"files: {self.num_docs:,} documents in {len(self.files)} file(s) ({kind}), {layout}, "
