@@ -5,17 +5,11 @@ from __future__ import annotations
 import numpy as np
 
 from maxtext_rocm.data.embedded import EmbeddedSource
+from maxtext_rocm.data.packed_pairs import packs_pairs
 from maxtext_rocm.data.synthetic import SyntheticSource
 from maxtext_rocm.data.tokenizer import ByteTokenizer
 
 __all__ = ["ByteTokenizer", "EmbeddedSource", "SyntheticSource", "batch_spec", "build_source"]
-
-
-def packs_pairs(data_cfg) -> bool:
-    """Whether rows hold several preference pairs as segments (data/packed_pairs.py), not one
-    sequence each: data.format='preference' with data.packing='best_fit'."""
-    return data_cfg.get("source") == "files" and data_cfg.get("format") == "preference" and \
-        data_cfg.get("packing") == "best_fit"
 
 
 def batch_spec(data_cfg) -> dict[str, np.dtype]:

@@ -182,9 +182,9 @@ def format_source(files, data_cfg, tokenizer, local_rows: int) -> FormatSource:
     if local_rows % 2:
         raise DataError(f"data.format='preference' puts each pair in two rows, but this process has {local_rows} "
                         "rows of the global batch; make train.per_device_batch_size x local devices even")
-    if data_cfg.get("packing") == "best_fit":
-        from maxtext_rocm.data.packed_pairs import PackedPairs
+    from maxtext_rocm.data.packed_pairs import PackedPairs, packs_pairs
 
+    if packs_pairs(data_cfg):
         return FormatSource(records, dataset, PackedPairs)
     return FormatSource(records, dataset, PairPacker)
 
@@ -248,7 +248,9 @@ def check_format_inputs(files, data_cfg, tokenizer, seq_len: int | None, key: st
     within = not preference and unpacked and seq_len
     # Batches planned over buckets need every record's length (data/bucketed.py): all are tokenized.
     # Packed pairs are never cut: every pair is measured against a row (data/packed_pairs.py).
-    packed = preference and data_cfg.get("packing") == "best_fit" and seq_len
+    from maxtext_rocm.data.packed_pairs import packs_pairs
+
+    packed = packs_pairs(data_cfg) and seq_len
     exhaustive = within or packed or (seq_len and row_buckets(data_cfg, seq_len))
     trains = lambda item: usable_pair(item, seq_len) if preference else trains_a_token(item)  # noqa: E731
     seen, trained = set(), False

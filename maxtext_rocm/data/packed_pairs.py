@@ -27,6 +27,13 @@ from maxtext_rocm.data.preference import truncate_pair
 KEYS = ("inputs", "targets", "positions", "segment_ids", "weights", "pair_ids")
 
 
+def packs_pairs(data_cfg) -> bool:
+    """Whether the files source packs preference pairs into rows (this module), rather than giving
+    each sequence a row of its own (data/preference.py, padded to data.buckets)."""
+    return data_cfg.get("source") == "files" and data_cfg.get("format") == "preference" and \
+        data_cfg.get("packing") == "best_fit"
+
+
 def pair_positions(pair, seq_len: int) -> int:
     """The positions a pair takes in a packed row: both sequences' (tokens - 1 each), as truncated
     for rows of seq_len; at least 1, so no row gathers more pairs than it has positions."""
@@ -83,7 +90,8 @@ class PackedPairs:
                                     f"rejected), more than a packed row of train.seq_len={self.seq_len}; raise "
                                     "train.seq_len or set data.packing='none'")
             rows = best_fit_rows(pieces, self.seq_len)
-            order = np.random.default_rng([getattr(self.stream, "seed", 0), self.epoch, self.cursor]).permutation(len(rows))
+            seed = getattr(self.stream, "seed", 0)
+            order = np.random.default_rng([seed, self.epoch, self.cursor]).permutation(len(rows))
             self._plan = (self.epoch, self.cursor, end, [[piece.doc for piece in rows[i]] for i in order])
         return self._plan
 
