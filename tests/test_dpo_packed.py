@@ -78,11 +78,18 @@ def test_every_pair_is_packed_whole_once_per_epoch_by_each_process_its_own(tmp_p
     assert all(share.describe().count("whole pairs best-fit into rows") for share in shares)
 
 
-def test_a_pair_longer_than_a_packed_row_is_refused_in_one_sentence(tmp_path):
+def test_a_pair_longer_than_a_packed_row_is_refused_in_one_sentence(tmp_path, capsys):
+    from test_bad_inputs import assert_one_sentence, run_main
+
     path = write_pairs(tmp_path / "pairs.jsonl", 3, longest=60)
     with pytest.raises(DataError, match=r"pairs\.jsonl line \d+: .*train\.seq_len=64; raise train\.seq_len .*"
                                         r"data\.packing='none'"):
         check_inputs(packed_cfg(path), 512, SEQ_LEN)
+    status, err = run_main(capsys, "configs/tiny_llama.py", "--config.train.objective=dpo", "--config.train.seq_len=64",
+                           "--config.data.source=files", "--config.data.format=preference", f"--config.data.paths={path}",
+                           "--config.data.packing=best_fit", f"--config.output_dir={tmp_path}/run")
+    assert_one_sentence(status, err, "pairs.jsonl line ", "more than a packed row of train.seq_len=64")
+    assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())
 
 
 def test_packed_logprobs_sum_each_sequence_over_its_own_positions():
