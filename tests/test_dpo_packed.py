@@ -191,3 +191,24 @@ def test_packed_pairs_have_the_losses_and_gradients_they_have_unpacked(tmp_path)
                 np.testing.assert_allclose(float(got.metrics[key]), float(want.metrics[key]), rtol=0,
                                            atol=1e-6 * DPO_CFG["beta"] * logp_scale, err_msg=f"{pair} {key}")
             assert_close(jax.device_get(got.grads), jax.device_get(want.grads), scale=1e-6, err_msg=str(pair))
+
+
+@pytest.mark.slow  # a DPO run through the CLI on 2 devices (data=2): ~15 s on a shared 2-core machine
+def test_a_packed_dpo_run_trains_through_the_cli(tmp_path):
+    import subprocess
+    import sys
+
+    from test_dpo import CLI_ENV, LN2, REPO, TINY_MESH, TINY_MODEL
+
+    path = write_pairs(tmp_path / "pairs.jsonl", 40, longest=10)
+    result = subprocess.run(
+        [sys.executable, "-m", "maxtext_rocm.train", "configs/tiny_llama.py", *TINY_MODEL, *TINY_MESH,
+         "--config.mesh.ici.data=2", "--config.train.steps=3", "--config.train.objective=dpo",
+         "--config.train.seq_len=64", "--config.data.source=files", f"--config.data.paths={path}",
+         "--config.data.format=preference", "--config.data.packing=best_fit", f"--config.output_dir={tmp_path}/run"],
+        cwd=REPO, env=CLI_ENV, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows = [row for row in rows if "loss" in row]
+    assert rows[0]["loss"] == pytest.approx(LN2, abs=1e-6)  # the policy is its reference at the first step
+    assert all(row["padding_fraction"] < 0.5 for row in rows)  # 4 rows of 64 positions, several pairs each
