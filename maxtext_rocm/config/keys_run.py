@@ -43,7 +43,8 @@ DATA = Group("Where batches come from and how documents become rows.", {
     # Its values are checked by data/packing.py:packing_mode, whose sentence also says what the
     # booleans of earlier versions became.
     "packing": Key("concat", "concat (rows filled to the last token), best_fit (documents whole, the rest "
-                             "padding) or none (one document per row, truncated)",
+                             "padding) or none (one document per row, truncated); preference pairs: "
+                             "best_fit packs whole pairs, else one sequence per row",
                    valid="concat, best_fit or none"),
     # Its values are checked by data/buckets.py:parse (config/checks.py calls it).
     "buckets": Key("auto", "rows of one example (packing none, preference pairs) padded to the shortest of these "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from maxtext_rocm.data.embedded import EmbeddedSource
+from maxtext_rocm.data.packed_pairs import packs_pairs
 from maxtext_rocm.data.synthetic import SyntheticSource
 from maxtext_rocm.data.tokenizer import ByteTokenizer
 
@@ -19,6 +20,8 @@ def batch_spec(data_cfg) -> dict[str, np.dtype]:
         spec.update(positions=np.dtype(np.int32), segment_ids=np.dtype(np.int32))
     if data_cfg.get("format") == "prompt":  # GRPO's scored samples: each row's advantage on its positions
         spec["advantages"] = np.dtype(np.float32)
+    if packs_pairs(data_cfg):  # each position's pair in its row (data/packed_pairs.py)
+        spec["pair_ids"] = np.dtype(np.int32)
     return spec
 
 

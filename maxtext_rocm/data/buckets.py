@@ -37,11 +37,15 @@ def bucket_of(longest: int, seq_len: int, buckets: tuple[int, ...] | None = None
 def one_example_rows(data_cfg) -> bool:
     """Whether each row of the files source holds one example whose length start-up knows: records
     of chat / prompt_completion under data.packing='none' (the start-up check tokenizes every one),
-    preference pairs (never packed) and GRPO's prompts with their sampled completions (each batch
-    padded to the bucket of its longest row). Text documents are tokenized as the stream reads them."""
+    preference pairs unless packed (data/packed_pairs.py) and GRPO's prompts with their sampled
+    completions (each batch padded to the bucket of its longest row). Text documents are tokenized
+    as the stream reads them."""
+    from maxtext_rocm.data.packed_pairs import packs_pairs
+
     fmt = data_cfg.get("format", "text")
     return data_cfg.get("source") == "files" and (
-        fmt in ("preference", "prompt") or (fmt in ("chat", "prompt_completion") and data_cfg.get("packing") == "none"))
+        fmt == "prompt" or (fmt == "preference" and not packs_pairs(data_cfg))
+        or (fmt in ("chat", "prompt_completion") and data_cfg.get("packing") == "none"))
 
 
 def parse(value, seq_len: int) -> tuple[int, ...] | None:

@@ -30,6 +30,7 @@ from maxtext_rocm.data.bucketed import BucketedRows, row_lengths
 from maxtext_rocm.data.buckets import row_buckets
 from maxtext_rocm.data.checks import DataError
 from maxtext_rocm.data.documents import Documents, expand_paths, tokenized_dataset
+from maxtext_rocm.data.packed_pairs import packs_pairs
 from maxtext_rocm.data.packing import DocumentStream, RowPacker, packing_mode
 from maxtext_rocm.data.synthetic import local_rows
 from maxtext_rocm.data.tokenizer import check_vocab, load_tokenizer
@@ -110,6 +111,7 @@ class FilesSource:
                             f"model.vocab_size={vocab_size}; use model.vocab_size >= {docs.meta['vocab_size']}")
         self.num_docs, self.pretokenized = len(docs), docs.pretokenized
         self.packing = packing_mode(data_cfg.get("packing", "concat"))
+        self.packs_pairs = packs_pairs(data_cfg)  # preference pairs several to a row (data/packed_pairs.py)
         self.prefetch = max(1, int(data_cfg.get("prefetch", 4)))
         # data.workers >= 2: processes tokenize ahead of the packer (data/workers.py), started with the
         # first batch; pre-tokenized files have nothing to tokenize, and the eval split's few batches
@@ -262,7 +264,8 @@ class FilesSource:
         layout = DESCRIBE_PACKING[self.packing]
         if self.format != "text":
             kind += f", data.format={self.format!r}"
-            layout = "a pair per two rows" if self.format == "preference" else layout
+            if self.format == "preference":
+                layout = "whole pairs best-fit into rows" if self.packs_pairs else "a pair per two rows"
         if self.buckets:
             layout += f", padded to buckets of {', '.join(map(str, self.buckets))} positions"
         return (f"files: {self.num_docs:,} documents in {len(self.files)} file(s) ({kind}), {layout}, "

@@ -163,7 +163,7 @@ class FormatSource(NamedTuple):
 
     records: object  # data/records.py's Records: len(), where(i)
     dataset: object  # grain.MapDataset of TokenizedExample or PreferencePair
-    packer: type  # RowPacker, or PairPacker for preference
+    packer: type  # RowPacker, or PairPacker / PackedPairs for preference
 
 
 def format_source(files, data_cfg, tokenizer, local_rows: int) -> FormatSource:
@@ -182,6 +182,10 @@ def format_source(files, data_cfg, tokenizer, local_rows: int) -> FormatSource:
     if local_rows % 2:
         raise DataError(f"data.format='preference' puts each pair in two rows, but this process has {local_rows} "
                         "rows of the global batch; make train.per_device_batch_size x local devices even")
+    from maxtext_rocm.data.packed_pairs import PackedPairs, packs_pairs
+
+    if packs_pairs(data_cfg):
+        return FormatSource(records, dataset, PackedPairs)
     return FormatSource(records, dataset, PairPacker)
 
 
@@ -200,6 +204,17 @@ def usable_pair(pair: PreferencePair, seq_len: int | None) -> bool:
     if not (trains_a_token(chosen) or trains_a_token(rejected)):
         return False
     return not (np.array_equal(chosen.tokens, rejected.tokens) and np.array_equal(chosen.trained, rejected.trained))
+
+
+def check_pair_fits(pair: PreferencePair, seq_len: int, where: str) -> None:
+    """A packed pair's two sequences fit one row together (a pair is never cut across rows)."""
+    from maxtext_rocm.data.packed_pairs import pair_positions
+
+    positions = pair_positions(pair, seq_len)
+    if positions > seq_len:
+        raise DataError(f"{where}: this preference pair's chosen and rejected sequences take {positions} positions "
+                        f"together, more than a packed row of train.seq_len={seq_len}; raise train.seq_len to "
+                        f"{positions} or more, or set data.packing='none' (one sequence per row)")
 
 
 def _names(files) -> str:
@@ -232,7 +247,11 @@ def check_format_inputs(files, data_cfg, tokenizer, seq_len: int | None, key: st
     unpacked = data_cfg.get("packing", "concat") == "none"  # the one mode that truncates
     within = not preference and unpacked and seq_len
     # Batches planned over buckets need every record's length (data/bucketed.py): all are tokenized.
-    exhaustive = within or (seq_len and row_buckets(data_cfg, seq_len))
+    # Packed pairs are never cut: every pair is measured against a row (data/packed_pairs.py).
+    from maxtext_rocm.data.packed_pairs import packs_pairs
+
+    packed = packs_pairs(data_cfg) and seq_len
+    exhaustive = within or packed or (seq_len and row_buckets(data_cfg, seq_len))
     trains = lambda item: usable_pair(item, seq_len) if preference else trains_a_token(item)  # noqa: E731
     seen, trained = set(), False
     kept = KeptExamples(len(records), owners=(tokenize.tokenizer, tokenize.template))
@@ -247,6 +266,8 @@ def check_format_inputs(files, data_cfg, tokenizer, seq_len: int | None, key: st
         trained = trained or trains(example)
         if within:
             check_trained_within(example, seq_len, records.where(index))
+        if packed:
+            check_pair_fits(example, seq_len, records.where(index))
     if not trained and not any(trains(dataset[index]) for index in range(len(records))):
         raise _trains_nothing(data_cfg, files, key)
     leave_for_source(kept_as, kept)

@@ -7,6 +7,14 @@ for each response, a pair's loss is
 
     -(1 - eps) log sigmoid(r_chosen - r_rejected) - eps log sigmoid(r_rejected - r_chosen)
 
+Packed rows (data.packing="best_fit", data/packed_pairs.py) hold several pairs instead, each
+sequence its own segment: `pair_ids` gives each position's pair in its row (k + 1 for the k-th,
+0 on padding) and the segment's parity its side (odd: chosen), and each sequence's
+log-probability is the sum over its own positions (`packed_logprobs`). The per-sequence values
+are then laid out as unpacked rows are (chosen, rejected, chosen, ...: a row's pair slots in
+order, the empty ones masked like empty rows), so the loss, the rewards and the metrics below are
+one computation for both layouts.
+
 (eps = dpo.label_smoothing, 0 by default: the plain DPO loss), averaged over the pairs of the
 global batch. Like the LM loss (trainer/step.py), the step sums it over pairs, through gradient
 accumulation and over the mesh, and divides by the global pair count once; micro-batches are cut
@@ -69,8 +77,8 @@ def refreshed_reference(reference, params):
 
 
 class SequenceLogprobs(NamedTuple):
-    """A forward pass's per-row log-probabilities and the MoE router losses (batch means)."""
-    logps: Array  # [rows] fp32: sum over tokens of weights x log p(target)
+    """A forward pass's per-sequence log-probabilities and the MoE router losses (batch means)."""
+    logps: Array  # [sequences] fp32: sum over a sequence's tokens of weights x log p(target)
     router: dict
 
 
@@ -83,15 +91,42 @@ def sequence_logprobs(params, model, batch: dict, *, fused: bool, fp8_state=None
     out, aux = lora.apply_model(model, params, batch, frozen=frozen, fp8_state=fp8_state, dropout_key=dropout_key,
                                 return_hidden=fused)
     weights = batch["weights"].astype(jnp.float32)
+    packed = PAIR_IDS in batch
     if fused:
         head_weight, vocab_axis = lm_head_weight(frozen or params, model.cfg)
         chunk = cross_entropy.chunk_length(out.shape[1], model.cfg.loss_chunk_len)
-        logps = loss.sequence_logprobs(out, head_weight, batch["targets"], weights, vocab_axis, chunk)
+        if packed:
+            target = loss.token_logprobs(out, head_weight, batch["targets"], vocab_axis, chunk)
+        else:
+            logps = loss.sequence_logprobs(out, head_weight, batch["targets"], weights, vocab_axis, chunk)
     else:
         log_probs = jax.nn.log_softmax(out.astype(jnp.float32), axis=-1)
         target = jnp.take_along_axis(log_probs, batch["targets"][..., None], axis=-1)[..., 0]
         logps = jnp.sum(target * weights, axis=1)
+    if packed:
+        logps = packed_logprobs(target * weights, batch)
     return SequenceLogprobs(logps, moe.router_losses(aux))
+
+
+PAIR_IDS = "pair_ids"  # the batch key of packed rows (data/packed_pairs.py)
+
+
+def _sequence_slots(batch: dict) -> Array:
+    """[rows, seq] int32: each position's sequence in its row's pair slots, 2k for the chosen and
+    2k + 1 for the rejected sequence of pair k; 2 x seq (one past the last slot) on padding. A row
+    of seq positions holds at most seq pairs (each takes one position or more)."""
+    pair, segment = batch[PAIR_IDS], batch["segment_ids"]
+    slot = 2 * (pair - 1) + (segment - 1) % 2
+    return jnp.where(pair > 0, slot, 2 * pair.shape[1])
+
+
+def packed_logprobs(token_logps: Array, batch: dict) -> Array:
+    """[rows x seq x 2] fp32: the log-probability of each sequence slot of packed rows (the sum of
+    `token_logps` over its positions; 0 for a slot no pair fills), in the unpacked rows' order:
+    row by row, pair by pair, chosen then rejected."""
+    slots = 2 * token_logps.shape[1]
+    per_row = jax.vmap(lambda values, index: jax.ops.segment_sum(values, index, num_segments=slots + 1))
+    return per_row(token_logps, _sequence_slots(batch))[:, :slots].reshape(-1)
 
 
 class PairTerms(NamedTuple):
@@ -114,7 +149,12 @@ def pair_terms(policy_logps: Array, reference_logps: Array, beta: float, label_s
 def real_pairs(batch: dict, pairs: int) -> Array:
     """[pairs] fp32: 1 for a pair, 0 for the empty rows that complete an epoch's last batch under
     data.buckets (data/bucketed.py: no token, segment id 0 throughout), which then count in no
-    sum and no pair mean. A batch without segment ids holds pairs only."""
+    sum and no pair mean; in packed rows, the pair slots no pair fills. A batch without segment ids
+    holds pairs only."""
+    if PAIR_IDS in batch:
+        filled = jax.vmap(lambda index: jax.ops.segment_sum(jnp.ones(index.shape, jnp.float32), index,
+                                                            num_segments=2 * index.shape[0] + 1))
+        return (filled(_sequence_slots(batch))[:, :-1].reshape(-1, 2).sum(axis=1) > 0).astype(jnp.float32)
     if "segment_ids" not in batch:
         return jnp.ones((pairs,), jnp.float32)
     return jnp.any(batch["segment_ids"].reshape(pairs, -1) != 0, axis=1).astype(jnp.float32)  # rows 2i, 2i+1
