@@ -30,7 +30,9 @@ Per mode and round: real tokens/s (positions holding a token, padding left out, 
 tokens counting n - 1, its next-token pairs, on both sides; over the steps after --warmup),
 and peak resident memory of each process (its maxrss, from wait4). The table gives the median over
 rounds with the range, the ratios taken per round; then each side's first steps' losses. Writes
-OUT/compare_trl.json and OUT/compare_trl.md.
+OUT/compare_trl.json and OUT/compare_trl.md (rewritten after every run, so a long comparison's
+finished runs survive an interruption) and each run's console output under OUT/logs/. The model
+and data are made once, in OUT/prep/ (OUT/prep_quick/ for --quick), and reused.
 """
 from __future__ import annotations
 
@@ -41,7 +43,7 @@ import re
 import statistics
 import subprocess
 import sys
-import tempfile
+import shutil
 import time
 from pathlib import Path
 
@@ -208,6 +210,17 @@ def table(results: dict, args, summary: dict, trl: bool) -> str:
     return "\n".join(lines) + "\n"
 
 
+def write(out: Path, args, summary: dict, results: dict) -> str:
+    """OUT/compare_trl.json and OUT/compare_trl.md from the rounds so far; returns the table."""
+    done = {mode: rounds for mode, rounds in results.items() if rounds}
+    text = table(done, args, summary, bool(args.trl_python))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "compare_trl.json").write_text(json.dumps({"args": vars(args), "prepared": summary, "results": results},
+                                                     indent=1))
+    (out / "compare_trl.md").write_text(text)
+    return text
+
+
 def parse(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trl-python", help="the Python of a virtual environment with trl, peft, transformers, "
@@ -257,24 +270,20 @@ def main(argv=None) -> int:
         count = sum(1 for line in (prep / file).read_text().splitlines() if line.strip())
         (prep / f"order_{kind}.json").write_text(json.dumps(our_order(count, args.seed)))
 
+    shutil.rmtree(out / "logs", ignore_errors=True)
     results: dict[str, list] = {mode: [] for mode in args.modes}
-    with tempfile.TemporaryDirectory() as tmp:
-        for i in range(args.rounds):
-            for mode in args.modes:
-                work = Path(tmp) / f"round{i}"
-                work.mkdir(exist_ok=True)
-                sides = [("ours", run_ours)] + ([("trl", run_trl)] if args.trl_python else [])
-                if i % 2:  # alternate which side goes first
-                    sides.reverse()
-                result = {side: fn(mode, prep, summary, args, work) for side, fn in sides}
-                results[mode].append(result)
-                shown = {side: {k: v for k, v in r.items() if k != "losses"} for side, r in result.items()}
-                print(f"round {i + 1} {mode}: {json.dumps(shown)}", flush=True)
-    text = table(results, args, summary, bool(args.trl_python))
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "compare_trl.json").write_text(json.dumps({"args": {k: v for k, v in vars(args).items()},
-                                                      "prepared": summary, "results": results}, indent=1))
-    (out / "compare_trl.md").write_text(text)
+    for i in range(args.rounds):
+        for mode in args.modes:
+            work = out / "logs" / f"round{i + 1}"  # each run's console output and metrics, kept
+            work.mkdir(parents=True, exist_ok=True)
+            sides = [("ours", run_ours)] + ([("trl", run_trl)] if args.trl_python else [])
+            if i % 2:  # alternate which side goes first
+                sides.reverse()
+            result = {side: fn(mode, prep, summary, args, work) for side, fn in sides}
+            results[mode].append(result)
+            shown = {side: {k: v for k, v in r.items() if k != "losses"} for side, r in result.items()}
+            print(f"round {i + 1} {mode}: {json.dumps(shown)}", flush=True)
+            text = write(out, args, summary, results)  # after every run: a long comparison's finished runs survive
     print(text)
     return 0
 
