@@ -178,8 +178,10 @@ def spread(values: list[float], fmt: str) -> str:
 
 
 def table(results: dict, args, summary: dict, trl: bool) -> str:
-    lines = [f"{summary['parameters'] / 1e6:.1f}M-parameter Llama, {args.dtype}, {args.rounds} round(s) of "
-             f"{args.steps} steps, timed after step {args.warmup}; median (range) over rounds, ratios per round.", "",
+    done = max(len(rounds) for rounds in results.values())
+    lines = [f"{summary['parameters'] / 1e6:.1f}M-parameter Llama, {args.dtype}, {done} of {args.rounds} round(s) "
+             f"of {args.steps} steps, timed after step {args.warmup}; median (range) over rounds, ratios per round.",
+             "",
              "| mode | ours real tokens/s | TRL real tokens/s | ours / TRL | ours peak RSS MiB | TRL peak RSS MiB "
              "| ours / TRL |", "|---|---|---|---|---|---|---|"]
     for mode, rounds in results.items():
