@@ -178,12 +178,10 @@ def spread(values: list[float], fmt: str) -> str:
 
 
 def table(results: dict, args, summary: dict, trl: bool) -> str:
-    done = max(len(rounds) for rounds in results.values())
-    lines = [f"{summary['parameters'] / 1e6:.1f}M-parameter Llama, {args.dtype}, {done} of {args.rounds} round(s) "
-             f"of {args.steps} steps, timed after step {args.warmup}; median (range) over rounds, ratios per round.",
-             "",
-             "| mode | ours real tokens/s | TRL real tokens/s | ours / TRL | ours peak RSS MiB | TRL peak RSS MiB "
-             "| ours / TRL |", "|---|---|---|---|---|---|---|"]
+    lines = [f"{summary['parameters'] / 1e6:.1f}M-parameter Llama, {args.dtype}, runs of {args.steps} steps timed "
+             f"after step {args.warmup}, up to {args.rounds} rounds; median (range) over rounds, ratios per round.", "",
+             "| mode | rounds | ours real tokens/s | TRL real tokens/s | ours / TRL | ours peak RSS MiB | TRL peak RSS MiB "
+             "| ours / TRL |", "|---|---|---|---|---|---|---|---|"]
     for mode, rounds in results.items():
         ours = [r["ours"] for r in rounds]
         theirs = [r.get("trl", {"error": "not run (no --trl-python)"}) for r in rounds]
@@ -196,7 +194,7 @@ def table(results: dict, args, summary: dict, trl: bool) -> str:
         (speed_o, speed_t, speed_r), (rss_o, rss_t, rss_r) = cells
         failed = [f"ours: {o['error']}" for o in ours[:1] if "error" in o] + \
                  [f"TRL: {t['error']}" for t in theirs[:1] if "error" in t and trl]
-        lines.append(f"| {MODES[mode][0]} | {speed_o} | {speed_t} | **{speed_r}** | {rss_o} | {rss_t} | {rss_r} |"
+        lines.append(f"| {MODES[mode][0]} | {len(rounds)} | {speed_o} | {speed_t} | **{speed_r}** | {rss_o} | {rss_t} | {rss_r} |"
                      + (f" {'; '.join(failed)}" if failed else ""))
     lines += ["", f"First steps' losses (round 1; the first update's learning rate is 0 under warmup, so "
               "step 2 repeats step 1's model):", "",
